@@ -1,0 +1,33 @@
+# Two commands set everything up on a fresh machine:
+#   make serve   -> creates .venv, installs, serves the built-in tiny model on 127.0.0.1:8000
+#   make test    -> creates .venv, installs, runs the whole test suite
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+SERVE_ARGS ?=
+
+.PHONY: install serve test test-fast lint bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e '.[dev]' 'torch==2.13.0'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+serve: $(STAMP)
+	$(BIN)/swaserve serve $(SERVE_ARGS)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -m 'not slow and not ray'
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,1 @@
+"""What crosses processes: cache-event transport, the cluster cache index, Ray bootstrap."""

@@ -1,0 +1,1 @@
+"""The product surface: config models, Serve application, OpenAI ingress, CLI, benchmarks."""
