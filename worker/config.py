@@ -1,0 +1,28 @@
+"""`EngineConfig`: the one frozen config the worker receives (DESIGN §4.1).
+
+The edges (`deploy/`) validate user input with pydantic and convert once into this dataclass.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str = "tiny"  # built-in name or a local HF directory
+    dtype: str = "float32"  # float32 | bfloat16 | float16
+    device: str = "cpu"  # cpu | cuda | cuda:N
+    attention_backend: str = "torch"  # torch | flashinfer
+    page_size: int = 16
+    kv_cache_bytes: int | None = None  # KV byte budget; None: derived from max_total_tokens or a default
+    max_total_tokens: int | None = None  # full-pool tokens; overrides kv_cache_bytes
+    swa_full_tokens_ratio: float = 0.8  # SWA pool tokens = ratio x full pool tokens, in (0, 1]
+    disable_hybrid_swa_memory: bool = False  # one pool for all layers (SWA layers keep their KV)
+    enable_radix_cache: bool = True
+    chunked_prefill_size: int = 512
+    max_running_requests: int = 64
+    swa_eviction_interval: int = 128  # decode frees out-of-window SWA once this many tokens left it
+    eager_swa_free: bool = False  # free SWA of unfinished chunked prefills at once (SGLang PR 27402)
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    seed: int = 0
