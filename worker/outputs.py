@@ -1,0 +1,72 @@
+"""What the engine hands back: per-request outputs, stream deltas and stats (DESIGN §4.1)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (token id, logprob) of the top-n alternatives
+
+
+@dataclass(frozen=True)
+class Output:
+    """A finished request (offline `generate`)."""
+
+    request_id: str
+    prompt_len: int
+    token_ids: list[int]
+    finish_reason: FinishReason
+    cached_tokens: int  # prompt tokens served from the prefix cache
+    logprobs: list[TokenLogprob] | None = None
+    error: str | None = None  # set when the request was refused (finish_reason "abort")
+
+
+@dataclass(frozen=True)
+class StreamDelta:
+    """New tokens of one request since its previous delta (async streaming)."""
+
+    request_id: str
+    token_ids: list[int]
+    finished: bool
+    finish_reason: FinishReason | None
+    prompt_len: int
+    cached_tokens: int
+    completion_tokens: int  # total so far
+    logprobs: list[TokenLogprob] | None = None
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class PoolStats:
+    total: int  # allocatable tokens
+    free: int
+    evictable: int  # held only by the radix cache
+    used: int  # total - free - evictable (held by requests)
+    peak_used: int
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    full: PoolStats
+    swa: PoolStats
+    hybrid: bool
+    waiting: int
+    running: int
+    cache_hit_tokens: int
+    prompt_tokens: int
+    generated_tokens: int
+    full_evicted_tokens: int
+    swa_evicted_tokens: int
+    tombstone_tokens: int
+    retractions: int
+    aborts: int
+    steps: int
+    last_step_seconds: float
+    extra: dict[str, float] = field(default_factory=dict)
