@@ -43,6 +43,8 @@ class ModelSpec:
     max_position_embeddings: int
     attn_logit_softcapping: float | None = None
     final_logit_softcapping: float | None = None
+    # Gemma 2/3 scale queries by query_pre_attn_scalar**-0.5 instead of head_dim**-0.5.
+    query_pre_attn_scalar: float | None = None
 
     def __post_init__(self) -> None:
         if any(k is LayerKind.SWA for k in self.layer_kinds) and self.window is None:
@@ -53,6 +55,9 @@ class ModelSpec:
     @property
     def num_layers(self) -> int:
         return len(self.layer_kinds)
+
+    def num_layers_of(self, kind: LayerKind) -> int:
+        return len(self.full_layer_ids if kind is LayerKind.FULL else self.swa_layer_ids)
 
     @cached_property
     def full_layer_ids(self) -> tuple[int, ...]:
@@ -91,3 +96,7 @@ class ModelSpec:
     def kv_bytes_per_token(self, kind: LayerKind, dtype_bytes: int) -> int:
         """Bytes one token's K+V takes in ONE layer of `kind`."""
         return self.shape(kind).kv_elems_per_token() * dtype_bytes
+
+    def kind_bytes_per_token(self, kind: LayerKind, dtype_bytes: int) -> int:
+        """Bytes one token's K+V takes over ALL layers of `kind` (one slot of that pool)."""
+        return self.kv_bytes_per_token(kind, dtype_bytes) * self.num_layers_of(kind)
