@@ -1,0 +1,243 @@
+"""The cluster cache index: per worker, page hash → LIVE / TOMBSTONE, rebuilt from cache events.
+
+Per-worker state machine (DESIGN §4.3):
+
+| input | condition | effect | outcome |
+|---|---|---|---|
+| `WorkerResync(meta, snap)` | snap given | pages := snap.pages, seq := snap.seq, fresh | `RESYNCED` |
+| `WorkerResync(meta, None)` | — | pages cleared, stale | `STALE` |
+| `EventBatch` | worker unknown | — | `UNKNOWN_WORKER` |
+| `EventBatch` | other incarnation | entry dropped (a restarted replica starts clean) | `NEW_INCARNATION` |
+| `EventBatch` | entry stale | ignored | `STALE` |
+| `EventBatch` | seq ≤ entry.seq | ignored | `DUPLICATE` |
+| `EventBatch` | seq = entry.seq + 1 | events applied | `APPLIED` |
+| `EventBatch` | seq > entry.seq + 1 | pages cleared, stale | `GAP` |
+| `WorkerRemoved` | — | entry dropped | `REMOVED` |
+
+A stale or missing worker matches 0 pages, never a stale positive.
+
+Memory is bounded: a worker keeps at most `min(limits.max_pages_per_worker, its full pool in
+pages)` pages and the index at most `limits.max_workers` workers. Pages past the bound are evicted
+oldest first. NOTE: evicting an index entry only ever makes a prediction smaller, never larger:
+a valid match needs *every* page of the prefix present, and a removed page (or a LIVE page read
+as absent) can only end that prefix earlier; later events about an evicted page (SWA_REMOVED,
+SWA_RESTORED) are ignored rather than re-adding it, so the entry stays "absent" = conservative.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import OrderedDict
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from cluster.messages import IndexUpdate, WorkerRemoved, WorkerResync
+from cluster.page_map import PageMap
+from worker.protocol import CacheEvent, CacheSnapshot, EventBatch, EventKind, PageState, WorkerMeta
+
+
+@dataclass(frozen=True)
+class IndexLimits:
+    max_pages_per_worker: int = 1 << 20  # also capped by the worker's full pool (in pages)
+    max_workers: int = 1024
+
+    def __post_init__(self) -> None:
+        if self.max_pages_per_worker < 1 or self.max_workers < 1:
+            raise ValueError(f"IndexLimits must be positive, got {self}")
+
+
+class ApplyOutcome(str, enum.Enum):
+    APPLIED = "applied"
+    RESYNCED = "resynced"
+    DUPLICATE = "duplicate"
+    GAP = "gap"
+    STALE = "stale"
+    UNKNOWN_WORKER = "unknown_worker"
+    NEW_INCARNATION = "new_incarnation"
+    REMOVED = "removed"
+
+    @property
+    def resync_needed(self) -> bool:
+        """The worker must send a `WorkerResync` before its batches count again."""
+        return self in _NEEDS_RESYNC
+
+    @property
+    def changed(self) -> bool:
+        """The index changed (the actor logs exactly these updates for routers to replay)."""
+        return self in _CHANGED
+
+
+_NEEDS_RESYNC = frozenset(
+    {ApplyOutcome.GAP, ApplyOutcome.STALE, ApplyOutcome.UNKNOWN_WORKER, ApplyOutcome.NEW_INCARNATION}
+)
+_CHANGED = frozenset(
+    {
+        ApplyOutcome.APPLIED,
+        ApplyOutcome.RESYNCED,
+        ApplyOutcome.GAP,
+        ApplyOutcome.NEW_INCARNATION,
+        ApplyOutcome.REMOVED,
+    }
+)
+
+
+@dataclass(slots=True)
+class WorkerEntry:
+    meta: WorkerMeta
+    bit: int  # this worker's bit in the PageMap bitsets
+    max_pages: int
+    seq: int = 0
+    stale: bool = False
+    pages: OrderedDict[int, bool] = field(default_factory=OrderedDict)  # hash → LIVE; oldest first
+    evicted_pages: int = 0  # dropped by the memory bound (observability)
+
+
+class ClusterIndex:
+    """All workers' pages, plus the inverted `PageMap` the router matches against."""
+
+    def __init__(self, limits: IndexLimits | None = None) -> None:
+        self.limits = limits or IndexLimits()
+        self.page_map = PageMap()
+        self._workers: dict[str, WorkerEntry] = {}
+        self._free_bits: list[int] = []
+        self._next_slot = 0
+
+    # ---- queries -------------------------------------------------------------------------
+    def worker(self, worker_id: str) -> WorkerEntry | None:
+        return self._workers.get(worker_id)
+
+    def workers(self) -> Iterator[WorkerEntry]:
+        return iter(list(self._workers.values()))
+
+    def __len__(self) -> int:
+        return len(self._workers)
+
+    def snapshot(self, worker_id: str) -> CacheSnapshot | None:
+        """The indexed cache of one worker; None when unknown or stale."""
+        entry = self._workers.get(worker_id)
+        if entry is None or entry.stale:
+            return None
+        pages = {h: PageState.LIVE if live else PageState.TOMBSTONE for h, live in entry.pages.items()}
+        return CacheSnapshot(entry.meta.worker_id, entry.meta.incarnation, entry.seq, pages)
+
+    def resyncs(self) -> list[WorkerResync]:
+        """The whole index as one resync per worker (how a late router bootstraps)."""
+        return [WorkerResync(e.meta, self.snapshot(e.meta.worker_id)) for e in self._workers.values()]
+
+    # ---- updates -------------------------------------------------------------------------
+    def apply_update(self, update: IndexUpdate) -> ApplyOutcome:
+        if isinstance(update, EventBatch):
+            return self.apply(update)
+        if isinstance(update, WorkerResync):
+            return self.resync(update)
+        if isinstance(update, WorkerRemoved):
+            return self.remove(update.worker_id, update.incarnation)
+        raise TypeError(f"not an index update: {type(update).__name__}")
+
+    def resync(self, update: WorkerResync) -> ApplyOutcome:
+        """Replace a worker's entry with its metadata and snapshot (or mark it stale)."""
+        meta = update.meta
+        entry = self._workers.get(meta.worker_id)
+        if entry is not None and entry.meta.incarnation != meta.incarnation:
+            self._drop(entry)
+            entry = None
+        if entry is None:
+            entry = self._add(meta)
+        entry.meta = meta
+        self._clear_pages(entry)
+        if update.snapshot is None:
+            entry.stale = True
+            return ApplyOutcome.STALE
+        entry.stale, entry.seq = False, update.snapshot.seq
+        for page_hash, state in update.snapshot.pages.items():
+            self._put(entry, page_hash, state is PageState.LIVE)
+        return ApplyOutcome.RESYNCED
+
+    def apply(self, batch: EventBatch) -> ApplyOutcome:
+        """Apply one batch of a worker's events, detecting gaps and restarts."""
+        entry = self._workers.get(batch.worker_id)
+        if entry is None:
+            return ApplyOutcome.UNKNOWN_WORKER
+        if entry.meta.incarnation != batch.incarnation:
+            self._drop(entry)
+            return ApplyOutcome.NEW_INCARNATION
+        if entry.stale:
+            return ApplyOutcome.STALE
+        if batch.seq <= entry.seq:
+            return ApplyOutcome.DUPLICATE
+        if batch.seq > entry.seq + 1:
+            self._clear_pages(entry)
+            entry.stale = True
+            return ApplyOutcome.GAP
+        for event in batch.events:
+            self._apply_event(entry, event)
+        entry.seq = batch.seq
+        return ApplyOutcome.APPLIED
+
+    def remove(self, worker_id: str, incarnation: str | None = None) -> ApplyOutcome:
+        entry = self._workers.get(worker_id)
+        if entry is None or (incarnation is not None and entry.meta.incarnation != incarnation):
+            return ApplyOutcome.DUPLICATE
+        self._drop(entry)
+        return ApplyOutcome.REMOVED
+
+    # ---- page mechanics ------------------------------------------------------------------
+    def _apply_event(self, entry: WorkerEntry, event: CacheEvent) -> None:
+        kind = event.kind
+        if kind is EventKind.STORED or kind is EventKind.STORED_FULL_ONLY:
+            live = kind is EventKind.STORED
+            # Deepest page first, so a chain's root page ends up most recent: the memory bound
+            # then evicts leaf-side pages first, which costs the shortest matches.
+            for page_hash in reversed(event.page_hashes):
+                self._put(entry, page_hash, live)
+        elif kind is EventKind.REMOVED:
+            for page_hash in event.page_hashes:
+                self._pop(entry, page_hash)
+        elif kind is EventKind.SWA_REMOVED or kind is EventKind.SWA_RESTORED:
+            live = kind is EventKind.SWA_RESTORED
+            for page_hash in event.page_hashes:
+                if page_hash in entry.pages:  # absent (e.g. evicted from the index): stay absent
+                    entry.pages[page_hash] = live
+                    self.page_map.set(page_hash, entry.bit, live)
+        elif kind is EventKind.CLEARED:
+            self._clear_pages(entry)
+        else:
+            raise ValueError(f"unknown cache event kind {kind!r}")
+
+    def _put(self, entry: WorkerEntry, page_hash: int, live: bool) -> None:
+        pages = entry.pages
+        pages[page_hash] = live
+        pages.move_to_end(page_hash)
+        self.page_map.set(page_hash, entry.bit, live)
+        while len(pages) > entry.max_pages:
+            old_hash, _ = pages.popitem(last=False)
+            self.page_map.drop(old_hash, entry.bit)
+            entry.evicted_pages += 1
+
+    def _pop(self, entry: WorkerEntry, page_hash: int) -> None:
+        if entry.pages.pop(page_hash, None) is not None:
+            self.page_map.drop(page_hash, entry.bit)
+
+    def _clear_pages(self, entry: WorkerEntry) -> None:
+        for page_hash in entry.pages:
+            self.page_map.drop(page_hash, entry.bit)
+        entry.pages.clear()
+
+    # ---- worker slots --------------------------------------------------------------------
+    def _add(self, meta: WorkerMeta) -> WorkerEntry:
+        if len(self._workers) >= self.limits.max_workers:
+            # The oldest-registered worker goes: dropping an entry only lowers predictions.
+            self._drop(next(iter(self._workers.values())))
+        if self._free_bits:
+            bit = self._free_bits.pop()
+        else:
+            bit, self._next_slot = 1 << self._next_slot, self._next_slot + 1
+        pool_pages = max(1, meta.full_tokens // max(1, meta.page_size))
+        entry = WorkerEntry(meta, bit, min(self.limits.max_pages_per_worker, pool_pages))
+        self._workers[meta.worker_id] = entry
+        return entry
+
+    def _drop(self, entry: WorkerEntry) -> None:
+        self._clear_pages(entry)
+        del self._workers[entry.meta.worker_id]
+        self._free_bits.append(entry.bit)

@@ -1,0 +1,116 @@
+"""The valid match per worker (DESIGN §4.4), for all workers in one walk of the hash chain.
+
+The worker's rule, mirrored exactly: for a chain h_0..h_{n-1}, k pages are a *valid match* when
+pages 0..k-1 are all present (LIVE or TOMBSTONE) and either none of them is a TOMBSTONE or the
+run of LIVE pages ending at page k-1 covers at least `window` tokens (run = pages × page_size,
+reset to 0 at every tombstone). The answer is the largest valid k (k = 0 is always valid);
+`window=None` (no SWA layer) is plain full presence.
+
+    pages:   L  L  T  L  L  L  T  L  L      full presence: 9 pages
+             0  1  2  3  4  5  6  7  8
+    k = 9:   run ending at page 8 = pages 7..8 (2 pages)  → valid iff 2·P ≥ window
+    k = 6:   run ending at page 5 = pages 3..5 (3 pages)  → valid iff 3·P ≥ window
+    k = 2:   no tombstone in pages 0..1                    → always valid
+
+`deepest_valid` jumps from tombstone to tombstone instead of testing every k: between two
+tombstones the run only grows with k, so the deepest candidate of each stretch is the only one
+worth testing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from cluster.page_map import PageMap
+from worker.protocol import PageState
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerMatch:
+    full_pages: int  # pages present from the root: what an SWA-unaware router would count
+    valid_pages: int  # pages the worker can really reuse (≤ full_pages)
+
+
+@dataclass(frozen=True, slots=True)
+class MatchTarget:
+    bit: int  # the worker's bit in the PageMap
+    window: int | None
+
+
+def deepest_valid(
+    full_pages: int, tombstones: Sequence[int], page_size: int, window: int | None
+) -> int:
+    """Largest valid k ≤ full_pages, given the ascending tombstone positions below full_pages."""
+    if window is None or not tombstones:
+        return full_pages
+    upper = full_pages
+    for tomb in reversed(tombstones):  # `tomb` is the last tombstone below `upper`
+        if (upper - 1 - tomb) * page_size >= window:
+            return upper
+        upper = tomb  # k ≤ tomb: pages 0..k-1 exclude this tombstone
+    return upper  # no tombstone below: valid
+
+
+def valid_match_reference(
+    states: Sequence[PageState | None], page_size: int, window: int | None
+) -> int:
+    """The rule read literally (test oracle): states[i] is page i on the worker, None = absent."""
+    full = next((i for i, s in enumerate(states) if s is None), len(states))
+    for k in range(full, 0, -1):
+        prefix = states[:k]
+        if window is None or PageState.TOMBSTONE not in prefix:
+            return k
+        run = 0
+        for state in prefix:
+            run = run + page_size if state is PageState.LIVE else 0
+        if run >= window:
+            return k
+    return 0
+
+
+def match_chain(
+    hashes: Iterable[int], page_map: PageMap, targets: Sequence[MatchTarget], page_size: int
+) -> dict[int, WorkerMatch]:
+    """Match one chain (all targets share `page_size`) → bit → WorkerMatch; one dict get per page.
+
+    `hashes` may be lazy: the walk stops pulling as soon as no target holds the next page.
+    """
+    windows = {t.bit: t.window for t in targets}
+    alive = 0
+    for t in targets:
+        alive |= t.bit
+    full_at: dict[int, int] = {}
+    tombs: dict[int, list[int]] = {}
+    depth = 0
+    get = page_map.get
+    chain = iter(hashes)
+    while alive:
+        page_hash = next(chain, None)
+        if page_hash is None:
+            break
+        entry = get(page_hash)
+        if entry is None:
+            break
+        still = alive & entry[0]
+        if still != alive:
+            _record_depth(alive & ~still, depth, full_at)
+            alive = still
+        tomb = entry[1] & alive
+        while tomb:
+            low = tomb & -tomb
+            tombs.setdefault(low, []).append(depth)
+            tomb ^= low
+        depth += 1
+    _record_depth(alive, depth, full_at)
+    return {
+        bit: WorkerMatch(full, deepest_valid(full, tombs.get(bit, ()), page_size, windows[bit]))
+        for bit, full in full_at.items()
+    }
+
+
+def _record_depth(bits: int, depth: int, out: dict[int, int]) -> None:
+    while bits:
+        low = bits & -bits
+        out[low] = depth
+        bits ^= low
