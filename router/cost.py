@@ -1,0 +1,111 @@
+"""The cost model: prefill saved against load and both pools' capacity, in tokens of work.
+
+For a request of `prompt` tokens and a worker w that would reuse `cached` of them:
+
+    cost(w) = prefill · (prompt − cached)                     tokens this request must compute
+            + queued_prefill · queued_prefill_tokens(w)       prefill queued ahead of it
+            + decode · running_decodes(w)                     decodes sharing every step
+            + shortfall · Σ_pool max(0, need − (free + evictable))   cannot fit now: waits
+            + eviction  · Σ_pool max(0, min(need, free + evictable) − free)   evicts cached KV
+
+Lowest cost wins. The first three terms approximate time to first token (the queue ahead plus
+our own prefill), as Dynamo's cost does; the last two keep requests off workers whose pools are
+full (a shortfall stalls the request) or full of useful cache (eviction costs future hits).
+Pool needs mirror the worker's admission charge (reference sglang_swa.md §2.16): full pool
+`uncached + max_new_tokens`, SWA pool `max(uncached, window) + page_size` on hybrid workers.
+
+Load counts come from the worker's last `record_routing_stats` sample (≈1 s old) plus what this
+router routed there after that sample (`extra_*`), so a burst does not pile onto one worker
+between two samples, and each router sees the worker's whole load, not just its own 1/N.
+
+Imbalance guard: a worker whose load exceeds the lightest by more than `imbalance_abs_tokens`
+*and* `imbalance_rel`× is ranked after every other worker. It is per worker (the others keep
+their prefix affinity), unlike routers whose fleet-wide imbalance test switches affinity off
+for everyone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from cluster.load import PoolHeadroom, WorkerLoad
+
+
+@dataclass(frozen=True)
+class CostWeights:
+    prefill: float = 1.0  # per uncached prompt token
+    queued_prefill: float = 1.0  # per queued prefill token on the worker
+    decode: float = 16.0  # token-equivalents per running decode
+    shortfall: float = 4.0  # per token a pool cannot provide even after evicting
+    eviction: float = 0.25  # per cached token the request would evict
+    imbalance_abs_tokens: float = 4096.0
+    imbalance_rel: float = 2.0
+
+    def __post_init__(self) -> None:
+        bad = {k: v for k, v in dataclasses.asdict(self).items() if v < 0}
+        if bad:
+            raise ValueError(f"cost weights must be >= 0, got {bad}")
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerView:
+    """Everything a policy may know about one candidate for one request."""
+
+    worker_id: str
+    valid_cached: int  # tokens the worker can reuse (window rule applied)
+    full_cached: int  # tokens with full KV present (what SWA-unaware routers count)
+    load: WorkerLoad | None  # None: the replica has not reported yet
+    extra_prefill_tokens: int = 0  # routed here by this router after the load sample
+    extra_requests: int = 0
+    window: int | None = None
+    page_size: int = 1
+    hybrid: bool = False
+
+
+def load_tokens(view: WorkerView, w: CostWeights) -> float:
+    queued = view.extra_prefill_tokens + (view.load.queued_prefill_tokens if view.load else 0)
+    decodes = view.extra_requests + (view.load.running_decodes if view.load else 0)
+    return w.queued_prefill * queued + w.decode * decodes
+
+
+def capacity_tokens(view: WorkerView, uncached: int, max_new_tokens: int, w: CostWeights) -> float:
+    if view.load is None:
+        return 0.0
+    claimed = view.extra_prefill_tokens
+    cost = _pool_cost(uncached + max_new_tokens, view.load.full, claimed, w)
+    if view.hybrid:
+        need_swa = max(uncached, view.window or 0) + view.page_size
+        cost += _pool_cost(need_swa, view.load.swa, claimed, w)
+    return cost
+
+
+def request_cost(
+    view: WorkerView, cached: int, prompt_tokens: int, max_new_tokens: int, w: CostWeights
+) -> float:
+    uncached = max(0, prompt_tokens - cached)
+    return (
+        w.prefill * uncached
+        + load_tokens(view, w)
+        + capacity_tokens(view, uncached, max_new_tokens, w)
+    )
+
+
+def overloaded(views: Sequence[WorkerView], w: CostWeights) -> list[bool]:
+    """Per worker: is its load past the imbalance guard (relative to the lightest worker)?"""
+    loads = [load_tokens(v, w) for v in views]
+    if not loads:
+        return []
+    floor = min(loads)
+    return [
+        load - floor > w.imbalance_abs_tokens and load > w.imbalance_rel * floor for load in loads
+    ]
+
+
+def _pool_cost(need: int, pool: PoolHeadroom, claimed: int, w: CostWeights) -> float:
+    free = max(0, pool.free - claimed)
+    allocatable = max(0, pool.allocatable - claimed)
+    shortfall = max(0, need - allocatable)
+    evicted = max(0, min(need, allocatable) - free)
+    return w.shortfall * shortfall + w.eviction * evicted

@@ -1,0 +1,132 @@
+"""The routing policies and their registry.
+
+| policy | ranks by | reports as predicted cached tokens |
+|---|---|---|
+| `swa_prefix` (default) | cost model with the *valid* match (window rule applied) | valid match |
+| `prefix` | cost model with the *full* match (tombstones count as hits) — the baseline other routers implement | full match (its belief) |
+| `least_loaded` | load + capacity, no cache credit | valid match (informational) |
+| `round_robin` | rotation over candidates sorted by id | valid match (informational) |
+
+Ties (equal cost and load) rotate with every decision, so a cold or idle fleet is spread evenly
+instead of sending everything to the first candidate.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import ClassVar
+
+from router.cost import CostWeights, WorkerView, capacity_tokens, load_tokens, overloaded, request_cost
+
+
+@dataclass(frozen=True, slots=True)
+class RequestView:
+    prompt_tokens: int
+    max_new_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Ranked:
+    index: int  # into the views the policy was given
+    cost: float
+
+
+class Policy(ABC):
+    """Ranks candidate workers for one request. Holds only a rotation counter."""
+
+    name: ClassVar[str]
+
+    def __init__(self, weights: CostWeights | None = None) -> None:
+        self.weights = weights or CostWeights()
+        self._turn = 0
+
+    @abstractmethod
+    def rank(self, request: RequestView, views: Sequence[WorkerView]) -> list[Ranked]:
+        """Every view exactly once, best first.
+
+        Args:
+            request: prompt length and the expected number of new tokens.
+            views: the candidates, in a stable order (sorted by worker id).
+        Returns:
+            `Ranked(index into views, cost)`, lowest cost first.
+        """
+
+    def predicted(self, view: WorkerView) -> int:
+        """Cached tokens this policy predicts for the worker (header and metrics)."""
+        return view.valid_cached
+
+    def _order(self, costs: Sequence[float], keys: Sequence[tuple[float, ...]]) -> list[Ranked]:
+        n = len(costs)
+        turn, self._turn = self._turn, self._turn + 1
+        order = sorted(range(n), key=lambda i: (*keys[i], (i - turn) % n))
+        return [Ranked(i, costs[i]) for i in order]
+
+
+class _CachePolicy(Policy):
+    """The cost model with a cache credit; subclasses say which match they believe."""
+
+    @abstractmethod
+    def cached(self, view: WorkerView) -> int: ...
+
+    def predicted(self, view: WorkerView) -> int:
+        return self.cached(view)
+
+    def rank(self, request: RequestView, views: Sequence[WorkerView]) -> list[Ranked]:
+        w = self.weights
+        costs = [
+            request_cost(v, self.cached(v), request.prompt_tokens, request.max_new_tokens, w)
+            for v in views
+        ]
+        over = overloaded(views, w)
+        keys = [(float(over[i]), costs[i], load_tokens(v, w)) for i, v in enumerate(views)]
+        return self._order(costs, keys)
+
+
+class SwaPrefixPolicy(_CachePolicy):
+    name = "swa_prefix"
+
+    def cached(self, view: WorkerView) -> int:
+        return view.valid_cached
+
+
+class PrefixPolicy(_CachePolicy):
+    name = "prefix"
+
+    def cached(self, view: WorkerView) -> int:
+        return view.full_cached
+
+
+class LeastLoadedPolicy(Policy):
+    name = "least_loaded"
+
+    def rank(self, request: RequestView, views: Sequence[WorkerView]) -> list[Ranked]:
+        w = self.weights
+        costs = [
+            load_tokens(v, w) + capacity_tokens(v, request.prompt_tokens, request.max_new_tokens, w)
+            for v in views
+        ]
+        return self._order(costs, [(c,) for c in costs])
+
+
+class RoundRobinPolicy(Policy):
+    name = "round_robin"
+
+    def rank(self, request: RequestView, views: Sequence[WorkerView]) -> list[Ranked]:
+        return self._order([0.0] * len(views), [()] * len(views))
+
+
+POLICIES: dict[str, type[Policy]] = {
+    p.name: p for p in (SwaPrefixPolicy, PrefixPolicy, LeastLoadedPolicy, RoundRobinPolicy)
+}
+DEFAULT_POLICY = SwaPrefixPolicy.name
+
+
+def make_policy(name: str = DEFAULT_POLICY, weights: CostWeights | None = None) -> Policy:
+    try:
+        return POLICIES[name](weights)
+    except KeyError:
+        raise ValueError(
+            f"unknown routing policy {name!r}; choose one of {sorted(POLICIES)}"
+        ) from None

@@ -1,0 +1,43 @@
+"""Builders for router tests: an index whose workers hold a prompt's pages in given states."""
+
+from __future__ import annotations
+
+from cluster.index import ClusterIndex
+from cluster.load import PoolHeadroom, WorkerLoad
+from cluster.messages import WorkerResync
+from worker.protocol import CacheSnapshot, PageState, WorkerMeta, page_hashes
+
+PAGE = 4
+WINDOW = 8  # two LIVE pages must end a match that crosses a tombstone
+
+
+def prompt(pages: int, base: int = 1000) -> list[int]:
+    """A prompt whose matchable prefix (all but the last token) is exactly `pages` pages."""
+    return list(range(base, base + pages * PAGE + 1))
+
+
+def index_with(tokens: list[int], layout: dict[str, str], window: int | None = WINDOW) -> ClusterIndex:
+    """layout: worker id → one char per page of tokens[:-1]: L live, T tombstone, . absent."""
+    chain = page_hashes(tokens[:-1], PAGE)
+    index = ClusterIndex()
+    for wid, states in layout.items():
+        pages = {
+            h: PageState.LIVE if c == "L" else PageState.TOMBSTONE
+            for h, c in zip(chain, states)
+            if c != "."
+        }
+        meta = WorkerMeta(wid, "inc", PAGE, window, full_tokens=1 << 16, swa_tokens=1 << 14, hybrid=True)
+        index.resync(WorkerResync(meta, CacheSnapshot(wid, "inc", 0, pages)))
+    return index
+
+
+def load(
+    wid: str,
+    queued: int = 0,
+    decodes: int = 0,
+    free: int = 1 << 14,
+    evictable: int = 0,
+    at: float = 0.0,
+) -> WorkerLoad:
+    pool = PoolHeadroom(free, evictable, 1 << 16)
+    return WorkerLoad(wid, at, 0, queued, decodes, pool, pool)
