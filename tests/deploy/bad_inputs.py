@@ -1,0 +1,80 @@
+"""Bad inputs and the answer each must get (status, error type, param, code), shared by the
+in-process API tests and the end-to-end HTTP tests. `None` in an expectation means "not checked"."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class BadInput:
+    name: str
+    path: str
+    body: bytes
+    status: int
+    type: str = "invalid_request_error"
+    param: str | None = None
+    code: str | None = None
+    method: str = "POST"
+
+
+def _j(obj: Any) -> bytes:
+    return json.dumps(obj).encode()
+
+
+def bad_inputs(model: str, max_model_len: int) -> list[BadInput]:
+    c, ch = "/v1/completions", "/v1/chat/completions"
+    ok = {"model": model, "prompt": "Hello", "max_tokens": 4}
+    msgs = [{"role": "user", "content": "Hi"}]
+    return [
+        BadInput("malformed json", c, b'{"model": "x", "prompt": ', 400),
+        BadInput("body is a list", c, b"[1, 2]", 400),
+        BadInput("missing prompt", c, _j({"model": model}), 400, param="prompt"),
+        BadInput("unknown model", c, _j({**ok, "model": "gpt-17"}), 404, param="model", code="model_not_found"),
+        BadInput("negative temperature", c, _j({**ok, "temperature": -1}), 400, param="temperature"),
+        BadInput("temperature not a number", c, _j({**ok, "temperature": "hot"}), 400, param="temperature"),
+        BadInput("top_p zero", c, _j({**ok, "top_p": 0}), 400, param="top_p"),
+        BadInput("top_k below -1", c, _j({**ok, "top_k": -5}), 400, param="top_k"),
+        BadInput("max_tokens zero", c, _j({**ok, "max_tokens": 0}), 400, param="max_tokens"),
+        BadInput("max_tokens as string", c, _j({**ok, "max_tokens": "5"}), 400, param="max_tokens"),
+        BadInput("max_tokens beyond context", c, _j({**ok, "max_tokens": max_model_len + 10}), 400,
+                 param="max_tokens", code="context_length_exceeded"),
+        BadInput("empty prompt text", c, _j({**ok, "prompt": ""}), 400, param="prompt"),
+        BadInput("empty token list", c, _j({**ok, "prompt": []}), 400, param="prompt"),
+        BadInput("token id outside vocab", c, _j({**ok, "prompt": [10**9]}), 400, param="prompt"),
+        BadInput("prompt longer than context", c, _j({**ok, "prompt": [5] * (max_model_len + 1)}), 400,
+                 param="prompt", code="context_length_exceeded"),
+        BadInput("unknown field", c, _j({**ok, "tempreature": 0.5}), 400, param="tempreature"),
+        BadInput("n zero", c, _j({**ok, "n": 0}), 400, param="n"),
+        BadInput("logprobs too many", c, _j({**ok, "logprobs": 21}), 400, param="logprobs"),
+        BadInput("five stop strings", c, _j({**ok, "stop": ["a", "b", "c", "d", "e"]}), 400, param="stop"),
+        BadInput("presence penalty", c, _j({**ok, "presence_penalty": 0.5}), 400, param="presence_penalty"),
+        BadInput("stream_options without stream", c, _j({**ok, "stream_options": {"include_usage": True}}),
+                 400, param="stream_options"),
+        BadInput("chat without messages", ch, _j({"model": model, "messages": []}), 400, param="messages"),
+        BadInput("chat bad role", ch, _j({"model": model, "messages": [{"role": "wizard", "content": "x"}]}),
+                 400, param="messages.0.role"),
+        BadInput("chat empty content", ch, _j({"model": model, "messages": [{"role": "user", "content": ""}]}),
+                 400, param="messages"),
+        BadInput("chat with tools", ch, _j({"model": model, "messages": msgs, "tools": [{"type": "function"}]}),
+                 400, param="tools"),
+        BadInput("chat unknown model", ch, _j({"model": "nope", "messages": msgs}), 404, param="model",
+                 code="model_not_found"),
+        BadInput("GET on a POST route", c, b"", 405, method="GET"),
+        BadInput("unknown route", "/v1/engines", b"{}", 404),
+    ]  # fmt: skip
+
+
+def check_error(status: int, body: Any, case: BadInput) -> None:
+    """Assert one answer matches `case` and has OpenAI's error shape."""
+    assert status == case.status, (case.name, status, body)
+    err = body["error"]
+    assert set(err) == {"message", "type", "param", "code"}, (case.name, body)
+    assert isinstance(err["message"], str) and err["message"], case.name
+    assert err["type"] == case.type, (case.name, err)
+    if case.param is not None:
+        assert err["param"] == case.param, (case.name, err)
+    if case.code is not None:
+        assert err["code"] == case.code, (case.name, err)

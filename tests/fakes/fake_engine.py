@@ -1,0 +1,176 @@
+"""A small stand-in for `worker.async_engine.AsyncEngine` (same public interface), for tests only.
+
+It "generates" deterministic tokens (greedy: a function of the previous token; sampled: a seeded
+RNG), keeps a token-granular KV budget per request so tests can watch KV being freed on abort,
+and a prompt history that reports page-aligned prefix hits as `cached_tokens`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+from worker.config import EngineConfig
+from worker.outputs import EngineStats, PoolStats, StreamDelta, TokenLogprob
+from worker.protocol import CacheEvent, PageState
+
+
+class FakeEngine:
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        model_dir: Path | None = None,
+        vocab_size: int = 256,
+        eos_token_id: int | None = None,
+        step_s: float = 0.002,
+        max_model_len: int = 512,
+        total_tokens: int = 4096,
+    ) -> None:
+        self.config = config
+        self.model_dir = model_dir or Path(".")
+        self.max_model_len = config.max_model_len or max_model_len
+        self.spec: Any = None
+        self._vocab = vocab_size
+        self._eos = eos_token_id
+        self._step_s = step_s
+        self._total = total_tokens
+        self._lock = threading.Lock()
+        self._held: dict[str, int] = {}  # request id -> KV tokens held
+        self._aborted: set[str] = set()
+        self._history: list[tuple[int, ...]] = []
+        self._counters = {"prompt": 0, "generated": 0, "hits": 0, "aborts": 0, "steps": 0}
+        self._peak = 0
+        self.shut_down = False
+
+    # -- interface -------------------------------------------------------------------------
+
+    def validate(self, token_ids: list[int], params: Any) -> None:
+        if not token_ids:
+            raise ValueError("prompt is empty: send at least one token")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(token_ids)} tokens; max_model_len is {self.max_model_len}"
+            )
+        if len(token_ids) + params.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"max_tokens={params.max_tokens} plus the prompt's {len(token_ids)} tokens "
+                f"exceeds max_model_len {self.max_model_len}"
+            )
+
+    async def generate(
+        self, token_ids: list[int], params: Any, request_id: str
+    ) -> AsyncIterator[StreamDelta]:
+        self.validate(token_ids, params)
+        cached = self._admit(request_id, token_ids)
+        rng = random.Random(params.seed if params.seed is not None else 0)
+        last, produced, done = token_ids[-1], 0, False
+        try:
+            while True:
+                await asyncio.sleep(self._step_s)
+                if request_id in self._aborted:
+                    return
+                tok = self._next(last, params, rng)
+                produced, last = produced + 1, tok
+                self._grow(request_id)
+                stop = tok == self._eos and not params.ignore_eos
+                stop = stop or tok in (params.stop_token_ids or ())
+                done = stop or produced >= params.max_tokens
+                lps = None
+                if params.logprobs is not None:
+                    top = tuple(((tok + i) % self._vocab, -0.5 - i) for i in range(params.logprobs))
+                    lps = [TokenLogprob(tok, -0.5, top)]
+                yield StreamDelta(
+                    request_id=request_id,
+                    token_ids=[tok],
+                    finished=done,
+                    finish_reason=("stop" if stop else "length") if done else None,
+                    prompt_len=len(token_ids),
+                    cached_tokens=cached,
+                    completion_tokens=produced,
+                    logprobs=lps,
+                )
+                if done:
+                    return
+        finally:
+            self._release(request_id, aborted=not done)
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            if request_id in self._held:
+                self._aborted.add(request_id)
+
+    def stats(self) -> EngineStats:
+        with self._lock:
+            used = sum(self._held.values())
+            running = len(self._held)
+        full = PoolStats(self._total, self._total - used, 0, used, self._peak)
+        swa_total = self._total // 2
+        swa = PoolStats(swa_total, swa_total - min(used, swa_total), 0, min(used, swa_total), 0)
+        c = self._counters
+        return EngineStats(
+            full=full, swa=swa, hybrid=True, waiting=0, running=running,
+            cache_hit_tokens=c["hits"], prompt_tokens=c["prompt"], generated_tokens=c["generated"],
+            full_evicted_tokens=0, swa_evicted_tokens=0, tombstone_tokens=0, retractions=0,
+            aborts=c["aborts"], steps=c["steps"], last_step_seconds=self._step_s,
+        )  # fmt: skip
+
+    def check_integrity(self) -> None:
+        with self._lock:
+            assert all(v >= 0 for v in self._held.values()), "negative KV holding"
+
+    def flush_cache(self) -> bool:
+        with self._lock:
+            if self._held:
+                return False
+            self._history.clear()
+            return True
+
+    def drain_cache_events(self) -> list[CacheEvent]:
+        return []
+
+    def cache_snapshot(self) -> dict[int, PageState]:
+        return {}
+
+    def shutdown(self) -> None:
+        self.shut_down = True
+
+    # -- internals -------------------------------------------------------------------------
+
+    def _next(self, last: int, params: Any, rng: random.Random) -> int:
+        if not params.temperature:
+            return (last * 31 + 7) % self._vocab
+        return rng.randrange(self._vocab)
+
+    def _admit(self, request_id: str, token_ids: list[int]) -> int:
+        page = self.config.page_size
+        best = 0
+        with self._lock:
+            for past in self._history:
+                n = 0
+                while n < min(len(past), len(token_ids) - 1) and past[n] == token_ids[n]:
+                    n += 1
+                best = max(best, n // page * page)
+            self._history.append(tuple(token_ids))
+            self._held[request_id] = len(token_ids)
+            self._counters["prompt"] += len(token_ids)
+            self._counters["hits"] += best
+            self._peak = max(self._peak, sum(self._held.values()))
+        return best
+
+    def _grow(self, request_id: str) -> None:
+        with self._lock:
+            self._held[request_id] += 1
+            self._counters["generated"] += 1
+            self._counters["steps"] += 1
+            self._peak = max(self._peak, sum(self._held.values()))
+
+    def _release(self, request_id: str, aborted: bool) -> None:
+        with self._lock:
+            self._held.pop(request_id, None)
+            self._aborted.discard(request_id)
+            self._counters["aborts"] += int(aborted)

@@ -1,0 +1,44 @@
+"""An in-process `WorkerClient` over real `WorkerDeployment`s (no Ray): the ingress logic and the
+worker deployment class meet exactly as through Serve, minus the transport."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from deploy.worker_deployment import WorkerDeployment
+from deploy.worker_protocol import StreamStart, WorkerInfo
+from worker.outputs import StreamDelta
+from worker.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class PlainRequest:
+    """The fields of the router's request object the worker deployment reads."""
+
+    request_id: str
+    token_ids: list[int]
+    params: SamplingParams
+
+
+class InProcessWorkerClient:
+    def __init__(self, workers: list[WorkerDeployment]) -> None:
+        self.workers = workers
+        self._next = itertools.cycle(range(len(workers)))
+
+    async def stream(self, request: Any) -> AsyncIterator[StreamStart | StreamDelta]:
+        worker = self.workers[next(self._next)]
+        gen = worker.generate(request)
+        try:
+            async for item in gen:
+                yield item
+        finally:
+            await gen.aclose()
+
+    async def info(self) -> WorkerInfo:
+        return self.workers[0].info()
+
+    async def replica_stats(self) -> dict[str, dict[str, Any] | None]:
+        return {w.replica_id: w.record_routing_stats() for w in self.workers}
