@@ -1,0 +1,134 @@
+"""Builders for cache tests: a cache over a real allocator and a tiny request driver."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from worker.cache.match import match_path
+from worker.cache.node import Node
+from worker.cache.radix_cache import RadixCache
+from worker.cache.req_kv import ReqKV
+from worker.mem.allocator import HybridAllocator
+from worker.mem.frontier import free_out_of_window
+
+
+def make_cache(
+    page_size: int = 1,
+    window: int | None = 4,
+    full: int = 128,
+    swa: int = 64,
+    *,
+    hybrid: bool = True,
+    eager_swa_free: bool = False,
+) -> RadixCache:
+    """A radix cache over a real allocator; pool sizes in tokens."""
+    return RadixCache(
+        HybridAllocator(full, swa, page_size, hybrid), window, eager_swa_free=eager_swa_free
+    )
+
+
+def put(
+    cache: RadixCache,
+    tokens: Sequence[int],
+    *,
+    prev: int = 0,
+    evicted: int = 0,
+    free_evicted_swa: bool = True,
+):
+    """Insert `tokens` with fresh slots (the tree's own slots below `prev`).
+
+    With `evicted` > 0 the fresh slots' SWA below `evicted` is freed first, as the request's
+    frontier would have done.
+    """
+    a = cache.allocator
+    path, _ = match_path(cache.tree, tuple(tokens[:prev]), window_rule=False)
+    head = torch.cat([torch.empty(0, dtype=torch.int64)] + [n.full for n in path])
+    assert len(head) == prev, f"the tree does not hold the first {prev} tokens"
+    fresh = a.alloc(len(tokens) - prev)
+    assert fresh is not None, "test pool too small"
+    values = torch.cat([head, fresh])
+    if evicted > prev and free_evicted_swa:
+        a.free_swa(values[prev:evicted])
+    return cache.insert(tokens, values, prev_prefix_len=prev, swa_evicted_seqlen=evicted), values
+
+
+def node_at(cache: RadixCache, tokens: Sequence[int]) -> Node:
+    """The node ending exactly at `tokens` (no window rule, no LRU refresh)."""
+    node, pos = cache.tree.root, 0
+    key = tuple(tokens)
+    while pos < len(key):
+        child = cache.tree.child(node, key, pos)
+        assert child is not None and child.key == key[pos : pos + len(child)], "no such node"
+        node, pos = child, pos + len(child)
+    return node
+
+
+# ---- a minimal request driver (what the engine does around the hooks) -------------------------
+
+
+def start_req(cache: RadixCache, tokens: Sequence[int], *, match: bool = True) -> ReqKV | None:
+    """Match (all but the last token), lock, allocate the rest; None if the pools are full."""
+    tokens = list(tokens)
+    if match:
+        m = cache.match_prefix(tokens[:-1])
+        indices, length, receipt = m.indices, m.length, cache.lock(m.node)
+    else:
+        indices, length, receipt = torch.empty(0, dtype=torch.int64), 0, None
+    new = _alloc(cache, [length], [len(tokens)], [-1])
+    if new is None:
+        if receipt is not None:
+            cache.unlock(receipt)
+        return None
+    return ReqKV(
+        tokens=tokens,
+        table=torch.cat([indices, new]),
+        cache_protected_len=length,
+        lock=receipt,
+        kv_committed_len=len(tokens),
+        kv_allocated_len=len(tokens),
+    )
+
+
+def decode(cache: RadixCache, req: ReqKV, new_tokens: Sequence[int]) -> bool:
+    """Append tokens one decode step each; False (nothing changed for that token) on OOM."""
+    for t in new_tokens:
+        n = req.kv_allocated_len
+        slot = _alloc(cache, [n], [n + 1], [int(req.table[n - 1])], decode=True)
+        if slot is None:
+            return False
+        req.table = torch.cat([req.table[:n], slot])
+        req.tokens.append(int(t))
+        req.kv_allocated_len = req.kv_committed_len = n + 1
+    return True
+
+
+def move_frontier(cache: RadixCache, req: ReqKV) -> int:
+    """The decode-time out-of-window pass (reference §2.4, radix formula)."""
+    assert cache.window is not None
+    req.swa_evicted_seqlen = free_out_of_window(
+        cache.allocator,
+        req.table,
+        evicted=req.swa_evicted_seqlen,
+        protected=req.cache_protected_len,
+        pre_len=req.kv_committed_len - 1,
+        window=cache.window,
+        page_size=cache.page_size,
+        chunk_cache=False,
+    )
+    return req.swa_evicted_seqlen
+
+
+def _alloc(
+    cache: RadixCache, prefix: list[int], seq: list[int], last: list[int], decode: bool = False
+) -> torch.Tensor | None:
+    a = cache.allocator
+    P = cache.page_size
+    need = sum(-(-s // P) - -(-p // P) for p, s in zip(prefix, seq)) * P
+    if a.full_available_size() < need or a.swa_available_size() < need:
+        cache.evict(max(0, need - a.full_available_size()), max(0, need - a.swa_available_size()))
+    last = [x if p % P else -1 for x, p in zip(last, prefix)]
+    if decode:
+        return a.alloc_decode(seq, last)
+    return a.alloc_extend(prefix, seq, last)

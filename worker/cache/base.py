@@ -1,0 +1,133 @@
+"""The prefix-cache interface the scheduler codes against, and its result types.
+
+Vocabulary (worker/cache/README.md): page, slot, pool, allocator, table, tree, node,
+component (FULL / SWA view of a node), tombstone (a node whose SWA KV was freed, full kept),
+handle (a locked match, here a `LockReceipt`), frontier (`ReqKV.swa_evicted_seqlen`).
+
+Two implementations: `RadixCache` (radix_cache.py) and `ChunkCache` (chunk_cache.py, radix
+disabled). Both free KV only through the allocator they were given.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from worker.protocol import CacheEvent, PageState
+
+if TYPE_CHECKING:
+    from worker.cache.node import Node
+    from worker.cache.req_kv import ReqKV
+
+
+@dataclass(frozen=True)
+class MatchResult:
+    """A prefix match. `indices` are FULL-pool slots (int64, CPU), tombstoned spans included;
+    `length == len(indices)` is page-aligned; `node` ends the match (the root when 0)."""
+
+    indices: torch.Tensor
+    length: int
+    node: Node
+
+
+@dataclass(frozen=True)
+class LockReceipt:
+    """What `lock` took; hand it back to `unlock` / `release_window_lock` unchanged.
+
+    `swa_boundary` is the lock-boundary id carried by the topmost SWA-locked node (it moves to
+    the upper part when that node is split); None when no SWA lock was taken.
+    """
+
+    node: Node
+    swa_boundary: int | None
+
+    @property
+    def holds_swa(self) -> bool:
+        return self.swa_boundary is not None
+
+
+@dataclass(frozen=True)
+class EvictResult:
+    """Tokens actually freed per pool (may exceed the request: node granularity)."""
+
+    full: int
+    swa: int
+
+
+class PrefixCache(abc.ABC):
+    """Prefix semantics over a hybrid allocator. Sizes are tokens.
+
+    Eight operations below; the sizes (`full_evictable`, `swa_evictable`: held only by the
+    cache; `full_protected`, `swa_protected`: held by locks), `drain_events`, `snapshot_pages`
+    and `reset` have no-tree defaults that `RadixCache` overrides.
+    """
+
+    @abc.abstractmethod
+    def match_prefix(self, tokens: Sequence[int]) -> MatchResult:
+        """Longest cached, page-aligned prefix of `tokens` usable for the next query.
+
+        Args: tokens — the prompt (the engine passes all but the last prompt token).
+        Returns: the match; with SWA, it ends only where the window rule holds (README §match).
+        Mutates: may split a node; refreshes LRU order. Locks nothing.
+        """
+
+    @abc.abstractmethod
+    def lock(self, node: Node) -> LockReceipt:
+        """Protect a matched prefix from eviction: FULL from `node` to the root, SWA only over
+        the last `window` live tokens. Returns the receipt `unlock` needs."""
+
+    @abc.abstractmethod
+    def unlock(self, receipt: LockReceipt, skip_swa: bool = False) -> None:
+        """Undo `lock`. `skip_swa=True` drops only the FULL part (after `release_window_lock`,
+        whose returned receipt already says so). Never frees KV."""
+
+    @abc.abstractmethod
+    def cache_unfinished_req(self, req: ReqKV) -> None:
+        """Chunked prefill: insert the page-aligned filled part `[0, floor_P(kv_committed_len))`,
+        point `req.table` at the tree's slots for it, move the lock to the new end node and
+        advance `req.cache_protected_len`. Frees the request's duplicate slots."""
+
+    @abc.abstractmethod
+    def cache_finished_req(self, req: ReqKV, insert: bool = True) -> None:
+        """Finish: insert (or not) the page-aligned committed part, free every slot of the
+        request the tree did not take (unaligned tail and over-allocation included), unlock.
+        Afterwards the request owns nothing."""
+
+    @abc.abstractmethod
+    def release_window_lock(self, receipt: LockReceipt) -> LockReceipt:
+        """Early release: a decoding request past the window no longer needs its prefix's SWA.
+        Drops the SWA part of `receipt` (a leaf whose SWA lock reaches 0 is tombstoned at once,
+        internal nodes become SWA-evictable) and returns the FULL-only receipt to unlock later.
+        Call at most once per lock."""
+
+    @abc.abstractmethod
+    def evict(self, full_tokens: int, swa_tokens: int) -> EvictResult:
+        """Free at least this many tokens per pool if unlocked cache content allows it.
+        SWA freed by the FULL phase counts toward `swa_tokens`."""
+
+    @abc.abstractmethod
+    def check_integrity(self, running_reqs: Sequence[ReqKV] = ()) -> None:
+        """Raise AssertionError naming the first broken invariant (README §integrity); given
+        the running requests also the pool identity free + evictable + protected + owned = total."""
+
+    # ---- defaults for a cache without a tree (ChunkCache); RadixCache overrides them ----
+    full_evictable: int = 0
+    swa_evictable: int = 0
+    full_protected: int = 0
+    swa_protected: int = 0
+
+    def drain_events(self) -> list[CacheEvent]:
+        """Cache events since the last drain, in order (events.py)."""
+        return []
+
+    def snapshot_pages(self) -> dict[int, PageState]:
+        """Every cached page by chained hash → LIVE / TOMBSTONE (for a consumer's resync)."""
+        return {}
+
+    def reset(self) -> None:
+        """Flush: free everything unlocked (the engine calls it when idle)."""
+        return None

@@ -1,0 +1,66 @@
+"""`ChunkCache`: the cache when the radix cache is disabled (reference §2.6, SWAChunkCache).
+
+No tree: nothing is shared or reused, every slot stays the request's until it finishes.
+The request's SWA frontier covers ``[0, swa_evicted_seqlen)`` (nothing is tree-owned); freeing
+the whole table at finish is safe because `free_swa` skips the already-unmapped hole.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from worker.cache.base import EvictResult, LockReceipt, MatchResult, PrefixCache
+from worker.cache.node import Node
+from worker.cache.req_kv import ReqKV
+from worker.mem.allocator import HybridAllocator
+
+
+class ChunkCache(PrefixCache):
+    """Same hooks as `RadixCache`; matches are always empty and nothing is evictable."""
+
+    def __init__(self, allocator: HybridAllocator, window: int | None) -> None:
+        self.allocator = allocator
+        self.page_size = allocator.page_size
+        self.window = window
+        self._root = Node.make_root()
+
+    def match_prefix(self, tokens: Sequence[int]) -> MatchResult:
+        return MatchResult(torch.empty(0, dtype=torch.int64), 0, self._root)
+
+    def lock(self, node: Node) -> LockReceipt:
+        return LockReceipt(node, None)
+
+    def unlock(self, receipt: LockReceipt, skip_swa: bool = False) -> None:
+        return None
+
+    def release_window_lock(self, receipt: LockReceipt) -> LockReceipt:
+        return receipt
+
+    def cache_unfinished_req(self, req: ReqKV) -> None:
+        # The filled part stays the request's own: nothing to insert, nothing to re-point.
+        assert req.cache_protected_len == 0, "a chunk-cache request owns its whole table"
+
+    def cache_finished_req(self, req: ReqKV, insert: bool = True) -> None:
+        end = max(req.kv_committed_len, req.kv_allocated_len)
+        if end > 0:
+            # NOTE: [0, swa_evicted_seqlen) has no SWA any more; free() finds its mapping
+            # zeroed and frees only the full slots there.
+            self.allocator.free(req.table[:end])
+        req.lock, req.swa_lock_released = None, False
+
+    def evict(self, full_tokens: int, swa_tokens: int) -> EvictResult:
+        return EvictResult(0, 0)
+
+    def check_integrity(self, running_reqs: Sequence[ReqKV] = ()) -> None:
+        a = self.allocator
+        a.check_integrity()
+        if not running_reqs:
+            return
+        P = self.page_size
+        full = a.full_available_size() + sum(r.owned_full_tokens(P) for r in running_reqs)
+        assert full == a.full_size, f"chunk cache: full pool free + owned {full} != {a.full_size}"
+        if a.hybrid:
+            swa = a.swa_available_size() + sum(r.owned_swa_tokens(P) for r in running_reqs)
+            assert swa == a.swa_size, f"chunk cache: SWA pool free + owned {swa} != {a.swa_size}"

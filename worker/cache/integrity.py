@@ -1,0 +1,124 @@
+"""`check_tree`: recount everything the tree keeps incrementally (reference §1.6 I1, I6, I8, I9).
+
+O(nodes + slots): for tests and for an idle scheduler, never on the hot path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from worker.protocol import page_hashes
+
+if TYPE_CHECKING:
+    from worker.cache.node import Node
+    from worker.cache.req_kv import ReqKV
+    from worker.cache.tree import RadixTree
+    from worker.mem.allocator import HybridAllocator
+
+
+def _fail(msg: str) -> None:
+    raise AssertionError(f"radix cache integrity: {msg}")
+
+
+def check_tree(tree: RadixTree, allocator: HybridAllocator, running: Sequence[ReqKV] = ()) -> None:
+    """Raise AssertionError naming the first broken invariant."""
+    nodes = tree.iter_nodes()
+    for n in nodes:
+        _check_node(tree, n)
+    _check_counters(tree, nodes)
+    _check_orders(tree, nodes)
+    _check_slots(tree, allocator, nodes)
+    allocator.check_integrity()
+    if running:
+        _check_pools(tree, allocator, running)
+
+
+def _check_node(tree: RadixTree, n: Node) -> None:
+    p = tree.page_size
+    parent = n.parent
+    if parent is None or parent.children.get(n.key[:p]) is not n or not n.attached:
+        _fail(f"{n} is not reachable from its parent under its first page")
+    if not n.key or len(n.key) % p or len(n.full) != len(n.key):
+        _fail(f"{n}: key of {len(n.key)} tokens / {len(n.full)} slots is not page aligned")
+    if n.swa is not None and len(n.swa) != len(n.key):
+        _fail(f"{n}: {len(n.swa)} SWA slots for {len(n.key)} tokens")
+    if not n.full_lock >= n.swa_lock >= 0:
+        _fail(f"{n}: lock counts must satisfy full >= swa >= 0")
+    if n.swa is None and (n.swa_lock or tree.window is None):
+        _fail(f"{n}: a tombstone must hold no SWA lock and exists only with a window")
+    if n.hashes != page_hashes(n.key, p, parent.last_hash):
+        _fail(f"{n}: page hashes are not chained from its parent")
+
+
+def _check_counters(tree: RadixTree, nodes: list[Node]) -> None:
+    fe = fp = se = sp = 0
+    for n in nodes:
+        if n.full_lock:
+            fp += len(n)
+        else:
+            fe += len(n)
+        if n.swa is not None:
+            if n.swa_lock:
+                sp += len(n)
+            else:
+                se += len(n)
+    got = (tree.full_evictable, tree.full_protected, tree.swa_evictable, tree.swa_protected)
+    if got != (fe, fp, se, sp):
+        _fail(f"counters (full ev/prot, swa ev/prot) {got} != recount {(fe, fp, se, sp)}")
+
+
+def _check_orders(tree: RadixTree, nodes: list[Node]) -> None:
+    live = {n for n in nodes if n.swa is not None}
+    order = tree.swa_lru.order_newest_first()
+    if len(order) != tree.swa_lru.size or set(order) != live or len(order) != len(live):
+        _fail(f"SWA LRU holds {len(order)} nodes, {len(live)} live nodes exist")
+    for newer, older in zip(order, order[1:]):
+        if newer.lru_older is not older or older.lru_newer is not newer:
+            _fail("SWA LRU links are not symmetric")
+    leaves = {n for n in nodes if n.is_leaf and n.full_lock == 0}
+    if tree.leaves.members != leaves:
+        _fail(f"leaf heap members ({len(tree.leaves)}) != unlocked leaves ({len(leaves)})")
+    keyed = tree.leaves.valid_entries()
+    if any(id(n) not in keyed for n in leaves):
+        _fail("an unlocked leaf has no up-to-date entry in the leaf heap")
+
+
+def _check_slots(tree: RadixTree, allocator: HybridAllocator, nodes: list[Node]) -> None:
+    if not nodes:
+        return
+    full = torch.cat([n.full for n in nodes])
+    if torch.unique(full).numel() != full.numel() or bool((full <= 0).any()):
+        _fail("a full slot is held by two nodes (or is a dummy slot)")
+    for n in nodes:
+        mapped = allocator.translate(n.full)
+        if n.swa is None:
+            if bool((mapped != 0).any()):
+                _fail(f"{n}: a tombstone still maps SWA slots (reviving it would free them)")
+        elif not torch.equal(mapped, n.swa) or bool((n.swa <= 0).any()):
+            _fail(f"{n}: SWA component disagrees with the allocator mapping")
+
+
+def _check_pools(tree: RadixTree, allocator: HybridAllocator, running: Sequence[ReqKV]) -> None:
+    """I9: per pool, total == free + evictable + protected + request-owned."""
+    P = tree.page_size
+    owned_full = sum(r.owned_full_tokens(P) for r in running)
+    full = allocator.full_available_size() + tree.full_evictable + tree.full_protected + owned_full
+    if full != allocator.full_size:
+        _fail(
+            f"full pool: free {allocator.full_available_size()} + evictable {tree.full_evictable}"
+            f" + protected {tree.full_protected} + request-owned {owned_full} = {full}"
+            f" != total {allocator.full_size} (a leak or a double count)"
+        )
+    if not allocator.hybrid:
+        return
+    owned_swa = sum(r.owned_swa_tokens(P) for r in running)
+    swa = allocator.swa_available_size() + tree.swa_evictable + tree.swa_protected + owned_swa
+    if swa != allocator.swa_size:
+        _fail(
+            f"SWA pool: free {allocator.swa_available_size()} + evictable {tree.swa_evictable}"
+            f" + protected {tree.swa_protected} + request-owned {owned_swa} = {swa}"
+            f" != total {allocator.swa_size} (a leak or a double count)"
+        )

@@ -1,0 +1,117 @@
+"""Tree node: a page-aligned run of tokens with its FULL and SWA components.
+
+A node owns `len(key)` tokens. Its FULL component is `full` (full-pool slots, one per token);
+its SWA component is `swa` (SWA-pool slots, ``translate(full)`` at the time the node got them)
+or None: an SWA *tombstone* — the full KV is still valid, the SWA KV was freed.
+`hashes` holds the chained page hashes of its pages (DESIGN §4.3), so a split just slices it.
+
+Nothing here touches an allocator; the tree (`tree.py`) keeps the counters and LRUs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from worker.protocol import ROOT_HASH
+
+Key = tuple[int, ...]
+
+_EMPTY = torch.empty(0, dtype=torch.int64)
+
+
+@dataclass(eq=False, slots=True)
+class Node:
+    """One node of the radix tree. Identity-hashed (used as a set/dict member)."""
+
+    key: Key
+    full: torch.Tensor  # int64, CPU: full-pool slot per token
+    swa: torch.Tensor | None  # int64, CPU: SWA-pool slot per token; None = tombstone
+    hashes: list[int]  # chained page hash per page
+    parent: Node | None = None
+    children: dict[Key, Node] = field(default_factory=dict)  # keyed by the child's first page
+    full_lock: int = 0  # requests holding this node's full KV
+    swa_lock: int = 0  # requests holding this node's SWA KV (<= full_lock)
+    boundary_id: int | None = None  # set on the topmost SWA-locked node of some lock
+    last_access: int = 0  # tick of the cache's logical clock (full-eviction order)
+    attached: bool = True  # False once deleted from the tree
+    # Intrusive links of the SWA LRU list (lru.py); `in_lru` says whether they are meaningful.
+    lru_newer: Node | None = None
+    lru_older: Node | None = None
+    in_lru: bool = False
+
+    @staticmethod
+    def make_root() -> Node:
+        # The root is permanently locked so walks that stop "at a locked node" stop there.
+        return Node(key=(), full=_EMPTY, swa=_EMPTY, hashes=[], full_lock=1, swa_lock=1)
+
+    @property
+    def is_root(self) -> bool:
+        return self.parent is None
+
+    @property
+    def is_tombstone(self) -> bool:
+        return self.swa is None
+
+    @property
+    def is_leaf(self) -> bool:
+        return not self.children
+
+    @property
+    def last_hash(self) -> int:
+        """Chained hash of the prefix ending at this node (ROOT_HASH for the root)."""
+        return self.hashes[-1] if self.hashes else ROOT_HASH
+
+    def __len__(self) -> int:
+        return len(self.key)
+
+    def __repr__(self) -> str:  # keep reprs short: tensors and parents would recurse
+        state = "tomb" if self.swa is None else "live"
+        return f"Node(len={len(self.key)}, {state}, lock={self.full_lock}/{self.swa_lock})"
+
+
+def split_off_head(node: Node, at: int, page_size: int) -> Node:
+    """Cut `node` at token offset `at` and return the new upper node holding ``key[:at]``.
+
+    `node` keeps the lower part (so every handle pointing at it stays valid). The upper node
+    copies both lock counts (every lock through `node` also runs through it) and takes the lock
+    boundary id: the boundary of a lock is its *topmost* SWA-locked node.
+    The caller fixes counters-free bookkeeping (LRU position, leaf heap); sizes don't change.
+    ::
+
+        parent ── node[0:len)          parent ── upper[0:at) ── node[at:len)
+    """
+    assert 0 < at < len(node.key) and at % page_size == 0, (at, len(node.key), page_size)
+    parent = node.parent
+    assert parent is not None, "cannot split the root"
+    pages = at // page_size
+    upper = Node(
+        key=node.key[:at],
+        full=node.full[:at],
+        swa=None if node.swa is None else node.swa[:at],
+        hashes=node.hashes[:pages],
+        parent=parent,
+        full_lock=node.full_lock,
+        swa_lock=node.swa_lock,
+        boundary_id=node.boundary_id,
+        last_access=node.last_access,
+    )
+    node.boundary_id = None
+    node.key = node.key[at:]
+    node.full = node.full[at:]
+    node.swa = None if node.swa is None else node.swa[at:]
+    node.hashes = node.hashes[pages:]
+    parent.children[upper.key[:page_size]] = upper
+    upper.children[node.key[:page_size]] = node
+    node.parent = upper
+    return upper
+
+
+def path_to_root(node: Node) -> list[Node]:
+    """Nodes from `node` up to (excluding) the root, deepest first."""
+    out: list[Node] = []
+    while node.parent is not None:
+        out.append(node)
+        node = node.parent
+    return out

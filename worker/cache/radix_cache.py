@@ -1,0 +1,252 @@
+"""`RadixCache`: the façade the scheduler uses; the only cache code that touches the allocator.
+
+It composes the tree state (tree.py) with the algorithms (match.py, insert.py, evict.py),
+applies the allocator work they return, and implements the request hooks. With `window` None
+(no SWA layer) or a non-hybrid allocator it is a plain radix cache: no tombstones ever.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from worker.cache.base import EvictResult, LockReceipt, MatchResult, PrefixCache
+from worker.cache.events import EventLog
+from worker.cache.evict import evict as evict_tree
+from worker.cache.insert import InsertOutcome, insert
+from worker.cache.integrity import check_tree
+from worker.cache.match import match_path
+from worker.cache.node import Node, path_to_root
+from worker.cache.req_kv import ReqKV
+from worker.cache.tree import AllocOps, RadixTree
+from worker.mem.allocator import HybridAllocator
+from worker.mem.frontier import free_out_of_window
+from worker.protocol import EventKind, PageState
+
+_I64 = torch.int64
+
+
+class RadixCache(PrefixCache):
+    """Unified radix cache with a FULL and an SWA component per node.
+
+    Args:
+        allocator: the hybrid allocator whose slots the tree holds.
+        window: keys to the left (DESIGN §1); None when the model has no SWA layer.
+        eager_swa_free: free out-of-window SWA of unfinished chunked prefills before inserting
+            them (SGLang PR 27402). Saves SWA pool, costs reuse of branches inside that span.
+        emit_events: buffer cache events for `drain_events` (off: benchmarks).
+    """
+
+    def __init__(
+        self,
+        allocator: HybridAllocator,
+        window: int | None,
+        *,
+        eager_swa_free: bool = False,
+        emit_events: bool = True,
+    ) -> None:
+        if window is not None and window < 0:
+            raise ValueError(f"window must be >= 0 keys to the left, got {window}")
+        self.allocator = allocator
+        self.page_size = allocator.page_size
+        # NOTE: with one shared pool the SWA layers keep all their KV, so no window rule applies.
+        self.window = window if allocator.hybrid else None
+        self.eager_swa_free = eager_swa_free
+        self.events = EventLog(emit_events)
+        self.tree = RadixTree(self.page_size, self.window, self.events)
+
+    # ---- sizes (tokens) -------------------------------------------------------------------
+    @property
+    def full_evictable(self) -> int:  # type: ignore[override]
+        return self.tree.full_evictable
+
+    @property
+    def full_protected(self) -> int:  # type: ignore[override]
+        return self.tree.full_protected
+
+    @property
+    def swa_evictable(self) -> int:  # type: ignore[override]
+        return self.tree.swa_evictable
+
+    @property
+    def swa_protected(self) -> int:  # type: ignore[override]
+        return self.tree.swa_protected
+
+    # ---- match / insert / locks -----------------------------------------------------------
+    def match_prefix(self, tokens: Sequence[int]) -> MatchResult:
+        key = self._key(tokens)
+        path, length = match_path(self.tree, key)
+        end = path[-1] if path else self.tree.root
+        self.tree.touch(end)
+        return MatchResult(_cat([n.full for n in path]), length, end)
+
+    def insert(
+        self,
+        tokens: Sequence[int],
+        full: torch.Tensor,
+        *,
+        prev_prefix_len: int = 0,
+        swa_evicted_seqlen: int = 0,
+    ) -> InsertOutcome:
+        """Insert `tokens` (page-aligned) with the request's full slots `full` (int64, CPU).
+
+        The tree takes ownership of the request's slots from `prev_prefix_len` on, except
+        duplicates of what it already holds, which are freed. Returns what was already cached
+        (`prefix_len`) and the node ending the key.
+        """
+        key = self._key(tokens)
+        assert len(key) == len(tokens), f"insert needs a page-aligned key, got {len(tokens)} tokens"
+        full = torch.as_tensor(full, dtype=_I64)[: len(key)]
+        out = insert(
+            self.tree,
+            key,
+            full,
+            self.allocator.translate(full),
+            prev_prefix_len=prev_prefix_len,
+            swa_evicted=swa_evicted_seqlen,
+        )
+        self._apply(out.ops)
+        return out
+
+    def lock(self, node: Node) -> LockReceipt:
+        return self.tree.lock(node)
+
+    def unlock(self, receipt: LockReceipt, skip_swa: bool = False) -> None:
+        self.tree.unlock(receipt, skip_swa)
+
+    def release_window_lock(self, receipt: LockReceipt) -> LockReceipt:
+        new, tombstoned = self.tree.release_window(receipt)
+        self._apply(AllocOps(free_swa=[n.full for n in tombstoned]))
+        return new
+
+    # ---- request hooks --------------------------------------------------------------------
+    def cache_unfinished_req(self, req: ReqKV) -> None:
+        """Chunked prefill step (reference §2.7)::
+
+        0        protected            aligned = floor_P(kv_committed_len)
+        |-- tree --|-- inserted now --|-- unaligned tail stays the request's --|
+                   table[protected:aligned] := the tree's slots; protected := aligned
+        """
+        P = self.page_size
+        kv_len = req.kv_committed_len
+        if self.eager_swa_free and self.window is not None and kv_len > 0:
+            req.swa_evicted_seqlen = free_out_of_window(
+                self.allocator,
+                req.table,
+                evicted=req.swa_evicted_seqlen,
+                protected=req.cache_protected_len,
+                pre_len=kv_len - 1,
+                window=self.window,
+                page_size=P,
+                chunk_cache=False,
+                floor=req.swa_evict_floor,
+            )
+        aligned = kv_len - kv_len % P
+        if aligned <= req.cache_protected_len:
+            return
+        out = self.insert(
+            req.tokens[:aligned],
+            req.table[:aligned],
+            prev_prefix_len=req.cache_protected_len,
+            swa_evicted_seqlen=req.swa_evicted_seqlen,
+        )
+        # NOTE: the tree owns [0, aligned) now whatever the window rule says about matching
+        # there, so the request's lock and table follow the inserted node, not a re-match
+        # (a re-match that stops short would leave tree-owned slots marked request-owned,
+        # and the next insert would free them).
+        path = path_to_root(out.node)[::-1]
+        req.table[req.cache_protected_len : aligned] = _cat([n.full for n in path])[
+            req.cache_protected_len : aligned
+        ]
+        new_lock = self.tree.lock(out.node)
+        if req.lock is not None:
+            self.tree.unlock(req.lock, skip_swa=req.swa_lock_released)
+        req.lock, req.swa_lock_released = new_lock, False
+        req.cache_protected_len = aligned
+
+    def cache_finished_req(self, req: ReqKV, insert: bool = True) -> None:
+        """Finish (reference §2.6)::
+
+        0      protected        aligned            committed      allocated
+        |-tree-|-- inserted or freed --|- tail: freed -|- spare: freed -|
+        """
+        P = self.page_size
+        kv_len = req.kv_committed_len
+        aligned = kv_len - kv_len % P
+        protected = req.cache_protected_len
+        if insert:
+            self.insert(
+                req.tokens[:aligned],
+                req.table[:aligned],
+                prev_prefix_len=protected,
+                swa_evicted_seqlen=req.swa_evicted_seqlen,
+            )
+        elif aligned > protected:
+            self.allocator.free(req.table[protected:aligned])
+        end = max(kv_len, req.kv_allocated_len)
+        if end > aligned:
+            self.allocator.free(req.table[aligned:end])
+        if req.lock is not None:
+            self.tree.unlock(req.lock, skip_swa=req.swa_lock_released)
+        req.lock, req.swa_lock_released = None, False
+
+    # ---- eviction / flush -----------------------------------------------------------------
+    def evict(self, full_tokens: int, swa_tokens: int) -> EvictResult:
+        if self.window is None:
+            # One component: the SWA side mirrors the full side (or shares its pool).
+            full, _, ops = evict_tree(self.tree, max(full_tokens, swa_tokens), 0)
+            self._apply(ops)
+            return EvictResult(full, full)
+        full, swa, ops = evict_tree(self.tree, full_tokens, swa_tokens)
+        self._apply(ops)
+        return EvictResult(full, swa)
+
+    def reset(self) -> None:
+        """Free everything unlocked. With no lock held the tree is emptied in one step and a
+        single CLEARED event replaces per-page REMOVED events."""
+        if self.tree.full_protected == 0:
+            nodes = self.tree.iter_nodes()
+            self._apply(AllocOps(free=[n.full for n in nodes]))
+            self.tree = RadixTree(self.page_size, self.window, self.events)
+            self.events.emit(EventKind.CLEARED)
+            return
+        self.evict(self.tree.full_evictable, self.tree.swa_evictable)
+
+    # ---- events / checks ------------------------------------------------------------------
+    def drain_events(self) -> list:
+        return self.events.drain()
+
+    def snapshot_pages(self) -> dict[int, PageState]:
+        pages: dict[int, PageState] = {}
+        for n in self.tree.iter_nodes():
+            state = PageState.TOMBSTONE if n.swa is None else PageState.LIVE
+            pages.update(dict.fromkeys(n.hashes, state))
+        return pages
+
+    def check_integrity(self, running_reqs: Sequence[ReqKV] = ()) -> None:
+        check_tree(self.tree, self.allocator, running_reqs)
+
+    # ---- helpers --------------------------------------------------------------------------
+    def _key(self, tokens: Sequence[int]) -> tuple[int, ...]:
+        n = len(tokens) - len(tokens) % self.page_size
+        return (
+            tuple(int(t) for t in tokens[:n])
+            if isinstance(tokens, torch.Tensor)
+            else tuple(tokens[:n])
+        )
+
+    def _apply(self, ops: AllocOps) -> None:
+        """The only place tree work reaches the allocator (remap, then SWA frees, then frees)."""
+        for full, swa in ops.remap:
+            self.allocator.set_mapping(full, swa)
+        if ops.free_swa:
+            self.allocator.free_swa(_cat(ops.free_swa))
+        if ops.free:
+            self.allocator.free(_cat(ops.free))
+
+
+def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
+    if not parts:
+        return torch.empty(0, dtype=_I64)
+    return parts[0] if len(parts) == 1 else torch.cat(parts)

@@ -1,0 +1,54 @@
+"""Request-side KV state the cache hooks read and update (reference §1.4).
+
+Positions are token indices of the request. The ranges, for a radix cache::
+
+    0            cache_protected_len   swa_evicted_seqlen      kv_committed_len  kv_allocated_len
+    |--- tree-owned ---|--- request-owned, SWA freed ---|--- request-owned, live ---|- spare -|
+
+The tree owns `[0, cache_protected_len)` (the request's table points at the tree's slots and
+its lock keeps them); the request owns the rest. The frontier `swa_evicted_seqlen` only ever
+covers request-owned positions (chunk cache: protected is 0, so it covers `[0, frontier)`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from worker.cache.base import LockReceipt
+
+
+def _empty_table() -> torch.Tensor:
+    return torch.empty(0, dtype=torch.int64)
+
+
+@dataclass(slots=True)
+class ReqKV:
+    """One request's KV bookkeeping. The engine grows `tokens` and `table` and the lengths;
+    the cache hooks rewrite `table[:cache_protected_len]`, `cache_protected_len` and `lock`."""
+
+    tokens: list[int]  # token ids so far (prompt + output)
+    table: torch.Tensor = field(default_factory=_empty_table)  # int64, CPU: full slot per position
+    cache_protected_len: int = 0  # page-aligned; owned by the tree
+    swa_evicted_seqlen: int = 0  # page-aligned frontier: SWA freed below it (request-owned part)
+    lock: LockReceipt | None = None  # the locked match / last inserted node
+    swa_lock_released: bool = False  # early release done; the lock is FULL-only now
+    kv_committed_len: int = 0  # positions whose KV is written and valid
+    kv_allocated_len: int = 0  # positions that have a slot in `table`
+    swa_evict_floor: int = 0  # positions below it are never window-freed while running
+
+    def owned_full_tokens(self, page_size: int) -> int:
+        """Full-pool tokens this request holds beyond the tree (reference §1.6 I9)."""
+        return _ceil(self.kv_allocated_len, page_size) - self.cache_protected_len
+
+    def owned_swa_tokens(self, page_size: int) -> int:
+        """SWA-pool tokens this request holds beyond the tree (reference §1.6 I9)."""
+        start = max(self.cache_protected_len, self.swa_evicted_seqlen)
+        return max(0, _ceil(self.kv_allocated_len, page_size) - start)
+
+
+def _ceil(n: int, page_size: int) -> int:
+    return -(-n // page_size) * page_size

@@ -1,0 +1,256 @@
+"""The radix tree's state: nodes, the four size counters, the two eviction orders, locks.
+
+Every state change of a node goes through a method here, so the counters, the SWA LRU list,
+the leaf heap and the event log can never disagree. The algorithms (match.py, insert.py,
+evict.py) decide *what* changes; they never touch a counter. Nothing here touches an
+allocator: operations that release KV return the slots (`AllocOps`) to the façade.
+
+Counters (tokens), per pool: a node is *protected* while its lock count for that pool is > 0,
+else *evictable*; a tombstone counts for neither SWA counter.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from worker.cache.base import LockReceipt
+from worker.cache.events import EventLog
+from worker.cache.lru import LeafHeap, LRUList
+from worker.cache.node import Key, Node, split_off_head
+from worker.protocol import EventKind, page_hashes
+
+
+@dataclass(slots=True)
+class AllocOps:
+    """Allocator work a tree operation leaves to the façade, applied in this field order."""
+
+    remap: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # set_mapping
+    free_swa: list[torch.Tensor] = field(default_factory=list)  # full slots: free their SWA only
+    free: list[torch.Tensor] = field(default_factory=list)  # full slots (+ their mapped SWA)
+
+
+class RadixTree:
+    """Nodes + counters + LRUs + locks of one cache.
+
+    `window` None means no SWA rule (no SWA layer, or one shared pool): nothing is ever
+    tombstoned and the SWA side simply mirrors the full side.
+    """
+
+    def __init__(self, page_size: int, window: int | None, events: EventLog) -> None:
+        self.page_size = page_size
+        self.window = window
+        self.events = events
+        self.root = Node.make_root()
+        self.swa_lru = LRUList()
+        self.leaves = LeafHeap()  # unlocked leaves: full-eviction order
+        self.full_evictable = self.full_protected = 0
+        self.swa_evictable = self.swa_protected = 0
+        self._clock = 0
+        self._next_boundary_id = 1
+
+    # ---- lookup ---------------------------------------------------------------------------
+
+    def child(self, node: Node, key: Key, pos: int) -> Node | None:
+        return node.children.get(key[pos : pos + self.page_size])
+
+    def common_len(self, node: Node, key: Key, pos: int) -> int:
+        """Page-aligned length of the common prefix of `node.key` and `key[pos:]`."""
+        n = min(len(node.key), len(key) - pos)
+        n -= n % self.page_size
+        if node.key[:n] == key[pos : pos + n]:  # fast path: one C-level compare
+            return n
+        p = self.page_size
+        i = 0
+        while i < n and node.key[i : i + p] == key[pos + i : pos + i + p]:
+            i += p
+        return i
+
+    # ---- structure ------------------------------------------------------------------------
+
+    def split(self, node: Node, at: int) -> Node:
+        """Cut `node` at token offset `at`; returns the new upper node (see node.py)."""
+        upper = split_off_head(node, at, self.page_size)
+        if node.in_lru:
+            self.swa_lru.insert_older_than(node, upper)
+        return upper
+
+    def add_node(
+        self, parent: Node, key: Key, full: torch.Tensor, swa: torch.Tensor | None
+    ) -> Node:
+        """Attach a new unlocked leaf; `swa` None creates it as a tombstone (FULL only)."""
+        p = self.page_size
+        assert key and len(key) % p == 0 and len(full) == len(key), (len(key), len(full), p)
+        node = Node(
+            key=key,
+            full=full,
+            swa=swa,
+            hashes=page_hashes(key, p, parent.last_hash),
+            parent=parent,
+            last_access=self.tick(),
+        )
+        parent.children[key[:p]] = node
+        self.leaves.discard(parent)
+        self.leaves.add(node)
+        self.full_evictable += len(key)
+        if swa is None:
+            self.events.emit(EventKind.STORED_FULL_ONLY, node.hashes)
+        else:
+            self.swa_evictable += len(key)
+            self.swa_lru.push_newest(node)
+            self.events.emit(EventKind.STORED, node.hashes)
+        return node
+
+    def delete_leaf(self, node: Node) -> None:
+        """Detach an unlocked leaf; the caller frees `node.full` (and with it any live SWA)."""
+        assert node.is_leaf and node.full_lock == 0 and not node.is_root, node
+        parent = node.parent
+        assert parent is not None
+        del parent.children[node.key[: self.page_size]]
+        self.leaves.discard(node)
+        self.full_evictable -= len(node)
+        if node.swa is not None:
+            self.swa_evictable -= len(node)
+            self.swa_lru.remove(node)
+        node.attached = False
+        self.events.emit(EventKind.REMOVED, node.hashes)
+        if parent.is_leaf and parent.full_lock == 0:
+            self.leaves.add(parent)
+
+    def tombstone(self, node: Node) -> None:
+        """Drop the SWA component; the caller frees SWA of `node.full`."""
+        assert node.swa is not None and node.swa_lock == 0, node
+        assert self.window is not None, "no SWA rule: nothing may be tombstoned"
+        node.swa = None
+        self.swa_evictable -= len(node)
+        self.swa_lru.remove(node)
+        self.events.emit(EventKind.SWA_REMOVED, node.hashes)
+
+    def revive(self, node: Node, full: torch.Tensor, swa: torch.Tensor) -> None:
+        """Give a tombstone fresh SWA (and maybe new full slots: unlocked revival)."""
+        assert node.swa is None and node.swa_lock == 0, node
+        node.full, node.swa = full, swa
+        self.swa_evictable += len(node)
+        self.swa_lru.push_newest(node)
+        self.events.emit(EventKind.SWA_RESTORED, node.hashes)
+
+    # ---- access order ---------------------------------------------------------------------
+
+    def tick(self) -> int:
+        self._clock += 1
+        return self._clock
+
+    def touch(self, end: Node) -> None:
+        """Record an access of the path root → `end`: full order (deeper = newer) and a
+        window-bounded SWA refresh above `end` (reference §2.15)."""
+        path = []
+        node = end
+        while not node.is_root:
+            path.append(node)
+            node = node.parent  # type: ignore[assignment]
+        for n in reversed(path):
+            n.last_access = self.tick()
+        self.leaves.touched(end)
+        budget = (1 << 62) if self.window is None else self.window + self.page_size
+        self.swa_lru.refresh_upward(end, budget)
+
+    # ---- locks ----------------------------------------------------------------------------
+
+    def lock(self, node: Node) -> LockReceipt:
+        """FULL lock node → root; SWA lock over live nodes until `window` tokens are covered
+        (stopping at a tombstone: KV above it cannot serve this match's window anyway)."""
+        if node.is_root:
+            return LockReceipt(node, None)
+        self.leaves.discard(node)
+        top: Node | None = None
+        acc = 0
+        swa_open = True
+        for n in _up(node):
+            if n.full_lock == 0:
+                self.full_evictable -= len(n)
+                self.full_protected += len(n)
+            n.full_lock += 1
+            if swa_open and n.swa is not None:
+                self._swa_inc(n)
+                top = n
+                acc += len(n)
+                swa_open = self.window is None or acc < self.window
+            else:
+                swa_open = False
+        if top is None:
+            return LockReceipt(node, None)
+        if top.boundary_id is None:
+            top.boundary_id = self._next_boundary_id
+            self._next_boundary_id += 1
+        return LockReceipt(node, top.boundary_id)
+
+    def unlock(self, receipt: LockReceipt, skip_swa: bool = False) -> None:
+        node = receipt.node
+        if node.is_root:
+            return
+        if receipt.holds_swa and not skip_swa:
+            self._swa_release(receipt, on_zero=None)
+        for n in _up(node):
+            assert n.full_lock > 0, f"unlock of an unlocked node {n}: receipt used twice?"
+            n.full_lock -= 1
+            if n.full_lock == 0:
+                self.full_protected -= len(n)
+                self.full_evictable += len(n)
+        if node.is_leaf and node.full_lock == 0 and node.attached:
+            self.leaves.add(node)
+
+    def release_window(self, receipt: LockReceipt) -> tuple[LockReceipt, list[Node]]:
+        """Drop the SWA part of a lock; leaves whose SWA lock hits 0 are tombstoned at once
+        (returned: the caller frees their SWA), internal nodes become SWA-evictable."""
+        if not receipt.holds_swa:
+            return receipt, []
+        freed: list[Node] = []
+
+        def on_zero(n: Node) -> None:
+            if n.is_leaf:
+                self.tombstone(n)
+                freed.append(n)
+
+        self._swa_release(receipt, on_zero)
+        return LockReceipt(receipt.node, None), freed
+
+    def _swa_inc(self, n: Node) -> None:
+        if n.swa_lock == 0:
+            self.swa_evictable -= len(n)
+            self.swa_protected += len(n)
+        n.swa_lock += 1
+
+    def _swa_release(self, receipt: LockReceipt, on_zero: Callable[[Node], None] | None) -> None:
+        for n in _up(receipt.node):
+            assert n.swa is not None and n.swa_lock > 0, f"SWA unlock of {n}: receipt used twice?"
+            n.swa_lock -= 1
+            if n.swa_lock == 0:
+                self.swa_protected -= len(n)
+                self.swa_evictable += len(n)
+                if on_zero is not None:
+                    on_zero(n)
+            if n.boundary_id == receipt.swa_boundary:
+                return
+        raise AssertionError(f"lock boundary {receipt.swa_boundary} not found above {receipt.node}")
+
+    # ---- whole tree -----------------------------------------------------------------------
+
+    def iter_nodes(self) -> list[Node]:
+        """Every non-root node (O(n): integrity checks, snapshots, reset)."""
+        out: list[Node] = []
+        stack = list(self.root.children.values())
+        while stack:
+            n = stack.pop()
+            out.append(n)
+            stack.extend(n.children.values())
+        return out
+
+
+def _up(node: Node) -> list[Node]:
+    out = []
+    while not node.is_root:
+        out.append(node)
+        node = node.parent  # type: ignore[assignment]
+    return out
