@@ -16,6 +16,10 @@ Per-worker state machine (DESIGN §4.3):
 
 A stale or missing worker matches 0 pages, never a stale positive.
 
+A snapshot may already reflect events of batches after its seq; replaying those batches on top
+is harmless because every event *sets* a page state (STORED, STORED_FULL_ONLY, REMOVED, CLEARED
+unconditionally; SWA_REMOVED/SWA_RESTORED only on present pages, whose presence they never change).
+
 Memory is bounded: a worker keeps at most `min(limits.max_pages_per_worker, its full pool in
 pages)` pages and the index at most `limits.max_workers` workers. Pages past the bound are evicted
 oldest first. NOTE: evicting an index entry only ever makes a prediction smaller, never larger:
@@ -173,6 +177,11 @@ class ClusterIndex:
             self._apply_event(entry, event)
         entry.seq = batch.seq
         return ApplyOutcome.APPLIED
+
+    def clear(self) -> None:
+        """Forget every worker (a router rebuilding from a reset delta)."""
+        for entry in list(self._workers.values()):
+            self._drop(entry)
 
     def remove(self, worker_id: str, incarnation: str | None = None) -> ApplyOutcome:
         entry = self._workers.get(worker_id)

@@ -64,6 +64,7 @@ class Delta:
     """
 
     epoch: str
+    since: int  # the cursor this delta continues from (ignored when reset)
     cursor: int  # pass back on the next pull
     reset: bool
     updates: tuple[IndexUpdate, ...]

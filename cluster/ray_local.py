@@ -1,0 +1,85 @@
+"""Start and stop a local Ray cluster on loopback (CLI `swaserve serve` and tests).
+
+Ray's environment switches are set here and nowhere else:
+- `RAY_AUTH_MODE=disabled`: Ray 2.60 turns token auth on for a new local cluster and writes
+  `~/.ray/auth_token`, which then leaks into every later `ray start` on the machine;
+- `RAY_USAGE_STATS_ENABLED=0`: no telemetry (and no network attempt).
+Each cluster gets its own short temp dir (Ray's socket paths must stay under ~107 bytes), so
+parallel jobs on one machine do not share sessions; it is removed on stop.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+RAY_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
+
+
+@dataclass(frozen=True)
+class LocalRayConfig:
+    num_cpus: int = 2  # logical CPUs; give actors fractional `num_cpus` so several fit
+    object_store_memory: int = 256 << 20  # the default takes 30 % of RAM in /dev/shm
+    namespace: str | None = None
+    temp_root: str = "/tmp"
+
+
+@dataclass(frozen=True)
+class LocalRay:
+    """A cluster this process started (stop it with `stop_local_ray`)."""
+
+    temp_dir: str
+    address: str
+
+
+def start_local_ray(config: LocalRayConfig | None = None) -> LocalRay:
+    """Start a fresh single-node cluster bound to 127.0.0.1 (no dashboard).
+
+    Raises:
+        RuntimeError: Ray is already initialised in this process.
+    """
+    import ray
+
+    cfg = config or LocalRayConfig()
+    if ray.is_initialized():
+        raise RuntimeError(
+            "Ray is already initialised in this process; stop it (ray.shutdown()) or reuse it"
+        )
+    os.environ.update(RAY_ENV)
+    temp_dir = tempfile.mkdtemp(prefix="swaray-", dir=cfg.temp_root)
+    try:
+        ctx = ray.init(
+            address="local",
+            num_cpus=cfg.num_cpus,
+            object_store_memory=cfg.object_store_memory,
+            include_dashboard=False,
+            namespace=cfg.namespace,
+            log_to_driver=False,
+            _node_ip_address="127.0.0.1",
+            _temp_dir=temp_dir,
+        )
+    except BaseException:
+        shutil.rmtree(temp_dir, ignore_errors=True)
+        raise
+    return LocalRay(temp_dir=temp_dir, address=ctx.address_info.get("address", ""))
+
+
+def stop_local_ray(cluster: LocalRay) -> None:
+    """Shut down the cluster `start_local_ray` started and delete its temp dir."""
+    import ray
+
+    ray.shutdown()
+    shutil.rmtree(cluster.temp_dir, ignore_errors=True)
+
+
+@contextmanager
+def local_ray(config: LocalRayConfig | None = None) -> Iterator[LocalRay]:
+    cluster = start_local_ray(config)
+    try:
+        yield cluster
+    finally:
+        stop_local_ray(cluster)

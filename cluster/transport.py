@@ -1,0 +1,267 @@
+"""Cache events over Ray: worker replicas push to one named index actor, routers pull deltas.
+
+Why a named index actor rather than routers pulling from each replica:
+- Workers pay one actor call per drained batch, however many routers exist (one router per
+  ingress replica, reference ray_serve.md); pulling from replicas would cost N routers × M
+  replicas calls and a per-router backlog inside every replica's event loop, next to the engine.
+- Gap detection and the "send a snapshot" answer live in one place; the replica keeps no
+  per-consumer state and never serves bootstrap snapshots to routers (the hub rebuilds them).
+- A router that starts late, or falls behind the bounded log, bootstraps from the actor's index
+  without touching any replica.
+- Serve replicas only answer their deployment's methods; a side channel to a specific replica
+  would need the replica actor's handle, which routers do not get.
+The cost is one hop (worker → actor → router, about 1–2 ms on loopback) and one actor process
+per worker deployment. Routers long-poll (`pull(wait_s)`), so a push reaches them at once.
+
+Lifecycle: the actor is detached, named `index_actor_name(app, deployment)` in namespace
+`swaserve`, created by whichever side comes first (`get_if_exists`), restarted by Ray if it dies
+(`max_restarts=-1`) with a fresh `epoch`: publishers then get "resync needed" on their next push,
+routers get a reset delta. `kill_index_actor` ends it (the app builder calls it at shutdown).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+import ray
+from ray.actor import ActorHandle
+from ray.exceptions import RayError
+
+from cluster.index import ClusterIndex, IndexLimits
+from cluster.index_hub import IndexHub, apply_delta
+from cluster.messages import Delta, PushAck, WorkerRemoved, WorkerResync
+from worker.protocol import CacheSnapshot, EventBatch, WorkerMeta
+
+logger = logging.getLogger(__name__)
+
+INDEX_NAMESPACE = "swaserve"
+
+
+def index_actor_name(app_name: str, deployment_name: str) -> str:
+    """The index actor of one worker deployment (workers and routers derive the same name)."""
+    return f"swaserve-cache-index:{app_name}:{deployment_name}"
+
+
+class CacheIndexActor:
+    """The Ray actor around `IndexHub`; async so pulls can wait for the next change."""
+
+    def __init__(self, max_pages_per_worker: int, max_workers: int, max_log: int) -> None:
+        self._hub = IndexHub(IndexLimits(max_pages_per_worker, max_workers), max_log)
+        self._changed: asyncio.Event | None = None
+
+    async def push(self, batch: EventBatch) -> PushAck:
+        ack = self._hub.push(batch)
+        self._notify()
+        return ack
+
+    async def resync(self, update: WorkerResync) -> PushAck:
+        ack = self._hub.resync(update)
+        self._notify()
+        return ack
+
+    async def remove(self, update: WorkerRemoved) -> bool:
+        changed = self._hub.remove(update)
+        self._notify()
+        return changed
+
+    async def pull(self, epoch: str | None, cursor: int, wait_s: float = 0.0) -> Delta | None:
+        """Updates after `cursor`, waiting up to `wait_s` for one when there are none yet."""
+        changed = self._event()  # captured before looking: no await in between, no lost wakeup
+        delta = self._hub.pull(epoch, cursor)
+        if delta is None and wait_s > 0:
+            try:
+                await asyncio.wait_for(changed.wait(), wait_s)
+            except asyncio.TimeoutError:
+                return None
+            delta = self._hub.pull(epoch, cursor)
+        return delta
+
+    async def describe(self) -> dict[str, object]:
+        """Workers (id → incarnation, seq, stale, pages) and log bounds, for tests and debugging."""
+        workers = {
+            e.meta.worker_id: (e.meta.incarnation, e.seq, e.stale, len(e.pages))
+            for e in self._hub.index.workers()
+        }
+        return {"epoch": self._hub.epoch, "end": self._hub.end, "workers": workers}
+
+    def _event(self) -> asyncio.Event:
+        if self._changed is None:
+            self._changed = asyncio.Event()
+        return self._changed
+
+    def _notify(self) -> None:
+        # Waiters hold the old event; a fresh one serves the next round.
+        self._event().set()
+        self._changed = asyncio.Event()
+
+
+def get_or_create_index_actor(
+    name: str,
+    *,
+    limits: IndexLimits | None = None,
+    max_log: int = 4096,
+) -> ActorHandle:
+    """The named index actor, created on first use (idempotent across processes)."""
+    limits = limits or IndexLimits()
+    remote_cls = ray.remote(CacheIndexActor)
+    return remote_cls.options(
+        name=name,
+        namespace=INDEX_NAMESPACE,
+        lifetime="detached",
+        get_if_exists=True,
+        num_cpus=0,
+        max_restarts=-1,
+    ).remote(limits.max_pages_per_worker, limits.max_workers, max_log)
+
+
+def kill_index_actor(name: str) -> bool:
+    """End the index actor; False when it did not exist."""
+    try:
+        actor = ray.get_actor(name, namespace=INDEX_NAMESPACE)
+    except ValueError:
+        return False
+    ray.kill(actor, no_restart=True)
+    return True
+
+
+class EventPublisher:
+    """Worker side: push this replica's event batches, resyncing from a snapshot when asked.
+
+    `snapshot_fn` returns the engine's whole cache labelled with the seq of the last batch its
+    state includes (a snapshot newer than the last published batch is fine: batches at or below
+    its seq are then ignored). It is called on the caller's thread, inside `start`/`publish`.
+    Calls are serialised, so batches reach the actor in seq order.
+    """
+
+    def __init__(
+        self, actor: ActorHandle, meta: WorkerMeta, snapshot_fn: Callable[[], CacheSnapshot]
+    ) -> None:
+        self._actor = actor
+        self.meta = meta
+        self._snapshot_fn = snapshot_fn
+        self._lock = asyncio.Lock()
+        self._needs_resync = True
+        self.resyncs = 0  # snapshots sent (observability)
+
+    async def start(self) -> None:
+        """Register this incarnation (metadata + current snapshot, seq 0 on a fresh engine)."""
+        async with self._lock:
+            await self._resync()
+
+    async def publish(self, batch: EventBatch) -> None:
+        """Push one drained batch; returns once the index actor applied it.
+
+        NOTE: await this for the batch holding a finished request's events *before* returning
+        that request's response: then the next request's prediction sees them (routers hear of
+        a push within about a millisecond through their long poll).
+        """
+        if (batch.worker_id, batch.incarnation) != (self.meta.worker_id, self.meta.incarnation):
+            raise ValueError(
+                f"batch of {batch.worker_id}/{batch.incarnation} given to the publisher of "
+                f"{self.meta.worker_id}/{self.meta.incarnation}"
+            )
+        async with self._lock:
+            if self._needs_resync:
+                await self._resync()
+                return  # the snapshot already holds this batch's state
+            try:
+                ack: PushAck = await self._actor.push.remote(batch)
+            except RayError as exc:
+                logger.warning("cache index push failed (%s); resyncing on the next batch", exc)
+                self._needs_resync = True
+                return
+            if ack.resync_needed:
+                await self._resync()
+
+    async def publish_snapshot(self, snapshot: CacheSnapshot) -> None:
+        """Send a snapshot the worker took on its own initiative."""
+        async with self._lock:
+            await self._send(WorkerResync(self.meta, snapshot))
+
+    async def close(self) -> None:
+        """Remove this incarnation from the index (graceful replica shutdown)."""
+        try:
+            await self._actor.remove.remote(WorkerRemoved(self.meta.worker_id, self.meta.incarnation))
+        except RayError as exc:
+            logger.warning("cache index remove failed: %s", exc)
+
+    async def _resync(self) -> None:
+        await self._send(WorkerResync(self.meta, self._snapshot_fn()))
+
+    async def _send(self, update: WorkerResync) -> None:
+        try:
+            ack: PushAck = await self._actor.resync.remote(update)
+        except RayError as exc:
+            logger.warning("cache index resync failed (%s); retrying on the next batch", exc)
+            self._needs_resync = True
+            return
+        self.resyncs += 1
+        self._needs_resync = ack.resync_needed
+
+
+class IndexSubscriber:
+    """Router side: keep a local `ClusterIndex` current by long-polling the index actor."""
+
+    def __init__(self, actor: ActorHandle, index: ClusterIndex, wait_s: float = 1.0) -> None:
+        self._actor = actor
+        self.index = index
+        self._wait_s = wait_s
+        self._epoch: str | None = None
+        self._cursor = 0
+        self._ready = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def ready(self) -> bool:
+        return self._ready.is_set()
+
+    async def sync(self, wait_s: float = 0.0) -> bool:
+        """Pull and apply once; True when the index changed."""
+        delta: Delta | None = await self._actor.pull.remote(self._epoch, self._cursor, wait_s)
+        changed = delta is not None and self._apply(delta)
+        self._ready.set()
+        return changed
+
+    def start(self) -> asyncio.Task[None]:
+        """Run the long-poll loop on the current event loop (idempotent)."""
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._run())
+        return self._task
+
+    async def wait_ready(self, timeout_s: float) -> bool:
+        try:
+            await asyncio.wait_for(self._ready.wait(), timeout_s)
+        except asyncio.TimeoutError:
+            return False
+        return True
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
+
+    async def _run(self) -> None:
+        backoff = 0.05
+        while True:
+            try:
+                await self.sync(self._wait_s)
+                backoff = 0.05
+            except RayError as exc:
+                logger.warning("cache index pull failed (%s); retrying in %.2fs", exc, backoff)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 2.0)
+
+    def _apply(self, delta: Delta) -> bool:
+        # Only a delta that continues our cursor (or a reset) applies; a delta overtaken by a
+        # concurrent sync is dropped and the next pull fetches the rest.
+        if not delta.reset and (delta.epoch != self._epoch or delta.since != self._cursor):
+            return False
+        apply_delta(self.index, delta)
+        self._epoch, self._cursor = delta.epoch, delta.cursor
+        return True
