@@ -31,6 +31,7 @@ class ChoiceState:
     request: Any  # router.request.RoutedRequest
     text: StopTextStream
     stream: AsyncIterator[StreamStart | StreamDelta] | None = None
+    start: StreamStart | None = None
     replica: str = ""
     prompt_len: int = 0
     cached_tokens: int = 0

@@ -24,6 +24,8 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from ray import serve
+from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deploy.metrics import CONTENT_TYPE, IngressMetrics
@@ -183,3 +185,18 @@ def load_tokenizer(model: str) -> Any:
     else:
         model_dir = Path(model)
     return AutoTokenizer.from_pretrained(str(model_dir))
+
+
+@serve.ingress()
+class IngressDeployment:
+    """The Serve ingress replica: tokenizer + worker client + service; the app comes from
+    `__serve_build_asgi_app__` (Serve calls it after `__init__`)."""
+
+    def __init__(self, worker: DeploymentHandle, options: IngressOptions) -> None:
+        from deploy.worker_client import ServeWorkerClient
+
+        self._options = options
+        self._service = OpenAIService(load_tokenizer(options.model), ServeWorkerClient(worker), options.service)
+
+    def __serve_build_asgi_app__(self) -> FastAPI:
+        return create_app(self._service, self._options)

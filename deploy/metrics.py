@@ -16,7 +16,14 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    REGISTRY,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -124,6 +131,8 @@ class IngressMetrics:
         self.completion_tokens = Counter("swaserve_completion_tokens", "Generated tokens", registry=r)
 
     def render(self, replica_snapshot: Mapping[str, Mapping[str, Any] | None]) -> bytes:
+        """This ingress's metrics, the process default registry (the router's per-policy metrics
+        live there, the router runs in this process) and the worker replicas' gauges."""
         replicas = CollectorRegistry()
         replicas.register(ReplicaStatsCollector(replica_snapshot))
-        return generate_latest(self.registry) + generate_latest(replicas)
+        return generate_latest(self.registry) + generate_latest(REGISTRY) + generate_latest(replicas)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import time
 import weakref
 from collections.abc import AsyncIterator, Callable
@@ -34,13 +33,16 @@ from deploy.openai_schema import (
     parse_request,
 )
 from deploy.prompts import PromptBuilder
+from deploy.request_checks import check_chat, check_completion, sampling_params
 from deploy.responses import ResponseBuilder
+from deploy.streaming import RequestTimer, from_model, sse, translate_worker_error
 from deploy.worker_client import ReplicaSnapshot, WorkerClient
 from deploy.worker_protocol import StreamStart
-from worker.sampling_params import SamplingParams
+from router.metrics import default_metrics as routing_metrics
+from router.request import PREDICTED_CACHED_TOKENS_HEADER, RoutedRequest
 
 REPLICA_HEADER = "x-swaserve-replica"
-PREDICTED_HEADER = "x-swaserve-predicted-cached-tokens"
+PREDICTED_HEADER = PREDICTED_CACHED_TOKENS_HEADER
 
 
 @dataclass(frozen=True)
@@ -60,22 +62,17 @@ class Reply:
     events: AsyncIterator[str] | None = None
 
 
-RequestFactory = Callable[[str, list[int], SamplingParams], Any]
-
-
 class OpenAIService:
     def __init__(
         self,
         tokenizer: Any,
         client: WorkerClient,
         options: ServiceOptions,
-        make_request: RequestFactory,
         metrics: IngressMetrics | None = None,
     ) -> None:
         self._tok = tokenizer
         self._client = client
         self._opts = options
-        self._make_request = make_request
         self.metrics = metrics or IngressMetrics()
         self._prompts = PromptBuilder(tokenizer)
         self._inflight = 0
@@ -95,8 +92,7 @@ class OpenAIService:
         with_release = self._admit()
         try:
             req: CompletionRequest = parse_request(CompletionRequest, raw)
-            self._check_common(req)
-            self._check_completion_only(req)
+            check_completion(req, self._opts.model_name)
             prompts = self._prompts.completion(req.prompt)
             return await self._run(req, prompts, chat=False, release=with_release)
         except BaseException:
@@ -107,8 +103,7 @@ class OpenAIService:
         with_release = self._admit()
         try:
             req: ChatCompletionRequest = parse_request(ChatCompletionRequest, raw)
-            self._check_common(req)
-            self._check_chat_only(req)
+            check_chat(req, self._opts.model_name)
             prompts = [self._prompts.chat(req.messages)]
             return await self._run(req, prompts, chat=True, release=with_release)
         except BaseException:
@@ -141,85 +136,6 @@ class OpenAIService:
     def inflight(self) -> int:
         return self._inflight
 
-    # -- validation --------------------------------------------------------------------------
-
-    def _check_common(self, req: CompletionRequest | ChatCompletionRequest) -> None:
-        if req.model != self._opts.model_name:
-            raise APIError(
-                404, f"The model '{req.model}' does not exist; this server serves "
-                f"'{self._opts.model_name}' (see GET /v1/models)", param="model", code="model_not_found",
-            )  # fmt: skip
-        if req.presence_penalty or req.frequency_penalty:
-            name = "presence_penalty" if req.presence_penalty else "frequency_penalty"
-            raise bad_request(f"{name} is not supported; send 0 or omit it", param=name)
-        if req.logit_bias:
-            raise bad_request("logit_bias is not supported; omit it", param="logit_bias")
-        if len(req.stop_list()) > 4:
-            raise bad_request("stop takes at most 4 strings", param="stop")
-        if req.stream_options is not None and not req.stream:
-            raise bad_request("stream_options is only allowed with stream=true", param="stream_options")
-
-    def _check_completion_only(self, req: CompletionRequest) -> None:
-        if req.echo:
-            raise bad_request("echo is not supported; send false or omit it", param="echo")
-        if req.suffix:
-            raise bad_request("suffix is not supported; omit it", param="suffix")
-        if req.best_of is not None and req.best_of != req.n:
-            raise bad_request("best_of must equal n (no server-side ranking)", param="best_of")
-
-    def _check_chat_only(self, req: ChatCompletionRequest) -> None:
-        if req.tools:
-            raise bad_request("tools are not supported; omit them", param="tools")
-        if req.tool_choice not in (None, "none"):
-            raise bad_request("tool_choice must be 'none' or omitted", param="tool_choice")
-        if req.response_format and req.response_format.get("type") != "text":
-            raise bad_request("response_format must be {'type': 'text'}", param="response_format")
-        if req.top_logprobs and not req.logprobs:
-            raise bad_request("top_logprobs needs logprobs=true", param="top_logprobs")
-
-    async def _sampling(
-        self, req: CompletionRequest | ChatCompletionRequest, prompt_len: int, chat: bool
-    ) -> SamplingParams:
-        info = await self._client.info()
-        room = info.max_model_len - prompt_len
-        pname = "messages" if chat else "prompt"
-        if room < 1:
-            raise bad_request(
-                f"prompt has {prompt_len} tokens; this model's context is {info.max_model_len} "
-                f"tokens, so at most {info.max_model_len - 1} prompt tokens fit",
-                param=pname, code="context_length_exceeded",
-            )  # fmt: skip
-        if chat:
-            max_tokens = req.max_completion_tokens or req.max_tokens or room  # type: ignore[union-attr]
-            logprobs = (req.top_logprobs or 0) if req.logprobs else None  # type: ignore[union-attr]
-        else:
-            max_tokens = req.max_tokens or self._opts.default_max_tokens
-            logprobs = req.logprobs  # type: ignore[assignment]
-        if max_tokens > room:
-            raise bad_request(
-                f"max_tokens={max_tokens} plus the prompt's {prompt_len} tokens exceeds the "
-                f"context of {info.max_model_len} tokens; ask for at most {room}",
-                param="max_completion_tokens" if chat and req.max_completion_tokens else "max_tokens",  # type: ignore[union-attr]
-                code="context_length_exceeded",
-            )
-        params = SamplingParams(
-            max_tokens=max_tokens,
-            temperature=1.0 if req.temperature is None else req.temperature,
-            top_p=1.0 if req.top_p is None else req.top_p,
-            top_k=-1 if req.top_k is None else req.top_k,
-            min_p=req.min_p or 0.0,
-            seed=req.seed,
-            stop=tuple(req.stop_list()),
-            stop_token_ids=tuple(req.stop_token_ids or ()),
-            ignore_eos=req.ignore_eos,
-            logprobs=logprobs,
-        )
-        try:
-            params.validate()
-        except ValueError as e:
-            raise bad_request(str(e), param=str(e).split(" ", 1)[0]) from None
-        return params
-
     # -- running -----------------------------------------------------------------------------
 
     async def _run(
@@ -233,11 +149,14 @@ class OpenAIService:
         base_id = f"{'chatcmpl' if chat else 'cmpl'}-{time.time_ns():x}{id(req) & 0xFFFF:04x}"
         choices = []
         for p_idx, ids in enumerate(prompts):
-            params = await self._sampling(req, len(ids), chat)
+            info = await self._client.info()
+            params = sampling_params(req, len(ids), info.max_model_len, chat, self._opts.default_max_tokens)
             for k in range(req.n):
                 seeded = params if params.seed is None or k == 0 else dataclasses.replace(params, seed=params.seed + k)
                 index = p_idx * req.n + k
-                request = self._make_request(f"{base_id}-{index}", ids, seeded)
+                request = RoutedRequest(
+                    token_ids=ids, request_id=f"{base_id}-{index}", max_new_tokens=seeded.max_tokens, params=seeded
+                )
                 text = StopTextStream(self._tok, list(params.stop), context_ids=ids)
                 choices.append(ChoiceState(index, p_idx, request, text))
         builder = ResponseBuilder(self._tok, base_id, self._opts.model_name, chat)
@@ -248,10 +167,10 @@ class OpenAIService:
             await _close_all(choices)
             raise
         headers = {REPLICA_HEADER: ",".join(dict.fromkeys(c.replica for c in choices))}
-        predicted = [getattr(c.request, "predicted_cached_tokens", None) for c in choices]
+        predicted = [c.start.predicted_cached_tokens if c.start else None for c in choices]
         if any(p is not None for p in predicted):
             headers[PREDICTED_HEADER] = ",".join(str(p) for p in predicted)
-        timer = _Timer(self.metrics, endpoint, t0)
+        timer = RequestTimer(self.metrics, endpoint, t0)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             events = self._events(choices, builder, timer, include_usage, release)
@@ -288,10 +207,10 @@ class OpenAIService:
             raise translate_worker_error(e, self._opts.retry_after_s) from e
         if not isinstance(first, StreamStart):
             raise APIError(500, f"worker sent {type(first).__name__} before StreamStart", type="server_error")
-        c.replica = first.replica_id
+        c.replica, c.start = first.replica_id, first
         return first
 
-    async def _collect(self, choices: list[ChoiceState], timer: _Timer) -> None:
+    async def _collect(self, choices: list[ChoiceState], timer: RequestTimer) -> None:
         try:
             async for c, delta in merged(choices):
                 if delta.error:
@@ -311,7 +230,7 @@ class OpenAIService:
         self,
         choices: list[ChoiceState],
         builder: ResponseBuilder,
-        timer: _Timer,
+        timer: RequestTimer,
         include_usage: bool,
         release: Callable[[], None],
     ) -> AsyncIterator[str]:
@@ -345,50 +264,16 @@ class OpenAIService:
             release()
 
     def _count_tokens(self, choices: list[ChoiceState]) -> None:
+        """Token counters, and the router's prediction against what the worker really reused."""
+        for c in choices:
+            if c.start and c.start.predicted_cached_tokens is not None and c.start.routing_policy:
+                routing_metrics().observe_outcome(
+                    c.start.routing_policy, c.start.predicted_cached_tokens, c.cached_tokens
+                )
         u = usage_of(choices)
         self.metrics.prompt_tokens.inc(u.prompt_tokens)
         self.metrics.cached_tokens.inc(u.prompt_tokens_details.cached_tokens)
         self.metrics.completion_tokens.inc(u.completion_tokens)
-
-
-class _Timer:
-    """TTFT, inter-token latency and end-to-end latency of one HTTP request."""
-
-    def __init__(self, metrics: IngressMetrics, endpoint: str, t0: float) -> None:
-        self._m, self._endpoint, self._t0 = metrics, endpoint, t0
-        self._last: float | None = None
-        self._closed = False
-
-    def tokens(self, n: int) -> None:
-        if n <= 0:
-            return
-        now = time.monotonic()
-        if self._last is None:
-            self._m.ttft.labels(self._endpoint).observe(now - self._t0)
-        else:
-            gap = (now - self._last) / n  # a coalesced delta carries n tokens
-            for _ in range(n):
-                self._m.itl.labels(self._endpoint).observe(gap)
-        self._last = now
-
-    def done(self) -> None:
-        if not self._closed:
-            self._closed = True
-            self._m.latency.labels(self._endpoint).observe(time.monotonic() - self._t0)
-
-
-def translate_worker_error(e: BaseException, retry_after_s: int) -> APIError:
-    """Map what a worker call can raise to an HTTP status (overload/unavailable -> 503)."""
-    from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
-
-    if isinstance(e, BackPressureError):
-        return overloaded(503, "worker queues are full; retry later", retry_after_s)
-    if isinstance(e, DeploymentUnavailableError):
-        return overloaded(503, "no worker replica is available; retry later", retry_after_s)
-    name = type(e).__name__
-    if "ActorDied" in name or "ActorUnavailable" in name or "ReplicaUnavailable" in name:
-        return overloaded(503, f"a worker replica went away ({name}); retry", retry_after_s)
-    return APIError(500, f"internal error while generating: {name}: {e}", type="server_error")
 
 
 async def _close_all(choices: list[ChoiceState]) -> None:
@@ -397,11 +282,3 @@ async def _close_all(choices: list[ChoiceState]) -> None:
             await c.close()
         except Exception:  # noqa: BLE001, S110 - closing must not mask the original outcome
             pass
-
-
-def sse(obj: dict[str, Any]) -> str:
-    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
-
-
-def from_model(m: BaseModel) -> str:
-    return f"data: {m.model_dump_json(exclude_none=True)}\n\n"

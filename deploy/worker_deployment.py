@@ -18,13 +18,17 @@ import os
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cluster.load import PoolHeadroom, make_routing_stats
 from deploy.metrics import flatten_stats
 from deploy.worker_protocol import StreamStart, WorkerInfo, merge_deltas
+from router.request import RoutedRequest
 from worker.config import EngineConfig
 from worker.outputs import StreamDelta
+
+if TYPE_CHECKING:
+    from deploy.worker_events import CacheEventPump
 
 log = logging.getLogger("swaserve.worker")
 
@@ -34,6 +38,8 @@ EngineFactory = Callable[[EngineConfig], Any]
 @dataclass(frozen=True)
 class WorkerOptions:
     stall_timeout_s: float = 120.0  # pending work but no engine step for this long -> unhealthy
+    publish_events: bool = True  # cache events to the index actor (only inside a Serve replica)
+    event_interval_s: float = 0.25  # background flush period of cache events
 
 
 def _default_engine(config: EngineConfig) -> Any:
@@ -42,14 +48,19 @@ def _default_engine(config: EngineConfig) -> Any:
     return AsyncEngine(config)
 
 
-def current_replica_id() -> str:
-    """Serve's short replica id inside a replica; `local-<pid>` outside Serve (tests)."""
+def _replica_context() -> Any:
     try:
         from ray import serve
 
-        return serve.get_replica_context().replica_id.unique_id
+        return serve.get_replica_context()
     except Exception:  # noqa: BLE001 - not inside a Serve replica
-        return f"local-{os.getpid()}"
+        return None
+
+
+def current_replica_id() -> str:
+    """Serve's short replica id inside a replica; `local-<pid>` outside Serve (tests)."""
+    ctx = _replica_context()
+    return ctx.replica_id.unique_id if ctx is not None else f"local-{os.getpid()}"
 
 
 class WorkerDeployment:
@@ -63,14 +74,25 @@ class WorkerDeployment:
         self.replica_id = replica_id or current_replica_id()
         self._options = options or WorkerOptions()
         self._engine = (engine_factory or _default_engine)(engine_config)
+        self._events = self._event_pump()
         self._inflight: set[str] = set()
         self._draining = False
         self._stopped = False
         self._progress = (0, time.monotonic())  # (engine steps, when they last changed)
 
+    def _event_pump(self) -> CacheEventPump | None:
+        ctx = _replica_context()
+        if not self._options.publish_events or ctx is None:
+            return None
+        from deploy.worker_events import CacheEventPump
+
+        return CacheEventPump(
+            self._engine, self.replica_id, ctx.app_name, ctx.deployment, self._options.event_interval_s
+        )
+
     # -- requests --------------------------------------------------------------------------
 
-    async def generate(self, request: Any) -> AsyncIterator[StreamStart | StreamDelta]:
+    async def generate(self, request: RoutedRequest) -> AsyncIterator[StreamStart | StreamDelta]:
         """Stream one request: a `StreamStart`, then coalesced `StreamDelta`s until finished.
 
         Cancelling the caller (client disconnect, stop string at the ingress) cancels this
@@ -81,7 +103,14 @@ class WorkerDeployment:
         if refusal is not None:
             yield refusal
             return
-        yield StreamStart(self.replica_id)
+        if self._events is not None:
+            await self._events.ensure_started()
+        routing = getattr(request, "routing", None)
+        yield StreamStart(
+            self.replica_id,
+            predicted_cached_tokens=routing.predicted_for(self.replica_id) if routing else None,
+            routing_policy=routing.policy if routing else None,
+        )
         queue: asyncio.Queue[StreamDelta | BaseException] = asyncio.Queue()
         pump = asyncio.create_task(self._pump(token_ids, params, rid, queue))
         self._inflight.add(rid)
@@ -94,6 +123,10 @@ class WorkerDeployment:
                 if errors:
                     raise errors[0]
                 delta = merge_deltas(batch)  # type: ignore[arg-type]
+                if delta.finished and self._events is not None:
+                    # The cache this request leaves behind reaches the index before the
+                    # client hears back, so its follow-up is routed with it.
+                    await self._events.flush()
                 yield delta
                 if delta.finished:
                     return
@@ -178,6 +211,8 @@ class WorkerDeployment:
         for rid in list(self._inflight):
             self._engine.abort(rid)
         log.info("worker %s shutting down (%d aborted)", self.replica_id, len(self._inflight))
+        if self._events is not None:
+            self._events.close()
         self._engine.shutdown()
 
     def __del__(self) -> None:

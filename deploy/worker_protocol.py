@@ -20,6 +20,8 @@ class StreamStart:
     replica_id: str
     refusal: RefusalKind | None = None
     message: str | None = None  # why it was refused; says what to change
+    predicted_cached_tokens: int | None = None  # the router's prediction for this replica
+    routing_policy: str | None = None
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from deploy.ingress import IngressOptions, create_app
 from deploy.openai_service import OpenAIService, ServiceOptions
 from deploy.worker_deployment import WorkerDeployment
 from tests.fakes.fake_engine import FakeEngine
-from tests.fakes.inprocess import InProcessWorkerClient, PlainRequest
+from tests.fakes.inprocess import InProcessWorkerClient
 from worker.config import EngineConfig
 
 MODEL = "tiny-fake"
@@ -50,7 +50,7 @@ def make_harness(
     cfg = EngineConfig(page_size=4, max_model_len=MAX_MODEL_LEN)
     deployments = [WorkerDeployment(cfg, engine_factory=factory, replica_id=f"w{i}") for i in range(workers)]
     options = ServiceOptions(model_name=MODEL, max_inflight=max_inflight)
-    service = OpenAIService(tokenizer, InProcessWorkerClient(deployments), options, make_request=PlainRequest)
+    service = OpenAIService(tokenizer, InProcessWorkerClient(deployments), options)
     app = create_app(service, IngressOptions(service=options, api_key=api_key, max_request_bytes=max_request_bytes))
     return Harness(app, service, deployments, engines, tokenizer)
 

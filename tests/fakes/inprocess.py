@@ -5,22 +5,11 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from typing import Any
 
 from deploy.worker_deployment import WorkerDeployment
 from deploy.worker_protocol import StreamStart, WorkerInfo
 from worker.outputs import StreamDelta
-from worker.sampling_params import SamplingParams
-
-
-@dataclass(frozen=True)
-class PlainRequest:
-    """The fields of the router's request object the worker deployment reads."""
-
-    request_id: str
-    token_ids: list[int]
-    params: SamplingParams
 
 
 class InProcessWorkerClient:
