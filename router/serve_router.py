@@ -1,0 +1,177 @@
+"""The Ray Serve `RequestRouter` for the worker deployment: a thin adapter over `RouterCore`.
+
+Opt the worker deployment in with (YAML `request_router_config` takes the same keys)::
+
+    RequestRouterConfig(
+        request_router_class="router.serve_router:SwaPrefixRequestRouter",
+        request_router_kwargs={"policy": "swa_prefix"},
+        request_routing_stats_period_s=1.0,
+    )
+
+Per request: read `pending_request.args[0]` (a `RoutedRequest`), turn the candidate replicas into
+`Candidate(worker_id=replica unique id, load=parsed routing_stats)`, rank them, write the
+`RoutingDecision` onto the request (`args[0].routing`) and return one replica per rank, so Serve
+tries them strictly in order (it skips a rank whose replica is at `max_ongoing_requests`).
+
+NOTE: Serve pickles this module *by value* into every caller process; keep no shared state in
+module globals here. Shared things (metrics registry, transport) live in other modules, which
+are pickled by reference and imported normally.
+NOTE: no `FIFOMixin`: a decision is made for one request's tokens, so the chosen replica must
+go to that request (the base class matches by internal request id); FIFO would hand it to
+whichever request is oldest. No `LocalityMixin` either: same-node preference would override
+the cache decision.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from typing import Any
+
+import ray
+from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
+
+from cluster import transport
+from cluster.index import ClusterIndex, IndexLimits
+from cluster.load import WorkerLoad
+from cluster.messages import WorkerRemoved
+from router import metrics as router_metrics
+from router.core import Candidate, RouterCore
+from router.cost import CostWeights
+from router.policies import DEFAULT_POLICY, make_policy
+from router.request import RoutedRequest
+
+logger = logging.getLogger(__name__)
+
+
+class SwaPrefixRequestRouter(RequestRouter):
+    """Routes on the SWA-valid prefix match; `policy` picks one of router.policies.POLICIES."""
+
+    def initialize_state(
+        self,
+        policy: str = DEFAULT_POLICY,
+        cost_weights: dict[str, float] | None = None,
+        max_pages_per_worker: int = IndexLimits.max_pages_per_worker,
+        index_actor_name: str | None = None,
+        subscribe: bool = True,
+        pull_wait_s: float = 1.0,
+        bootstrap_timeout_s: float = 2.0,
+        sync_before_decide: bool = False,
+        **_: Any,
+    ) -> None:
+        """Called once by Serve with `request_router_kwargs` (all JSON values).
+
+        Args:
+            policy: swa_prefix | prefix | least_loaded | round_robin.
+            cost_weights: overrides of `router.cost.CostWeights` fields.
+            max_pages_per_worker: memory bound of the local index per worker.
+            index_actor_name: defaults to the worker deployment's own index actor.
+            subscribe: False keeps the index local (offline tests fill `self.core.index`).
+            pull_wait_s: long-poll wait of the index subscriber.
+            bootstrap_timeout_s: how long the first decision waits for the first pull.
+            sync_before_decide: pull once before every decision (exact even right after a
+                push, at the cost of one actor round trip per request; for tests and benches).
+        """
+        index = ClusterIndex(IndexLimits(max_pages_per_worker=max_pages_per_worker))
+        self.core = RouterCore(index, make_policy(policy, CostWeights(**(cost_weights or {}))))
+        self.metrics = router_metrics.default_metrics()
+        dep = self._deployment_id
+        self._actor_name = index_actor_name or transport.index_actor_name(dep.app_name, dep.name)
+        self._subscribe = subscribe
+        self._pull_wait_s = pull_wait_s
+        self._bootstrap_timeout_s = bootstrap_timeout_s
+        self._sync_before_decide = sync_before_decide
+        self._actor: ray.actor.ActorHandle | None = None
+        self._subscriber: transport.IndexSubscriber | None = None
+        self._counted: OrderedDict[str, None] = OrderedDict()  # requests already counted
+
+    # ---- the decision ----------------------------------------------------------------------
+    async def choose_replicas(
+        self,
+        candidate_replicas: list[RunningReplica],
+        pending_request: PendingRequest | None = None,
+    ) -> list[list[RunningReplica]]:
+        if not candidate_replicas:
+            return []
+        await self._ensure_fresh()
+        request = _routed_request(pending_request)
+        by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
+        candidates = [Candidate(wid, self._load(r)) for wid, r in by_id.items()]
+        key = pending_request.metadata.internal_request_id if pending_request else None
+        start = time.perf_counter()
+        decision = self.core.decide(
+            request.token_ids if request else [],
+            candidates,
+            max_new_tokens=request.max_new_tokens if request else 0,
+            request_key=key if request else None,
+        )
+        elapsed = time.perf_counter() - start
+        if request is not None and pending_request is not None:
+            # Serve sends `pending_request.args` as they are after this call (list after
+            # argument resolution; copied defensively in case a caller left a tuple).
+            pending_request.args = [request.with_routing(decision), *pending_request.args[1:]]
+            self._count_once(key, elapsed)
+        return [[by_id[r.worker_id]] for r in decision.ranked]
+
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        self.core.complete(internal_request_id)
+
+    # ---- replica set -----------------------------------------------------------------------
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        before = {rid.unique_id for rid in self._replicas}
+        super().update_replicas(replicas)
+        after = {r.replica_id.unique_id for r in replicas}
+        for worker_id in before - after:
+            self._forget(worker_id)
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        super().on_replica_actor_died(replica_id)
+        self._forget(replica_id.unique_id)
+
+    def _forget(self, worker_id: str) -> None:
+        """A replica left: drop it locally and tell the shared index (fire and forget)."""
+        self.core.index.remove(worker_id)
+        self.core.forget_worker(worker_id)
+        if self._actor is not None:
+            self._actor.remove.remote(WorkerRemoved(worker_id))
+
+    # ---- helpers ---------------------------------------------------------------------------
+    async def _ensure_fresh(self) -> None:
+        if self._subscriber is None and self._subscribe:
+            if not ray.is_initialized():
+                logger.warning("Ray is not initialised: routing without the cache index")
+                self._subscribe = False
+                return
+            self._actor = transport.get_or_create_index_actor(self._actor_name)
+            self._subscriber = transport.IndexSubscriber(
+                self._actor, self.core.index, self._pull_wait_s
+            )
+            self._subscriber.start()
+            if not await self._subscriber.wait_ready(self._bootstrap_timeout_s):
+                logger.warning("cache index not reached in %.1fs", self._bootstrap_timeout_s)
+        elif self._subscriber is not None and self._sync_before_decide:
+            await self._subscriber.sync()
+
+    def _load(self, replica: RunningReplica) -> WorkerLoad | None:
+        try:
+            return WorkerLoad.from_routing_stats(replica.routing_stats)
+        except ValueError as exc:
+            logger.warning("ignoring routing stats of %s: %s", replica.replica_id, exc)
+            return None
+
+    def _count_once(self, key: str | None, elapsed: float) -> None:
+        if key is None or key in self._counted:
+            return
+        self._counted[key] = None
+        if len(self._counted) > 4096:
+            self._counted.popitem(last=False)
+        self.metrics.observe_decision(self.core.policy.name, elapsed)
+
+
+def _routed_request(pending_request: PendingRequest | None) -> RoutedRequest | None:
+    """The request's `RoutedRequest`; None for speculative routing or foreign callers."""
+    if pending_request is None or not pending_request.args:
+        return None
+    first = pending_request.args[0]
+    return first if isinstance(first, RoutedRequest) else None

@@ -1,0 +1,93 @@
+"""The router's mirror is exact: fed the real radix cache's events, its valid match equals the
+cache's own `match_prefix` for every probe, after every insert, SWA free and eviction."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cluster.index import ClusterIndex
+from cluster.messages import WorkerResync
+from router.core import RouterCore
+from router.policies import make_policy
+from worker.cache.radix_cache import RadixCache
+from worker.mem.allocator import HybridAllocator
+from worker.protocol import CacheSnapshot, EventBatch, WorkerMeta
+
+PAGE = 2
+
+
+class MirroredWorker:
+    """A real radix cache whose drained events feed a ClusterIndex, as the transport would."""
+
+    def __init__(self, window: int) -> None:
+        self.cache = RadixCache(HybridAllocator(256, 96, PAGE, True), window)
+        self.index = ClusterIndex()
+        meta = WorkerMeta("w", "i", PAGE, window, full_tokens=256, swa_tokens=96, hybrid=True)
+        self.index.resync(WorkerResync(meta, CacheSnapshot("w", "i", 0, {})))
+        self.core = RouterCore(self.index, make_policy())
+        self.seq = 0
+
+    def insert(self, tokens: list[int], evicted: int) -> None:
+        slots = self._alloc(len(tokens))
+        if slots is None:
+            return
+        if evicted:
+            self.cache.allocator.free_swa(slots[:evicted])
+        self.cache.insert(tokens, slots, swa_evicted_seqlen=evicted)
+        self.sync()
+
+    def evict(self, full: int, swa: int) -> None:
+        self.cache.evict(full, swa)
+        self.sync()
+
+    def sync(self) -> None:
+        events = self.cache.drain_events()
+        self.seq += 1
+        assert self.index.apply(EventBatch("w", "i", self.seq, tuple(events))).changed
+
+    def predicted(self, prompt: list[int]) -> int:
+        match = self.core.match(prompt, ["w"]).get("w")
+        return 0 if match is None else match.valid_pages * PAGE
+
+    def actual(self, prompt: list[int]) -> int:
+        return self.cache.match_prefix(prompt[:-1]).length
+
+    def _alloc(self, n: int) -> torch.Tensor | None:
+        slots = self.cache.allocator.alloc(n)
+        if slots is None:
+            self.cache.evict(n, n)
+            slots = self.cache.allocator.alloc(n)
+        return slots
+
+
+def _prompts(rng: random.Random, n: int) -> list[list[int]]:
+    """Prompts in a few families sharing heads, so prefixes and branches overlap."""
+    heads = [[rng.randrange(4) for _ in range(rng.randrange(2, 12))] for _ in range(3)]
+    return [rng.choice(heads) + [rng.randrange(4) for _ in range(rng.randrange(0, 14))] for _ in range(n)]
+
+
+@pytest.mark.parametrize("window", [3, 4])
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), steps=st.integers(5, 25))
+def test_prediction_equals_cache_match(window: int, seed: int, steps: int) -> None:
+    """Random inserts (with SWA frontiers → tombstones) and evictions; every probe agrees."""
+    rng = random.Random(seed)
+    worker = MirroredWorker(window)
+    prompts = _prompts(rng, 12)
+    for _ in range(steps):
+        if rng.random() < 0.7:
+            tokens = rng.choice(prompts)
+            aligned = tokens[: len(tokens) - len(tokens) % PAGE]
+            if aligned:
+                frontier = rng.randrange(0, len(aligned) + 1, PAGE)
+                worker.insert(aligned, frontier)
+        else:
+            worker.evict(rng.randrange(0, 24, PAGE), rng.randrange(0, 24, PAGE))
+        for probe in prompts:
+            assert worker.predicted(probe) == worker.actual(probe), probe
+    worker.cache.check_integrity()

@@ -1,0 +1,174 @@
+"""SwaPrefixRequestRouter without a Ray cluster: fake replicas, the real Serve routing loop."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry
+from ray.serve._private.common import DeploymentHandleSource, DeploymentID, ReplicaID, RequestMetadata
+from ray.serve.request_router import PendingRequest
+from routing_builders import PAGE, index_with, prompt
+
+from cluster.load import PoolHeadroom, make_routing_stats
+from router.metrics import RoutingMetrics
+from router.request import RoutedRequest
+from router.serve_router import SwaPrefixRequestRouter
+
+DEP = DeploymentID(name="Worker", app_name="app")
+
+
+@dataclass
+class FakeReplica:
+    """What Serve's routing loop reads from a RunningReplica."""
+
+    name: str
+    routing_stats: dict = field(default_factory=dict)
+    queue_len: int = 0
+    max_ongoing_requests: int = 8
+    multiplexed_model_ids: set = field(default_factory=set)
+    node_id: str = "node"
+    availability_zone: str | None = None
+    is_cross_language: bool = False
+
+    @property
+    def replica_id(self) -> ReplicaID:
+        return ReplicaID(unique_id=self.name, deployment_id=DEP)
+
+    async def get_queue_len(self, *, deadline_s: float) -> int:
+        return self.queue_len
+
+
+def _router(policy: str = "swa_prefix") -> SwaPrefixRequestRouter:
+    router = SwaPrefixRequestRouter(deployment_id=DEP, handle_source=DeploymentHandleSource.REPLICA)
+    router.initialize_state(policy=policy, subscribe=False)
+    router.metrics = RoutingMetrics(CollectorRegistry())
+    return router
+
+
+def _pending(tokens: list[int], rid: str = "r1") -> PendingRequest:
+    meta = RequestMetadata(request_id=rid, internal_request_id=rid)
+    return PendingRequest(args=[RoutedRequest(tokens, request_id=rid)], kwargs={}, metadata=meta)
+
+
+def _stats(wid: str, queued: int = 0) -> dict:
+    pool = PoolHeadroom(4096, 0, 4096)
+    return make_routing_stats(
+        worker_id=wid, timestamp_s=0.0, queue_len=0, queued_prefill_tokens=queued,
+        running_decodes=0, full=pool, swa=pool,
+    )
+
+
+def test_ranks_by_valid_match_and_stamps_decision() -> None:
+    """The replica with the valid copy is ranked first and the decision rides on args[0]."""
+    tokens = prompt(6)
+
+    async def run() -> None:
+        router = _router()
+        router.core.index = index_with(tokens, {"a": "LLLLLL", "b": "LLLLTT"})
+        replicas = [FakeReplica("b", _stats("b")), FakeReplica("a", _stats("a"))]
+        pending = _pending(tokens)
+        ranks = await router.choose_replicas(replicas, pending)
+        assert [[r.name for r in rank] for rank in ranks] == [["a"], ["b"]]
+        decision = pending.args[0].routing
+        assert decision.policy == "swa_prefix" and decision.predicted_for("a") == 6 * PAGE
+        assert pending.args[0].token_ids == tokens
+
+    asyncio.run(run())
+
+
+def test_full_routing_loop_skips_busy_first_rank() -> None:
+    """Through Serve's own loop: the best replica wins; at max_ongoing the next rank serves."""
+    tokens = prompt(4)
+
+    async def run() -> None:
+        router = _router()
+        a, b = FakeReplica("a"), FakeReplica("b")
+        router.update_replicas([a, b])
+        router.core.index = index_with(tokens, {"a": "LLLL", "b": ""})
+        chosen = await asyncio.wait_for(router._choose_replica_for_request(_pending(tokens)), 5)
+        assert chosen.name == "a"
+        a.queue_len = a.max_ongoing_requests
+        pending = _pending(tokens, "r2")
+        chosen = await asyncio.wait_for(router._choose_replica_for_request(pending), 5)
+        assert chosen.name == "b"
+        assert pending.args[0].routing.predicted_for("b") == 0
+
+    asyncio.run(run())
+
+
+def test_dead_replica_never_chosen_and_forgotten() -> None:
+    """A replica reported dead leaves the candidates and the local index."""
+    tokens = prompt(4)
+
+    async def run() -> None:
+        router = _router()
+        a, b = FakeReplica("a"), FakeReplica("b")
+        router.update_replicas([a, b])
+        router.core.index = index_with(tokens, {"a": "LLLL", "b": ""})
+        router.on_replica_actor_died(a.replica_id)
+        assert router.core.index.worker("a") is None
+        for i in range(3):
+            chosen = await asyncio.wait_for(router._choose_replica_for_request(_pending(tokens, f"r{i}")), 5)
+            assert chosen.name == "b"
+        router.update_replicas([b])  # removal through a replica-set update
+        assert router.core.index.worker("b") is not None
+
+    asyncio.run(run())
+
+
+def test_replica_left_the_set_is_forgotten() -> None:
+    """A replica dropped by a replica-set update is removed from the index."""
+    tokens = prompt(2)
+
+    async def run() -> None:
+        router = _router()
+        a, b = FakeReplica("a"), FakeReplica("b")
+        router.update_replicas([a, b])
+        router.core.index = index_with(tokens, {"a": "LL", "b": "LL"})
+        router.update_replicas([b])
+        assert router.core.index.worker("a") is None and router.core.index.worker("b") is not None
+
+    asyncio.run(run())
+
+
+def test_requests_without_tokens_still_routed() -> None:
+    """Speculative routing (no request) and foreign args get a load-based ranking."""
+
+    async def run() -> None:
+        router = _router()
+        replicas = [FakeReplica("a", _stats("a", queued=5000)), FakeReplica("b", _stats("b"))]
+        ranks = await router.choose_replicas(replicas, None)
+        assert [rank[0].name for rank in ranks] == ["b", "a"]
+        meta = RequestMetadata(request_id="x", internal_request_id="x")
+        other = PendingRequest(args=["raw"], kwargs={}, metadata=meta)
+        assert len(await router.choose_replicas(replicas, other)) == 2 and other.args == ["raw"]
+
+    asyncio.run(run())
+
+
+def test_routed_counted_once_per_request() -> None:
+    """Retries of one request (choose_replicas again) count one routed request."""
+    tokens = prompt(2)
+
+    async def run() -> SwaPrefixRequestRouter:
+        router = _router()
+        replicas = [FakeReplica("a")]
+        pending = _pending(tokens)
+        await router.choose_replicas(replicas, pending)
+        await router.choose_replicas(replicas, pending)
+        return router
+
+    router = asyncio.run(run())
+    assert router.metrics.routed.labels("swa_prefix")._value.get() == 1
+
+
+def test_malformed_stats_ignored() -> None:
+    """A replica with broken routing stats is still a candidate, without load information."""
+
+    async def run() -> None:
+        router = _router()
+        ranks = await router.choose_replicas([FakeReplica("a", {"queue_len": -1})], None)
+        assert [r[0].name for r in ranks] == ["a"]
+
+    asyncio.run(run())
