@@ -1,0 +1,105 @@
+"""The Ray Serve application: an OpenAI ingress in front of worker replicas that each own an engine.
+
+Usable wherever Ray takes an application builder — `serve run`, `serve deploy`, KubeRay's
+`serveConfigV2` — with the fields of `deploy.config.ServeConfig` as `args`:
+
+    applications:
+      - name: swaserve
+        route_prefix: /
+        import_path: deploy.app:build_app
+        args: {model: tiny, routing: swa_prefix, workers: 2, worker_num_cpus: 0.5}
+
+In Python: `serve.run(build_app_from_config(ServeConfig(model="tiny")), name="swaserve")`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ray import serve
+from ray.serve import Application
+from ray.serve.config import RequestRouterConfig
+
+from deploy.config import INGRESS_DEPLOYMENT, WORKER_DEPLOYMENT, ServeConfig
+from deploy.ingress import IngressDeployment, IngressOptions
+from deploy.openai_service import ServiceOptions
+from deploy.worker_deployment import EngineFactory, WorkerDeployment, WorkerOptions
+
+
+@dataclass(frozen=True)
+class IngressSettings:
+    """Ingress knobs that are not (yet) `ServeConfig` fields; the defaults suit both CPU and GPU."""
+
+    max_inflight: int = 1024  # generation requests one ingress replica holds; beyond: 429
+    retry_after_s: int = 1
+    num_cpus: float = 0.25  # tokenization and SSE only; a fraction keeps small hosts schedulable
+    replicas: int = 1
+
+
+ROUTER_CLASS = "router.serve_router:SwaPrefixRequestRouter"
+ROUTING_STATS_PERIOD_S = 1.0
+
+# Worker lifecycle defaults; a YAML `deployments: [{name: Worker, ...}]` entry overrides them.
+WORKER_LIFECYCLE = {
+    "health_check_period_s": 10.0,
+    "health_check_timeout_s": 60.0,  # a long prefill holds the GIL for a while on CPU
+    "graceful_shutdown_wait_loop_s": 2.0,
+    "graceful_shutdown_timeout_s": 60.0,  # ongoing generations get this long to finish on scale-down
+}
+
+
+def build_app(args: dict[str, Any]) -> Application:
+    """Ray Serve application builder (`import_path: deploy.app:build_app`, `args` = ServeConfig)."""
+    return build_app_from_config(ServeConfig.model_validate(args or {}))
+
+
+def build_app_from_config(
+    cfg: ServeConfig,
+    ingress: IngressSettings | None = None,
+    engine_factory: EngineFactory | None = None,
+) -> Application:
+    """The application for one validated config (the CLI and tests call this directly).
+
+    `engine_factory(EngineConfig)` replaces `AsyncEngine` in the workers (tests: a fake engine;
+    it must be importable in the worker processes).
+    """
+    ingress = ingress or IngressSettings()
+    worker = serve.deployment(WorkerDeployment).options(
+        name=WORKER_DEPLOYMENT, **worker_options(cfg)
+    )
+    front = serve.deployment(IngressDeployment).options(
+        name=INGRESS_DEPLOYMENT,
+        num_replicas=ingress.replicas,
+        max_ongoing_requests=ingress.max_inflight + 32,  # headroom for /health and /metrics
+        ray_actor_options={"num_cpus": ingress.num_cpus},
+    )
+    workers = worker.bind(cfg.to_engine_config(), WorkerOptions(), engine_factory)
+    return front.bind(workers, ingress_options(cfg, ingress))
+
+
+def worker_options(cfg: ServeConfig) -> dict[str, Any]:
+    """Serve options of the worker deployment: the config's, lifecycle defaults, the router."""
+    options = {**WORKER_LIFECYCLE, **cfg.worker_deployment_options()}
+    options["request_router_config"] = request_router_config(cfg)
+    return options
+
+
+def ingress_options(cfg: ServeConfig, ingress: IngressSettings) -> IngressOptions:
+    service = ServiceOptions(
+        model_name=cfg.model, max_inflight=ingress.max_inflight, retry_after_s=ingress.retry_after_s
+    )
+    api_key = cfg.api_key.get_secret_value() if cfg.api_key is not None else None
+    return IngressOptions(
+        service=service, api_key=api_key or None, max_request_bytes=cfg.max_request_bytes, model=cfg.model
+    )
+
+
+def request_router_config(cfg: ServeConfig) -> RequestRouterConfig:
+    """Our router in front of the workers, with the config's policy; routing stats every second
+    (queue and pool headroom; the cache itself reaches the router through cache events)."""
+    return RequestRouterConfig(
+        request_router_class=ROUTER_CLASS,
+        request_router_kwargs={"policy": cfg.routing},
+        request_routing_stats_period_s=ROUTING_STATS_PERIOD_S,
+    )

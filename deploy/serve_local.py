@@ -1,0 +1,242 @@
+"""`swaserve serve`: a local Ray cluster on loopback, the app on it, in the foreground until Ctrl-C.
+
+Steps, each announced on stderr: resolve the config (file, then flags on top), prepare the model
+(create the tiny model, or check the directory), start Ray bound to 127.0.0.1, start Serve's
+HTTP proxy on `--host/--port`, deploy, then report worker progress until every worker has its
+engine loaded and `/health` answers 200. Ctrl-C (or SIGTERM) shuts Serve and Ray down cleanly.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TextIO
+
+from deploy.config import APP_NAME, INGRESS_DEPLOYMENT, WORKER_DEPLOYMENT, ServeConfig
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8000
+INGRESS_CPUS = 0.25  # deploy.app.IngressSettings.num_cpus
+
+
+@dataclass(frozen=True)
+class ServeRequest:
+    """What the command line asked for (None: not given)."""
+
+    model: str | None = None
+    workers: int | None = None
+    host: str | None = None
+    port: int | None = None
+    routing: str | None = None
+    config: str | None = None
+    num_cpus: int | None = None
+    startup_timeout_s: float = 900.0
+
+
+@dataclass(frozen=True)
+class Plan:
+    config: ServeConfig
+    host: str
+    port: int
+    num_cpus: int
+
+
+class Progress:
+    def __init__(self, out: TextIO = sys.stderr) -> None:
+        self._out, self._t0 = out, time.monotonic()
+
+    def say(self, message: str) -> None:
+        print(f"[swaserve {time.monotonic() - self._t0:6.1f}s] {message}", file=self._out, flush=True)
+
+
+def plan(req: ServeRequest) -> Plan:
+    """The config to serve: the file's (if any), the flags on top, CPU shares fitted to this host.
+
+    Raises:
+        ValueError: an invalid config or flag combination (the message says what to change).
+    """
+    host, port, base = None, None, {}
+    if req.config:
+        from deploy.serve_file import load_serve_file
+
+        loaded = load_serve_file(req.config)
+        host, port = loaded.host, loaded.port
+        base = loaded.config.model_dump(mode="json", exclude_unset=True, exclude={"api_key"})
+        if loaded.config.api_key is not None:
+            base["api_key"] = loaded.config.api_key.get_secret_value()
+    flags = {"model": req.model, "workers": req.workers, "routing": req.routing}
+    args = {**base, **{k: v for k, v in flags.items() if v is not None}}
+    if req.workers is not None:
+        args.pop("autoscaling", None)  # --workers asks for a fixed count
+    num_cpus = req.num_cpus or os.cpu_count() or 1
+    cfg = ServeConfig.model_validate(args)
+    cfg = _fit_cpus(cfg, args, num_cpus)
+    return Plan(cfg, req.host or host or DEFAULT_HOST, req.port or port or DEFAULT_PORT, num_cpus)
+
+
+def _fit_cpus(cfg: ServeConfig, args: dict[str, Any], num_cpus: int) -> ServeConfig:
+    """On CPU hosts give each worker a fraction of the machine unless the config chose one."""
+    replicas_max = cfg.autoscaling.max_replicas if cfg.autoscaling else cfg.workers
+    replicas_min = cfg.autoscaling.min_replicas if cfg.autoscaling else cfg.workers
+    if cfg.device == "cpu" and "worker_num_cpus" not in args:
+        share = max(0.05, min(1.0, (num_cpus - INGRESS_CPUS) / max(1, replicas_max)))
+        cfg = ServeConfig.model_validate({**args, "worker_num_cpus": round(share - 0.005, 2)})
+    need = replicas_min * cfg.worker_num_cpus + INGRESS_CPUS
+    if need > num_cpus:
+        raise ValueError(
+            f"{replicas_min} worker(s) x worker_num_cpus={cfg.worker_num_cpus} plus the ingress's "
+            f"{INGRESS_CPUS} need {need:g} CPUs but the local cluster has {num_cpus}; lower "
+            "worker_num_cpus or --workers, or raise --num-cpus"
+        )
+    return cfg
+
+
+def prepare_model(model: str, progress: Progress) -> Path:
+    if model == "tiny":
+        from worker.models.tiny import ensure_tiny_model
+
+        progress.say("preparing the built-in tiny model (created once, then reused) ...")
+        path = ensure_tiny_model()
+    else:
+        path = Path(model).expanduser()
+        if not (path / "config.json").is_file():
+            raise ValueError(f"model directory {path} has no config.json; pass --model tiny or a Hugging Face model directory")
+    progress.say(f"model files: {path}")
+    return path
+
+
+def check_port_free(host: str, port: int) -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise ValueError(f"cannot listen on {host}:{port} ({e.strerror}); pass another --port") from None
+
+
+def serve_foreground(req: ServeRequest, out: TextIO = sys.stdout) -> int:
+    progress = Progress()
+    try:
+        p = plan(req)
+        check_port_free(p.host, p.port)
+        prepare_model(p.config.model, progress)
+    except (ValueError, OSError) as e:
+        print(f"swaserve serve: {e}", file=sys.stderr)
+        return 2
+    from cluster.ray_local import LocalRayConfig, start_local_ray, stop_local_ray
+
+    progress.say(f"starting a local Ray cluster on 127.0.0.1 ({p.num_cpus} CPUs) ...")
+    cluster = start_local_ray(LocalRayConfig(num_cpus=p.num_cpus))
+    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+    try:
+        _deploy(p, progress, req.startup_timeout_s)
+        url = f"http://{p.host}:{p.port}"
+        print(f"swaserve is ready: {url}/v1  (model '{p.config.model}', {_workers(p.config)}, "
+              f"routing {p.config.routing}); Ctrl-C stops it", file=out, flush=True)  # fmt: skip
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        progress.say("stopping (Ctrl-C again to force) ...")
+        return 0
+    except RuntimeError as e:
+        print(f"swaserve serve: {e}", file=sys.stderr)
+        return 1
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)  # a second Ctrl-C kills at once
+        _shutdown(cluster, stop_local_ray)
+        signal.signal(signal.SIGTERM, previous)
+        progress.say("stopped")
+
+
+def _deploy(p: Plan, progress: Progress, timeout_s: float) -> None:
+    from ray import serve
+
+    from deploy.app import build_app_from_config
+
+    progress.say(f"starting the HTTP proxy on {p.host}:{p.port} ...")
+    serve.start(http_options={"host": p.host, "port": p.port}, proxy_location="HeadOnly")
+    progress.say(f"deploying {_workers(p.config)}; each loads the model ...")
+    serve._run(build_app_from_config(p.config), _blocking=False, name=APP_NAME, route_prefix="/")
+    _wait_running(progress, timeout_s)
+    _wait_healthy(f"http://{_probe_host(p.host)}:{p.port}/health", progress, timeout_s)
+
+
+def _wait_running(progress: Progress, timeout_s: float) -> None:
+    from ray import serve
+
+    deadline, last, last_said = time.monotonic() + timeout_s, "", 0.0
+    while time.monotonic() < deadline:
+        app = serve.status().applications.get(APP_NAME)
+        status = str(getattr(app, "status", "NOT_STARTED"))
+        if status.endswith("RUNNING"):
+            return
+        if status.endswith("DEPLOY_FAILED") or status.endswith("UNHEALTHY"):
+            raise RuntimeError(f"deployment failed: {app.message or _deployment_messages(app)}")
+        line = _describe(app)
+        if line != last or time.monotonic() - last_said > 10:
+            progress.say(line)
+            last, last_said = line, time.monotonic()
+        time.sleep(0.5)
+    raise RuntimeError(f"workers not ready after {timeout_s:.0f}s; raise --startup-timeout")
+
+
+def _wait_healthy(url: str, progress: Progress, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url, timeout=5) as r:  # noqa: S310 - our own loopback URL
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"{url} did not answer 200 within {timeout_s:.0f}s")
+
+
+def _describe(app: Any) -> str:
+    if app is None:
+        return "waiting for the application to be created ..."
+    parts = []
+    for name in (WORKER_DEPLOYMENT, INGRESS_DEPLOYMENT):
+        dep = app.deployments.get(name)
+        if dep is None:
+            continue
+        states = {str(k).rsplit(".", 1)[-1]: v for k, v in dep.replica_states.items()}
+        parts.append(f"{name}: {states.get('RUNNING', 0)} running" + "".join(
+            f", {v} {k.lower()}" for k, v in sorted(states.items()) if k != "RUNNING"))  # fmt: skip
+    return "; ".join(parts) or "deploying ..."
+
+
+def _deployment_messages(app: Any) -> str:
+    return "; ".join(f"{n}: {d.message}" for n, d in app.deployments.items() if d.message)
+
+
+def _shutdown(cluster: Any, stop_local_ray: Any) -> None:
+    try:
+        from ray import serve
+
+        from cluster.transport import index_actor_name, kill_index_actor
+
+        serve.shutdown()
+        kill_index_actor(index_actor_name(APP_NAME, WORKER_DEPLOYMENT))  # detached: not Serve's
+    finally:
+        stop_local_ray(cluster)
+
+
+def _workers(cfg: ServeConfig) -> str:
+    if cfg.autoscaling:
+        return f"{cfg.autoscaling.min_replicas}-{cfg.autoscaling.max_replicas} autoscaled workers"
+    return f"{cfg.workers} worker{'s' if cfg.workers != 1 else ''}"
+
+
+def _probe_host(host: str) -> str:
+    return "127.0.0.1" if host in ("0.0.0.0", "") else host
+
+
+def _raise_interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt

@@ -1,0 +1,93 @@
+"""`swaserve` command line without Ray: parsing, bench dispatch, config merging, CPU fitting."""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+from deploy import cli
+from deploy.serve_local import ServeRequest, check_port_free, plan
+
+
+def test_serve_flags_parse() -> None:
+    """`swaserve serve` takes the documented flags."""
+    args = cli.build_parser().parse_args(
+        ["serve", "--model", "tiny", "--workers", "2", "--host", "127.0.0.1", "--port", "8011",
+         "--routing", "least_loaded", "--config", "x.yaml"]  # fmt: skip
+    )
+    assert (args.model, args.workers, args.port, args.routing, args.config) == ("tiny", 2, 8011, "least_loaded", "x.yaml")
+
+
+@pytest.mark.parametrize("bad", [["serve", "--workers", "0"], ["serve", "--port", "70000"], ["serve", "--routing", "random"]])
+def test_serve_rejects_bad_flags(bad: list[str]) -> None:
+    """Out-of-range flags stop at argparse with exit status 2."""
+    with pytest.raises(SystemExit) as e:
+        cli.build_parser().parse_args(bad)
+    assert e.value.code == 2
+
+
+def test_bench_dispatches_lazily(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`swaserve bench NAME ARGS` imports deploy.bench.NAME and runs it with its own options."""
+    seen: dict[str, object] = {}
+    fake = types.ModuleType("deploy.bench.routing")
+
+    def add_arguments(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--requests", type=int, default=1)
+
+    def run(args: argparse.Namespace) -> int:
+        seen["requests"] = args.requests
+        return 3
+
+    fake.add_arguments, fake.run = add_arguments, run  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "deploy.bench.routing", fake)
+    assert cli.main(["bench", "routing", "--requests", "7"]) == 3
+    assert seen == {"requests": 7}
+
+
+def test_bench_missing_or_unknown_is_a_clear_error(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """An unknown benchmark or a missing module exits 2 with a message naming it."""
+    assert cli.main(["bench", "nonsense"]) == 2
+    assert "unknown benchmark 'nonsense'" in capsys.readouterr().err
+    monkeypatch.setitem(sys.modules, "deploy.bench.cache", None)  # import now fails like a missing file
+    assert cli.main(["bench", "cache"]) == 2
+    assert "not available" in capsys.readouterr().err
+
+
+def test_plan_merges_config_file_and_flags(tmp_path: Path) -> None:
+    """Flags override the file; --workers replaces the file's autoscaling; host/port come from the file."""
+    doc = tmp_path / "app.yaml"
+    doc.write_text(
+        "http_options: {host: 127.0.0.1, port: 8123}\n"
+        "applications:\n- name: swaserve\n  route_prefix: /\n  import_path: deploy.app:build_app\n"
+        "  args: {model: tiny, page_size: 8, autoscaling: {min_replicas: 1, max_replicas: 2, target_ongoing_requests: 4}}\n"
+    )
+    p = plan(ServeRequest(config=str(doc), workers=2, routing="prefix", num_cpus=2))
+    assert (p.host, p.port) == ("127.0.0.1", 8123)
+    assert p.config.page_size == 8 and p.config.workers == 2 and p.config.autoscaling is None
+    assert p.config.routing == "prefix"
+    assert 2 * p.config.worker_num_cpus + 0.25 <= 2  # fractional CPUs fit the 2-CPU cluster
+
+
+def test_plan_refuses_workers_that_cannot_fit(tmp_path: Path) -> None:
+    """Explicit worker CPUs beyond the cluster are refused before anything starts."""
+    doc = tmp_path / "cfg.yaml"
+    doc.write_text("model: tiny\nworker_num_cpus: 1\n")
+    with pytest.raises(ValueError, match="need .* CPUs"):
+        plan(ServeRequest(config=str(doc), workers=2, num_cpus=2))
+    ok = plan(ServeRequest(workers=3, num_cpus=2))
+    assert ok.config.worker_num_cpus * 3 + 0.25 <= 2
+
+
+def test_port_in_use_is_reported() -> None:
+    """A busy port is an error that names the port and the flag to change."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        with pytest.raises(ValueError, match=f"127.0.0.1:{port}.*--port"):
+            check_port_free("127.0.0.1", port)
