@@ -1,0 +1,215 @@
+"""`ServeConfig`: validation messages, the one conversion to `EngineConfig`, Serve options, env."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pydantic
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from deploy.config import API_KEY_ENV, AutoscalingSettings, ServeConfig
+from worker.config import EngineConfig
+
+
+@pytest.fixture(autouse=True)
+def _no_api_key_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(API_KEY_ENV, raising=False)
+
+
+def _error(**fields: object) -> str:
+    with pytest.raises(pydantic.ValidationError) as info:
+        ServeConfig(**fields)
+    return str(info.value)
+
+
+# -- the conversion to EngineConfig ---------------------------------------------------------
+
+
+def test_every_engine_field_has_a_serve_field() -> None:
+    """A new EngineConfig field must be added to ServeConfig (same name) to be settable."""
+    missing = {f.name for f in dataclasses.fields(EngineConfig)} - set(ServeConfig.model_fields)
+    assert not missing, f"ServeConfig lacks EngineConfig fields {sorted(missing)}"
+
+
+def test_defaults_equal_engine_defaults() -> None:
+    """ServeConfig's defaults are EngineConfig's: one place decides them."""
+    assert ServeConfig().to_engine_config() == EngineConfig()
+
+
+def test_to_engine_config_carries_every_value() -> None:
+    """Each non-default value reaches the engine config unchanged."""
+    cfg = ServeConfig(
+        model="/models/m", device="cuda:1", dtype="bfloat16", attention_backend="flashinfer",
+        page_size=4, max_total_tokens=4096, swa_full_tokens_ratio=0.25,
+        disable_hybrid_swa_memory=True, enable_radix_cache=False, chunked_prefill_size=64,
+        max_running_requests=7, swa_eviction_interval=8, eager_swa_free=True, max_model_len=2048,
+        seed=3, worker_num_gpus=1,
+    )  # fmt: skip
+    engine = cfg.to_engine_config()
+    for f in dataclasses.fields(EngineConfig):
+        assert getattr(engine, f.name) == getattr(cfg, f.name), f.name
+    assert engine.page_size == 4 and engine.device == "cuda:1" and engine.eager_swa_free
+
+
+def test_every_field_has_a_description() -> None:
+    """STYLE habit 8: the YAML surface documents itself (also feeds the Helm values schema)."""
+    for model in (ServeConfig, AutoscalingSettings):
+        bare = [n for n, f in model.model_fields.items() if not (f.description or "").strip()]
+        assert not bare, f"{model.__name__} fields without description: {bare}"
+
+
+def test_frozen() -> None:
+    """Nothing mutates a config after construction."""
+    cfg = ServeConfig()
+    with pytest.raises(pydantic.ValidationError):
+        cfg.page_size = 32  # type: ignore[misc]
+
+
+# -- validation messages --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("fields", "needle"),
+    [
+        ({"page_size": 12}, "power of two (got 12); try 8"),
+        ({"device": "cuda"}, "set worker_num_gpus: 1"),
+        ({"worker_num_gpus": 1}, "set device: cuda or worker_num_gpus: 0"),
+        ({"attention_backend": "flashinfer"}, "flashinfer' runs on GPUs only"),
+        ({"kv_cache_bytes": 1 << 30, "max_total_tokens": 4096}, "not both"),
+        ({"max_total_tokens": 8}, "less than one page"),
+        ({"workers": 2, "autoscaling": {}}, "either workers"),
+        ({"autoscaling": {"min_replicas": 3, "max_replicas": 2}}, "max_replicas (2) must be >="),
+        (
+            {"max_ongoing_requests": 4, "autoscaling": {"target_ongoing_requests": 8}},
+            "exceeds max_ongoing_requests",
+        ),
+        ({"autoscale": {"max_replicas": 2}}, "Extra inputs are not permitted"),
+        ({"autoscaling": {"max_replica": 2}}, "max_replica"),
+        ({"routing": "random"}, "swa_prefix"),
+        ({"swa_full_tokens_ratio": 0}, "greater than 0"),
+        ({"swa_full_tokens_ratio": 1.5}, "less than or equal to 1"),
+        ({"device": "gpu"}, "pattern"),
+        ({"max_queued_requests": 0}, "greater than or equal to 1"),
+    ],
+)
+def test_invalid_configs_say_what_to_change(fields: dict, needle: str) -> None:
+    """Each bad value is rejected with a message naming the fix."""
+    assert needle in _error(**fields)
+
+
+def test_valid_gpu_config() -> None:
+    """A consistent GPU config passes and keeps its values."""
+    cfg = ServeConfig(device="cuda", worker_num_gpus=1, attention_backend="flashinfer")
+    assert cfg.to_engine_config().attention_backend == "flashinfer"
+
+
+# -- Serve options ---------------------------------------------------------------------------
+
+
+def test_fixed_workers_give_num_replicas() -> None:
+    """Without autoscaling the worker deployment has exactly `workers` replicas."""
+    opts = ServeConfig(workers=3, worker_num_cpus=2).worker_deployment_options()
+    assert opts["num_replicas"] == 3 and "autoscaling_config" not in opts
+    assert opts["ray_actor_options"] == {"num_cpus": 2, "num_gpus": 0}
+    assert "max_queued_requests" not in opts
+
+
+def test_autoscaling_gives_autoscaling_config() -> None:
+    """With autoscaling every owned key is present (Ray replaces the dict whole)."""
+    cfg = ServeConfig(autoscaling={"min_replicas": 2, "max_replicas": 5}, max_queued_requests=9)
+    opts = cfg.worker_deployment_options()
+    assert "num_replicas" not in opts
+    assert opts["autoscaling_config"] == {
+        "min_replicas": 2, "max_replicas": 5, "target_ongoing_requests": 16.0,
+        "upscale_delay_s": 30.0, "downscale_delay_s": 600.0,
+    }  # fmt: skip
+    assert opts["max_queued_requests"] == 9
+
+
+def test_options_validate_with_ray() -> None:
+    """The options are valid Ray Serve deployment options (Ray's own models)."""
+    from ray.serve.config import AutoscalingConfig
+    from ray.serve.schema import DeploymentSchema
+
+    cfg = ServeConfig(autoscaling={"min_replicas": 0, "max_replicas": 3}, max_queued_requests=4)
+    opts = cfg.worker_deployment_options()
+    DeploymentSchema(name="Worker", **opts)
+    assert AutoscalingConfig(**opts["autoscaling_config"]).max_replicas == 3
+
+
+# -- the API key ------------------------------------------------------------------------------
+
+
+def test_api_key_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Unset in the config, the key comes from SWASERVE_API_KEY; an explicit one wins."""
+    monkeypatch.setenv(API_KEY_ENV, "from-env")
+    assert ServeConfig().api_key.get_secret_value() == "from-env"
+    assert ServeConfig(api_key="explicit").api_key.get_secret_value() == "explicit"
+
+
+def test_empty_env_means_no_auth(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An empty or blank variable does not turn auth on with an empty token."""
+    monkeypatch.setenv(API_KEY_ENV, "  ")
+    assert ServeConfig().api_key is None
+
+
+def test_api_key_is_not_printed_but_reaches_args() -> None:
+    """repr hides the key; `to_args` (what build_app receives) carries it in clear text."""
+    cfg = ServeConfig(api_key="s3cret")
+    assert "s3cret" not in repr(cfg) and "s3cret" not in str(cfg.model_dump())
+    args = cfg.to_args()
+    assert args["api_key"] == "s3cret"
+    assert ServeConfig.model_validate(args) == cfg
+
+
+# -- from_yaml (bare mapping) -----------------------------------------------------------------
+
+
+def test_from_yaml_bare_mapping(tmp_path) -> None:
+    """A plain mapping of ServeConfig fields loads as is."""
+    path = tmp_path / "c.yaml"
+    path.write_text("model: tiny\npage_size: 32\nautoscaling: {min_replicas: 1, max_replicas: 2}\n")
+    cfg = ServeConfig.from_yaml(path)
+    assert cfg.page_size == 32 and cfg.autoscaling.max_replicas == 2
+
+
+def test_from_yaml_names_the_file(tmp_path) -> None:
+    """A bad bare file fails with its path and the field in the message."""
+    path = tmp_path / "bad.yaml"
+    path.write_text("page_size: 12\n")
+    with pytest.raises(ValueError, match=r"bad\.yaml.*\n(.|\n)*page_size"):
+        ServeConfig.from_yaml(path)
+
+
+# -- properties --------------------------------------------------------------------------------
+
+_autoscaling = st.builds(
+    lambda lo, extra, target: {"min_replicas": lo, "max_replicas": max(1, lo + extra),
+                               "target_ongoing_requests": target},
+    st.integers(0, 8), st.integers(0, 8), st.integers(1, 64),
+)  # fmt: skip
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    page_shift=st.integers(0, 7),
+    ratio=st.floats(0.01, 1.0),
+    autoscaling=st.none() | _autoscaling,
+    max_ongoing=st.integers(64, 256),
+)
+def test_valid_configs_round_trip(
+    page_shift: int, ratio: float, autoscaling, max_ongoing: int
+) -> None:
+    """Any valid config survives to_args -> validate, and its options satisfy Ray's autoscaler."""
+    from ray.serve.config import AutoscalingConfig
+
+    cfg = ServeConfig(page_size=1 << page_shift, swa_full_tokens_ratio=ratio,
+                      autoscaling=autoscaling, max_ongoing_requests=max_ongoing)  # fmt: skip
+    assert ServeConfig.model_validate(cfg.to_args()) == cfg
+    assert cfg.to_engine_config().page_size == 1 << page_shift
+    opts = cfg.worker_deployment_options()
+    if autoscaling is not None:
+        ray_cfg = AutoscalingConfig(**opts["autoscaling_config"])
+        assert ray_cfg.min_replicas <= ray_cfg.max_replicas
