@@ -1,0 +1,66 @@
+"""A tiny hybrid model (MiMo-V2-Flash: SWA + full layers with different KV heads, sinks) whose
+context is long enough for prompts far beyond the SWA pool, and its transformers oracle."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.worker.models.hf_tiny import CONFIGS, hf_greedy, randomize
+from worker.config import EngineConfig
+from worker.engine import Engine
+
+WINDOW = 16  # HF sliding_window 17
+
+
+class Oracle:
+    def __init__(self, root: Path) -> None:
+        from transformers import AutoModelForCausalLM
+
+        config = CONFIGS["mimo_v2_flash"]()
+        config.max_position_embeddings = 4096
+        config.sliding_window = WINDOW + 1
+        torch.manual_seed(0)
+        self.model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").float().eval()
+        randomize(self.model, "mimo_v2_flash", seed=0)
+        self.path = root / "mimo_long"
+        self.model.save_pretrained(self.path)
+
+    @functools.lru_cache(maxsize=None)  # noqa: B019 - one oracle per session
+    def _greedy(self, prompt: tuple[int, ...], max_new: int) -> tuple[int, ...]:
+        return tuple(hf_greedy(self.model, list(prompt), max_new)[0])
+
+    def greedy(self, prompt: list[int], max_new: int) -> list[int]:
+        return list(self._greedy(tuple(prompt), max_new))
+
+    def engine(self, **overrides: object) -> Engine:
+        base = dict(model=str(self.path), page_size=4, max_total_tokens=4096,
+                    swa_full_tokens_ratio=0.25, chunked_prefill_size=64, swa_eviction_interval=8)  # fmt: skip
+        base.update(overrides)
+        return Engine(EngineConfig(**base))  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="session")
+def oracle(tmp_path_factory: pytest.TempPathFactory) -> Oracle:
+    return Oracle(tmp_path_factory.mktemp("engine_models"))
+
+
+def tokens(length: int, seed: int) -> list[int]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(1, 128, (length,), generator=gen).tolist()
+
+
+def run_checked(engine: Engine, on_step: Callable[[int], None] | None = None, limit: int = 20000) -> None:
+    """Step until idle, checking every invariant after every step."""
+    for i in range(limit):
+        if not engine.has_work():
+            return
+        engine.step()
+        engine.check_integrity()
+        if on_step is not None:
+            on_step(i)
+    raise AssertionError(f"engine still busy after {limit} steps")

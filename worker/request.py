@@ -1,0 +1,70 @@
+"""`Req`: one request's life inside the engine (waiting → running → finished).
+
+Token accounting. ``tokens = prompt + output``; the KV of positions ``[0, kv.kv_committed_len)``
+is computed. A running request's next step feeds ``tokens[committed:]`` (or a chunk of it):
+
+    prompt only, nothing computed:   |==== prompt ====|                 -> prefill (maybe chunked)
+    decoding:                        |==== prompt ====|= out =|x|       -> feed x (the last token)
+    retracted and requeued:          |==== prompt ====|= out =|         -> re-prefill all of it
+
+The step that feeds the last of ``tokens`` samples the next token.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from worker.cache.req_kv import ReqKV
+from worker.outputs import FinishReason, TokenLogprob
+from worker.sampling_params import SamplingParams
+
+
+class ReqState(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(slots=True, eq=False)
+class Req:
+    rid: str
+    prompt: list[int]
+    params: SamplingParams
+    generator: torch.Generator | None = None
+    output: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None
+    kv: ReqKV | None = None  # set while the request holds KV (running)
+    state: ReqState = ReqState.WAITING
+    cached_tokens: int = -1  # prompt tokens served from the cache at first admission; -1 = not yet
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    emitted: int = 0  # output tokens already handed out as stream deltas
+    retractions: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt) + len(self.output)
+
+    @property
+    def computed(self) -> int:
+        return self.kv.kv_committed_len if self.kv is not None else 0
+
+    @property
+    def remaining(self) -> int:
+        """Tokens still to feed before the next sample."""
+        return self.num_tokens - self.computed
+
+    @property
+    def is_decoding(self) -> bool:
+        return self.kv is not None and bool(self.output) and self.remaining == 1
+
+    @property
+    def max_len(self) -> int:
+        """The most positions this request can ever occupy."""
+        return len(self.prompt) + self.params.max_tokens
+
+    def all_tokens(self) -> list[int]:
+        return self.prompt + self.output
