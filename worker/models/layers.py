@@ -1,0 +1,127 @@
+"""Shared layers: norms, gated MLP, activations, scaled embedding and the paged attention call.
+
+Each class reproduces the arithmetic of its Hugging Face counterpart (transformers 5.24) in the
+same order, so float32 outputs match the eager reference to rounding. Parameter names equal HF's
+so checkpoints load by name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from worker.attention.base import AttentionLayer
+
+if TYPE_CHECKING:
+    from worker.forward_batch import ForwardContext
+
+NormStyle = Literal["llama", "gpt_oss", "gemma"]
+
+
+def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The HF ``hidden_act`` / ``hidden_activation`` names the supported models use."""
+    table: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+        "silu": F.silu,
+        "swish": F.silu,
+        "gelu": F.gelu,
+        "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+        "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+    }
+    if name not in table:
+        raise ValueError(f"activation {name!r} is not supported; supported: {', '.join(table)}")
+    return table[name]
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm in the three HF flavours.
+
+    - ``llama``: ``w * x_normed.to(dtype)`` (Mistral, Qwen2, MiMo);
+    - ``gpt_oss``: ``(w * x_normed).to(dtype)``;
+    - ``gemma``: ``x_normed * (1 + w)`` in float32, weight initialised to 0.
+    """
+
+    def __init__(self, dim: int, eps: float, style: NormStyle = "llama") -> None:
+        super().__init__()
+        init = torch.zeros(dim) if style == "gemma" else torch.ones(dim)
+        self.weight = nn.Parameter(init)
+        self.eps = eps
+        self.style = style
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.style == "gemma":
+            return (normed * (1.0 + self.weight.float())).type_as(x)
+        if self.style == "gpt_oss":
+            return (self.weight * normed).to(x.dtype)
+        return self.weight * normed.to(x.dtype)
+
+
+class BiaslessLayerNorm(nn.Module):
+    """Cohere's LayerNorm: mean-centred, weight only, computed in float32."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        mean = xf.mean(-1, keepdim=True)
+        var = (xf - mean).pow(2).mean(-1, keepdim=True)
+        return (self.weight.float() * ((xf - mean) * torch.rsqrt(var + self.eps))).to(x.dtype)
+
+
+class GatedMLP(nn.Module):
+    """``down(act(gate(x)) * up(x))`` with HF's ``gate_proj``/``up_proj``/``down_proj`` names."""
+
+    def __init__(self, hidden: int, intermediate: int, act: str) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.act_fn = activation(act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+class ScaledEmbedding(nn.Embedding):
+    """Gemma's embedding: the lookup times ``sqrt(hidden)`` rounded to the weight dtype."""
+
+    def __init__(self, vocab: int, hidden: int, scale: float) -> None:
+        super().__init__(vocab, hidden)
+        self.scale = scale
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        # NOTE: HF rounds a float32 scalar to the weight dtype; rounding the Python float
+        # directly could differ by one ulp in bfloat16.
+        scale = torch.tensor(self.scale, dtype=torch.float32).to(self.weight.dtype)
+        return super().forward(ids) * scale.to(self.weight.device)
+
+
+class PagedAttention(nn.Module):
+    """Writes this layer's new K/V into the pool, then attends through the backend.
+
+    NOTE: the write comes first: every new token attends to itself and to the new tokens before
+    it, which the backend reads back from the pool.
+    """
+
+    def __init__(self, layer: AttentionLayer) -> None:
+        super().__init__()
+        self.layer = layer
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, Hq, D]
+        k: torch.Tensor,  # [T, Hkv, D]
+        v: torch.Tensor,  # [T, Hkv, Dv]
+        ctx: ForwardContext,
+        sinks: torch.Tensor | None = None,  # [Hq] per-head logit added to the softmax denominator
+    ) -> torch.Tensor:
+        ctx.pool.set_kv(self.layer.layer_id, k, v, ctx.out_loc, ctx.swa_out_loc)
+        return ctx.backend.forward(self.layer, q, ctx.attn_metadata, sinks)  # [T, Hq, Dv]

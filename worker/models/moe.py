@@ -1,0 +1,128 @@
+"""Mixture-of-experts blocks: GPT-OSS (softmax over top-k router logits, clamped SwiGLU with
+biases, fused expert tensors) and MiMo-V2-Flash (sigmoid scores with a correction bias, grouped
+top-k, one gated MLP per expert as the checkpoint stores them).
+
+Both loop over the experts that received tokens: simple, exact, and fast enough for the small
+expert counts this project runs on CPU.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from worker.models.layers import GatedMLP
+
+
+def _combine(
+    x: torch.Tensor,
+    top_idx: torch.Tensor,  # [T, k]
+    top_w: torch.Tensor,  # [T, k]
+    expert_fn,  # (expert id, rows [n, H]) -> [n, H]
+) -> torch.Tensor:
+    out = torch.zeros_like(x)
+    for e in torch.unique(top_idx).tolist():
+        token, slot = torch.where(top_idx == e)
+        y = expert_fn(e, x[token]) * top_w[token, slot, None]
+        out.index_add_(0, token, y.to(out.dtype))
+    return out
+
+
+class GptOssRouter(nn.Module):
+    def __init__(self, hidden: int, num_experts: int, top_k: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(num_experts, hidden))
+        self.bias = nn.Parameter(torch.zeros(num_experts))
+        self.top_k = top_k
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = F.linear(x, self.weight, self.bias)
+        top_val, top_idx = torch.topk(logits, self.top_k, dim=-1)
+        return top_idx, torch.softmax(top_val, dim=1, dtype=top_val.dtype)
+
+
+class GptOssExperts(nn.Module):
+    """Fused expert weights, gate/up interleaved along the last dim (HF layout)."""
+
+    def __init__(self, hidden: int, intermediate: int, num_experts: int, alpha: float, limit: float) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.zeros(num_experts, hidden, 2 * intermediate))
+        self.gate_up_proj_bias = nn.Parameter(torch.zeros(num_experts, 2 * intermediate))
+        self.down_proj = nn.Parameter(torch.zeros(num_experts, intermediate, hidden))
+        self.down_proj_bias = nn.Parameter(torch.zeros(num_experts, hidden))
+        self.alpha = alpha
+        self.limit = limit
+
+    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        gate_up = x @ self.gate_up_proj[e] + self.gate_up_proj_bias[e]
+        gate = gate_up[..., ::2].clamp(min=None, max=self.limit)
+        up = gate_up[..., 1::2].clamp(min=-self.limit, max=self.limit)
+        glu = gate * torch.sigmoid(gate * self.alpha)
+        return ((up + 1) * glu) @ self.down_proj[e] + self.down_proj_bias[e]
+
+
+class GptOssMoE(nn.Module):
+    def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int, alpha: float, limit: float) -> None:
+        super().__init__()
+        self.router = GptOssRouter(hidden, num_experts, top_k)
+        self.experts = GptOssExperts(hidden, intermediate, num_experts, alpha, limit)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        top_idx, top_w = self.router(x)
+        return _combine(x, top_idx, top_w, self.experts.expert)
+
+
+class MiMoRouter(nn.Module):
+    """Sigmoid scores; the correction bias only steers the choice, not the weights."""
+
+    def __init__(
+        self, hidden: int, num_experts: int, top_k: int, n_group: int, topk_group: int,
+        norm_topk_prob: bool, routed_scaling_factor: float,
+    ) -> None:  # fmt: skip
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(num_experts, hidden, dtype=torch.float32))
+        self.register_buffer("e_score_correction_bias", torch.zeros(num_experts, dtype=torch.float32))
+        self.top_k, self.n_group, self.topk_group = top_k, n_group, topk_group
+        self.norm_topk_prob = norm_topk_prob
+        self.routed_scaling_factor = routed_scaling_factor
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        num_experts = self.weight.shape[0]
+        scores = F.linear(x.float(), self.weight.float()).sigmoid()
+        choice = scores + self.e_score_correction_bias
+        per_group = choice.view(-1, self.n_group, num_experts // self.n_group)
+        group_scores = per_group.topk(2, dim=-1)[0].sum(dim=-1)
+        group_idx = torch.topk(group_scores, k=self.topk_group, dim=-1, sorted=False)[1]
+        group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
+        keep = group_mask.unsqueeze(-1).expand_as(per_group).reshape(-1, num_experts)
+        choice = choice.masked_fill(~keep.bool(), float("-inf"))
+        top_idx = torch.topk(choice, k=self.top_k, dim=-1, sorted=False)[1]
+        top_w = scores.gather(1, top_idx)
+        if self.norm_topk_prob:
+            top_w = top_w / (top_w.sum(dim=-1, keepdim=True) + 1e-20)
+        return top_idx, top_w * self.routed_scaling_factor
+
+
+class MiMoMoE(nn.Module):
+    """``mlp.gate`` (router) and ``mlp.experts.N.{gate,up,down}_proj`` (checkpoint layout)."""
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.gate = MiMoRouter(
+            config.hidden_size,
+            config.n_routed_experts,
+            config.num_experts_per_tok,
+            config.n_group,
+            config.topk_group,
+            config.norm_topk_prob,
+            config.routed_scaling_factor,
+        )
+        self.experts = nn.ModuleList(
+            GatedMLP(config.hidden_size, config.moe_intermediate_size, config.hidden_act)
+            for _ in range(config.n_routed_experts)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        top_idx, top_w = self.gate(x)
+        return _combine(x, top_idx, top_w, lambda e, rows: self.experts[e](rows))

@@ -1,0 +1,169 @@
+"""`ModelRunner`: turns a `ForwardBatch` into logits, and logits into tokens.
+
+Per step it builds, on the host and once: the input ids and positions, the new tokens' FULL slots
+(`out_loc`) and SWA slots (`swa_out_loc`), and one key view per layer kind (FULL slots as given;
+SWA slots for the window only, translated through the allocator in ONE call). Everything is
+copied to the model device once, the backend plans once, then the model runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from worker.attention.base import AttentionBackend, AttnBatch, KVView
+from worker.forward_batch import ForwardBatch, ForwardContext
+from worker.sampler import SampleOutput, Sampler
+from worker.spec import LayerKind, ModelSpec
+
+if TYPE_CHECKING:
+    from worker.mem.allocator import HybridAllocator
+    from worker.mem.pool import HybridKVPool
+    from worker.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class _HostInputs:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    out_loc: torch.Tensor
+    swa_out_loc: torch.Tensor | None
+    views: dict[LayerKind, KVView]
+    logit_rows: torch.Tensor
+
+
+def _ranges(reqs: Sequence, starts: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Concatenate ``table[start:seq_len]`` per request; also return the indptr."""
+    parts = [r.table[s : r.seq_len] for r, s in zip(reqs, starts)]
+    lens = torch.tensor([0] + [p.numel() for p in parts], dtype=torch.int64)
+    return torch.cat(parts), torch.cumsum(lens, 0)
+
+
+class ModelRunner:
+    """Runs one model over a hybrid KV pool with one attention backend."""
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        model: nn.Module,
+        pool: HybridKVPool,
+        allocator: HybridAllocator,
+        backend: AttentionBackend,
+        *,
+        device: str | torch.device = "cpu",
+        sampler: Sampler | None = None,
+        check_slots: bool = True,
+    ) -> None:
+        self.spec = spec
+        self.model = model
+        self.pool = pool
+        self.allocator = allocator
+        self.backend = backend
+        self.device = torch.device(device)
+        self.sampler = sampler or Sampler()
+        # Cheap on the host: catches an engine bug (reading a freed slot) before it corrupts output.
+        self.check_slots = check_slots
+        _check_model_matches_spec(model, spec)
+
+    # ---- forward ------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """Run one step. Returns float32 logits ``[batch.num_logits, vocab]`` in batch order."""
+        host = self._prepare(batch)
+        dev = self.device
+        views = {
+            kind: KVView(v.indices.to(dev), v.indptr.to(dev), v.kv_starts) for kind, v in host.views.items()
+        }
+        positions = host.positions.to(dev)
+        attn = AttnBatch(
+            q_lens=tuple(len(r.token_ids) for r in batch.reqs),
+            seq_lens=tuple(r.seq_len for r in batch.reqs),
+            positions=positions,
+            kv=views,
+            window=self.spec.window,
+        )
+        swa_out = host.swa_out_loc.to(dev) if host.swa_out_loc is not None else None
+        ctx = ForwardContext(self.pool, self.backend, self.backend.plan(attn), host.out_loc.to(dev), swa_out)
+        hidden = self.model(host.input_ids.to(dev), positions, ctx)
+        if host.logit_rows.numel() == 0:
+            return hidden.new_empty(0, self.spec.vocab_size, dtype=torch.float32)
+        return self.model.compute_logits(hidden[host.logit_rows.to(dev)]).float()
+
+    def sample(
+        self,
+        logits: torch.Tensor,
+        params: Sequence[SamplingParams],
+        generators: Sequence[torch.Generator | None] | None = None,
+    ) -> SampleOutput:
+        """Pick one token per logits row (see `Sampler.sample`)."""
+        return self.sampler.sample(logits, params, generators)
+
+    # ---- host-side preparation -------------------------------------------------------------------
+    def _prepare(self, batch: ForwardBatch) -> _HostInputs:
+        reqs = batch.reqs
+        for r in reqs:
+            r.validate()
+        ids = torch.tensor([t for r in reqs for t in r.token_ids], dtype=torch.int64)
+        positions = torch.cat([torch.arange(r.prefix_len, r.seq_len) for r in reqs])
+        out_loc = torch.cat([r.table[r.prefix_len : r.seq_len] for r in reqs]).to(torch.int64)
+        views: dict[LayerKind, KVView] = {}
+        swa_out_loc = None
+        if self.spec.full_layer_ids:
+            idx, indptr = _ranges(reqs, [0] * len(reqs))
+            views[LayerKind.FULL] = KVView(idx.to(torch.int64), indptr, (0,) * len(reqs))
+        if self.spec.swa_layer_ids:
+            views[LayerKind.SWA], swa_out_loc = self._swa_view(reqs)
+        if self.check_slots:
+            _check_slots(views, out_loc, swa_out_loc)
+        ends = torch.cumsum(torch.tensor([len(r.token_ids) for r in reqs]), 0)
+        need = torch.tensor([r.need_logits for r in reqs], dtype=torch.bool)
+        return _HostInputs(ids, positions, out_loc, swa_out_loc, views, (ends - 1)[need])
+
+    def _swa_view(self, reqs: Sequence) -> tuple[KVView, torch.Tensor]:
+        window = self.spec.window or 0
+        starts = [max(0, r.prefix_len - window) for r in reqs]
+        full_idx, indptr = _ranges(reqs, starts)
+        swa_idx = self.allocator.translate(full_idx.to(torch.int64))  # the one translation
+        # The new tokens are the tail of each request's SWA range: slice their slots out of it.
+        tails = [
+            torch.arange(int(indptr[i]) + r.prefix_len - s, int(indptr[i + 1]))
+            for i, (r, s) in enumerate(zip(reqs, starts))
+        ]
+        swa_out_loc = swa_idx[torch.cat(tails)]
+        return KVView(swa_idx, indptr, tuple(starts)), swa_out_loc
+
+
+def _check_slots(
+    views: dict[LayerKind, KVView], out_loc: torch.Tensor, swa_out_loc: torch.Tensor | None
+) -> None:
+    """Slot 0 is the dummy page and -1 means "unmapped": neither may be read or written."""
+    for kind, view in views.items():
+        if view.indices.numel() and int(view.indices.min()) <= 0:
+            raise RuntimeError(
+                f"a {kind.value} key slot in the batch is freed or unmapped (slot <= 0): the engine "
+                "freed KV that a query still needs (SWA: the window before prefix_len must be live)"
+            )
+    if int(out_loc.min()) <= 0 or (swa_out_loc is not None and int(swa_out_loc.min()) <= 0):
+        raise RuntimeError("a new token has no slot (<= 0): allocate before calling forward")
+
+
+def _check_model_matches_spec(model: nn.Module, spec: ModelSpec) -> None:
+    """The pool is sized from the spec, the kernels from the model: they must agree."""
+    layers = getattr(model, "attention_layers", None)
+    if layers is None:
+        return
+    for layer in layers():
+        kind, _ = spec.layer_index[layer.layer_id]
+        shape = spec.shape(kind)
+        in_model = (layer.kind, layer.num_q_heads, layer.num_kv_heads, layer.head_dim, layer.v_head_dim)
+        in_spec = (kind, shape.num_q_heads, shape.num_kv_heads, shape.head_dim, shape.v_head_dim)
+        if in_model != in_spec:
+            raise ValueError(
+                f"layer {layer.layer_id}: the model has (kind, q heads, kv heads, head dim, v head "
+                f"dim) = {in_model}, the spec says {in_spec}; build both from "
+                "the same HF config"
+            )
