@@ -72,7 +72,12 @@ class ApplyOutcome(str, enum.Enum):
 
 
 _NEEDS_RESYNC = frozenset(
-    {ApplyOutcome.GAP, ApplyOutcome.STALE, ApplyOutcome.UNKNOWN_WORKER, ApplyOutcome.NEW_INCARNATION}
+    {
+        ApplyOutcome.GAP,
+        ApplyOutcome.STALE,
+        ApplyOutcome.UNKNOWN_WORKER,
+        ApplyOutcome.NEW_INCARNATION,
+    }
 )
 _CHANGED = frozenset(
     {
@@ -121,12 +126,16 @@ class ClusterIndex:
         entry = self._workers.get(worker_id)
         if entry is None or entry.stale:
             return None
-        pages = {h: PageState.LIVE if live else PageState.TOMBSTONE for h, live in entry.pages.items()}
+        pages = {
+            h: PageState.LIVE if live else PageState.TOMBSTONE for h, live in entry.pages.items()
+        }
         return CacheSnapshot(entry.meta.worker_id, entry.meta.incarnation, entry.seq, pages)
 
     def resyncs(self) -> list[WorkerResync]:
         """The whole index as one resync per worker (how a late router bootstraps)."""
-        return [WorkerResync(e.meta, self.snapshot(e.meta.worker_id)) for e in self._workers.values()]
+        return [
+            WorkerResync(e.meta, self.snapshot(e.meta.worker_id)) for e in self._workers.values()
+        ]
 
     # ---- updates -------------------------------------------------------------------------
     def apply_update(self, update: IndexUpdate) -> ApplyOutcome:

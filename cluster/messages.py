@@ -7,7 +7,6 @@ accepted in order and routers replay them, so each router's index is a determini
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Union
 
 from worker.protocol import CacheSnapshot, EventBatch, WorkerMeta
 
@@ -44,7 +43,7 @@ class WorkerRemoved:
     incarnation: str | None = None
 
 
-IndexUpdate = Union[EventBatch, WorkerResync, WorkerRemoved]
+IndexUpdate = EventBatch | WorkerResync | WorkerRemoved
 
 
 @dataclass(frozen=True)

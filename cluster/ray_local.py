@@ -3,7 +3,10 @@
 Ray's environment switches are set here and nowhere else:
 - `RAY_AUTH_MODE=disabled`: Ray 2.60 turns token auth on for a new local cluster and writes
   `~/.ray/auth_token`, which then leaks into every later `ray start` on the machine;
-- `RAY_USAGE_STATS_ENABLED=0`: no telemetry (and no network attempt).
+- `RAY_USAGE_STATS_ENABLED=0`: no telemetry (and no network attempt);
+- `RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`: Ray otherwise replaces `_node_ip_address="127.0.0.1"`
+  by the host's routable address (`services.resolve_ip_for_localhost`); with "clusters" off it
+  keeps the loopback address, which is all a single-node cluster needs.
 Each cluster gets its own short temp dir (Ray's socket paths must stay under ~107 bytes), so
 parallel jobs on one machine do not share sessions; it is removed on stop.
 """
@@ -17,7 +20,14 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-RAY_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
+RAY_ENV = {
+    "RAY_AUTH_MODE": "disabled",
+    "RAY_USAGE_STATS_ENABLED": "0",
+    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+}
+
+
+_CLUSTERS_DEFAULT = True  # Ray's value on Linux
 
 
 @dataclass(frozen=True)
@@ -43,6 +53,7 @@ def start_local_ray(config: LocalRayConfig | None = None) -> LocalRay:
         RuntimeError: Ray is already initialised in this process.
     """
     import ray
+    from ray._private import ray_constants
 
     cfg = config or LocalRayConfig()
     if ray.is_initialized():
@@ -50,6 +61,9 @@ def start_local_ray(config: LocalRayConfig | None = None) -> LocalRay:
             "Ray is already initialised in this process; stop it (ray.shutdown()) or reuse it"
         )
     os.environ.update(RAY_ENV)
+    # NOTE: Ray reads the variable when it is imported, usually before this call; set the
+    # constant it became as well (restored by stop_local_ray).
+    ray_constants.ENABLE_RAY_CLUSTER = False
     temp_dir = tempfile.mkdtemp(prefix="swaray-", dir=cfg.temp_root)
     try:
         ctx = ray.init(
@@ -63,6 +77,7 @@ def start_local_ray(config: LocalRayConfig | None = None) -> LocalRay:
             _temp_dir=temp_dir,
         )
     except BaseException:
+        ray_constants.ENABLE_RAY_CLUSTER = _CLUSTERS_DEFAULT
         shutil.rmtree(temp_dir, ignore_errors=True)
         raise
     return LocalRay(temp_dir=temp_dir, address=ctx.address_info.get("address", ""))
@@ -71,8 +86,10 @@ def start_local_ray(config: LocalRayConfig | None = None) -> LocalRay:
 def stop_local_ray(cluster: LocalRay) -> None:
     """Shut down the cluster `start_local_ray` started and delete its temp dir."""
     import ray
+    from ray._private import ray_constants
 
     ray.shutdown()
+    ray_constants.ENABLE_RAY_CLUSTER = _CLUSTERS_DEFAULT
     shutil.rmtree(cluster.temp_dir, ignore_errors=True)
 
 

@@ -183,7 +183,9 @@ class EventPublisher:
     async def close(self) -> None:
         """Remove this incarnation from the index (graceful replica shutdown)."""
         try:
-            await self._actor.remove.remote(WorkerRemoved(self.meta.worker_id, self.meta.incarnation))
+            await self._actor.remove.remote(
+                WorkerRemoved(self.meta.worker_id, self.meta.incarnation)
+            )
         except RayError as exc:
             logger.warning("cache index remove failed: %s", exc)
 

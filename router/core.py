@@ -57,7 +57,9 @@ class RouterCore:
         decision = RoutingDecision(
             self.policy.name,
             tuple(
-                RankedWorker(views[r.index].worker_id, self.policy.predicted(views[r.index]), r.cost)
+                RankedWorker(
+                    views[r.index].worker_id, self.policy.predicted(views[r.index]), r.cost
+                )
                 for r in ranked
             ),
         )

@@ -1,4 +1,4 @@
-"""Per-policy routing metrics (prometheus_client), labelled `policy`.
+r"""Per-policy routing metrics (prometheus_client), labelled `policy`.
 
 | metric | type | recorded by |
 |---|---|---|

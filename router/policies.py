@@ -18,7 +18,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
-from router.cost import CostWeights, WorkerView, capacity_tokens, load_tokens, overloaded, request_cost
+from router.cost import (
+    CostWeights,
+    WorkerView,
+    capacity_tokens,
+    load_tokens,
+    overloaded,
+    request_cost,
+)
 
 
 @dataclass(frozen=True, slots=True)

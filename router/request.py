@@ -47,7 +47,9 @@ class RoutingDecision:
 class RoutedRequest:
     """The first positional argument of every worker handle call."""
 
-    token_ids: list[int]  # the whole prompt (the router hashes token_ids[:-1], as the worker matches)
+    token_ids: list[
+        int
+    ]  # the whole prompt (the router hashes token_ids[:-1], as the worker matches)
     request_id: str = ""
     max_new_tokens: int = 0  # for the capacity estimate; 0 when unknown
     params: object | None = None  # opaque to the router (the engine's sampling parameters)

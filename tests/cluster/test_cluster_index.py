@@ -10,7 +10,9 @@ K = EventKind
 
 
 def _meta(wid: str = "w0", inc: str = "i0", full_tokens: int = 1 << 16) -> WorkerMeta:
-    return WorkerMeta(wid, inc, page_size=4, window=8, full_tokens=full_tokens, swa_tokens=1024, hybrid=True)
+    return WorkerMeta(
+        wid, inc, page_size=4, window=8, full_tokens=full_tokens, swa_tokens=1024, hybrid=True
+    )
 
 
 def _fresh(index: ClusterIndex, wid: str = "w0", inc: str = "i0", **kw: int) -> WorkerMeta:
@@ -19,7 +21,9 @@ def _fresh(index: ClusterIndex, wid: str = "w0", inc: str = "i0", **kw: int) -> 
     return meta
 
 
-def _batch(seq: int, *events: tuple[EventKind, tuple[int, ...]], wid: str = "w0", inc: str = "i0") -> EventBatch:
+def _batch(
+    seq: int, *events: tuple[EventKind, tuple[int, ...]], wid: str = "w0", inc: str = "i0"
+) -> EventBatch:
     return EventBatch(wid, inc, seq, tuple(CacheEvent(k, h) for k, h in events))
 
 
@@ -33,8 +37,13 @@ def test_events_set_page_states() -> None:
     """STORED/STORED_FULL_ONLY/SWA_REMOVED/SWA_RESTORED/REMOVED move pages between states."""
     index = ClusterIndex()
     _fresh(index)
-    assert index.apply(_batch(1, (K.STORED, (1, 2, 3)), (K.STORED_FULL_ONLY, (4,)))) is ApplyOutcome.APPLIED
-    assert index.apply(_batch(2, (K.SWA_REMOVED, (1,)), (K.SWA_RESTORED, (4,)), (K.REMOVED, (3,)))).changed
+    assert (
+        index.apply(_batch(1, (K.STORED, (1, 2, 3)), (K.STORED_FULL_ONLY, (4,))))
+        is ApplyOutcome.APPLIED
+    )
+    assert index.apply(
+        _batch(2, (K.SWA_REMOVED, (1,)), (K.SWA_RESTORED, (4,)), (K.REMOVED, (3,)))
+    ).changed
     assert _states(index) == {1: PageState.TOMBSTONE, 2: PageState.LIVE, 4: PageState.LIVE}
     assert index.page_map.get(1) == [index.worker("w0").bit] * 2  # present and tombstone
     assert index.page_map.get(3) is None
@@ -74,7 +83,9 @@ def test_gap_marks_stale_until_resync() -> None:
     assert index.apply(_batch(4, (K.STORED, (4,)))) is ApplyOutcome.STALE
     snap = CacheSnapshot("w0", "i0", 4, {1: PageState.LIVE, 4: PageState.TOMBSTONE})
     assert index.resync(WorkerResync(meta, snap)) is ApplyOutcome.RESYNCED
-    assert index.apply(_batch(4, (K.REMOVED, (1,)))) is ApplyOutcome.DUPLICATE  # inside the snapshot
+    assert (
+        index.apply(_batch(4, (K.REMOVED, (1,)))) is ApplyOutcome.DUPLICATE
+    )  # inside the snapshot
     assert index.apply(_batch(5, (K.STORED, (5,)))) is ApplyOutcome.APPLIED
     assert _states(index) == {1: PageState.LIVE, 4: PageState.TOMBSTONE, 5: PageState.LIVE}
 

@@ -9,7 +9,9 @@ from worker.protocol import CacheEvent, CacheSnapshot, EventBatch, EventKind, Wo
 
 
 def _meta(wid: str = "w", inc: str = "i") -> WorkerMeta:
-    return WorkerMeta(wid, inc, page_size=4, window=8, full_tokens=4096, swa_tokens=1024, hybrid=True)
+    return WorkerMeta(
+        wid, inc, page_size=4, window=8, full_tokens=4096, swa_tokens=1024, hybrid=True
+    )
 
 
 def _register(hub: IndexHub, wid: str = "w", inc: str = "i") -> None:
@@ -20,7 +22,9 @@ def _stored(seq: int, *hashes: int, wid: str = "w", inc: str = "i") -> EventBatc
     return EventBatch(wid, inc, seq, (CacheEvent(EventKind.STORED, hashes),))
 
 
-def _replayed(hub: IndexHub, index: ClusterIndex, epoch: str | None, cursor: int) -> tuple[str, int]:
+def _replayed(
+    hub: IndexHub, index: ClusterIndex, epoch: str | None, cursor: int
+) -> tuple[str, int]:
     delta = hub.pull(epoch, cursor)
     if delta is None:
         return epoch or "", cursor

@@ -1,17 +1,27 @@
-"""Event transport through real Ray actors: push/pull, long poll, gaps, resync, incarnations,
-dead-worker removal, late routers and an index-actor restart. One loopback cluster per module."""
+"""Through real Ray (one loopback cluster for the module): the event transport (push/pull, long
+poll, gaps, resync, incarnations, dead-worker removal, late routers, index-actor restart) and the
+SwaPrefixRequestRouter in a Serve app of two fake worker replicas.
+
+The fake worker keeps pages in a dict and applies the §4.4 rule itself (the rule's agreement
+with the real radix cache is tests/router/test_mirror_exact.py); the Serve test checks the
+plumbing: events → actor → router, the decision riding on `RoutedRequest`,
+`record_routing_stats`, affinity, predicted == reused on every request."""
 
 from __future__ import annotations
 
 import asyncio
+import sys
 import time
 import uuid
 from collections.abc import Iterator
 
 import pytest
 import ray
+from ray import cloudpickle, serve
+from ray.serve.config import RequestRouterConfig
 
 from cluster.index import ClusterIndex
+from cluster.load import PoolHeadroom, make_routing_stats
 from cluster.messages import WorkerRemoved
 from cluster.ray_local import LocalRayConfig, start_local_ray, stop_local_ray
 from cluster.transport import (
@@ -21,16 +31,34 @@ from cluster.transport import (
     index_actor_name,
     kill_index_actor,
 )
-from worker.protocol import CacheEvent, CacheSnapshot, EventBatch, EventKind, PageState, WorkerMeta
+from router.match import valid_match_reference
+from router.request import RoutedRequest
+from worker.protocol import (
+    CacheEvent,
+    CacheSnapshot,
+    EventBatch,
+    EventKind,
+    PageState,
+    WorkerMeta,
+    page_hashes,
+)
 
 pytestmark = pytest.mark.ray
+
+PAGE, WINDOW = 4, 8
+APP = "routertest"
+cloudpickle.register_pickle_by_value(sys.modules[__name__])  # replicas cannot import tests/
 
 
 @pytest.fixture(scope="module")
 def ray_cluster() -> Iterator[None]:
     cluster = start_local_ray(LocalRayConfig(num_cpus=1))
-    yield
-    stop_local_ray(cluster)
+    try:
+        assert [n["NodeManagerAddress"] for n in ray.nodes()] == ["127.0.0.1"]  # loopback
+        yield
+    finally:
+        serve.shutdown()
+        stop_local_ray(cluster)
 
 
 @pytest.fixture
@@ -56,7 +84,9 @@ class FakeCache:
 
     def drain(self) -> EventBatch:
         self.seq += 1
-        batch = EventBatch(self.meta.worker_id, self.meta.incarnation, self.seq, tuple(self.pending))
+        batch = EventBatch(
+            self.meta.worker_id, self.meta.incarnation, self.seq, tuple(self.pending)
+        )
         self.pending = []
         return batch
 
@@ -214,3 +244,108 @@ def test_late_router_and_actor_restart(actor_name: str) -> None:
         assert _pages(sub.index, "w0") == {1, 2}
 
     asyncio.run(run())
+
+
+# ---- the router in a Serve app ----------------------------------------------------------
+
+
+@serve.deployment(
+    num_replicas=2,
+    max_ongoing_requests=4,
+    ray_actor_options={"num_cpus": 0.1},
+    request_router_config=RequestRouterConfig(
+        request_router_class="router.serve_router:SwaPrefixRequestRouter",
+        request_router_kwargs={"policy": "swa_prefix", "sync_before_decide": True},
+        request_routing_stats_period_s=0.5,
+    ),
+)
+class FakeWorker:
+    """Caches each prompt's pages; pages below `params` (a token frontier) become tombstones."""
+
+    def __init__(self) -> None:
+        ctx = serve.get_replica_context()
+        self.wid = ctx.replica_id.unique_id
+        self.pages: dict[int, PageState] = {}
+        self.seq = 0
+        meta = WorkerMeta(self.wid, uuid.uuid4().hex, PAGE, WINDOW, 1 << 16, 1 << 14, True)
+        actor = get_or_create_index_actor(index_actor_name(ctx.app_name, ctx.deployment))
+        self.publisher = EventPublisher(actor, meta, self._snapshot)
+        self.started = False
+
+    async def generate(self, req: RoutedRequest) -> dict:
+        if not self.started:
+            await self.publisher.start()
+            self.started = True
+        chain = page_hashes(req.token_ids[:-1], PAGE)
+        cached = valid_match_reference([self.pages.get(h) for h in chain], PAGE, WINDOW) * PAGE
+        await self.publisher.publish(self._store(chain, int(req.params or 0) // PAGE))
+        predicted = req.routing.predicted_for(self.wid) if req.routing else None
+        return {"worker": self.wid, "cached": cached, "predicted": predicted}
+
+    def record_routing_stats(self) -> dict:
+        pool = PoolHeadroom(1 << 14, 0, 1 << 14)
+        return make_routing_stats(
+            worker_id=self.wid,
+            timestamp_s=0.0,
+            queue_len=0,
+            queued_prefill_tokens=0,
+            running_decodes=0,
+            full=pool,
+            swa=pool,
+        )
+
+    def _store(self, chain: list[int], tomb_pages: int) -> EventBatch:
+        events = []
+        for i, h in enumerate(chain):
+            want = PageState.TOMBSTONE if i < tomb_pages else PageState.LIVE
+            have = self.pages.get(h)
+            if have is None:
+                kind = EventKind.STORED if want is PageState.LIVE else EventKind.STORED_FULL_ONLY
+            elif have is not want:
+                kind = EventKind.SWA_RESTORED if want is PageState.LIVE else EventKind.SWA_REMOVED
+            else:
+                continue
+            self.pages[h] = want
+            events.append(CacheEvent(kind, (h,)))
+        self.seq += 1
+        return EventBatch(self.wid, self.publisher.meta.incarnation, self.seq, tuple(events))
+
+    def _snapshot(self) -> CacheSnapshot:
+        m = self.publisher.meta
+        return CacheSnapshot(m.worker_id, m.incarnation, self.seq, dict(self.pages))
+
+
+@pytest.fixture
+def handle(ray_cluster: None) -> Iterator[serve.handle.DeploymentHandle]:
+    serve.start(proxy_location="Disabled")
+    yield serve.run(FakeWorker.bind(), name=APP, route_prefix=None).options(method_name="generate")
+    serve.delete(APP)
+    kill_index_actor(index_actor_name(APP, "FakeWorker"))
+
+
+def _family(head: int, pages: int, extra: int = 0) -> list[int]:
+    return [head * 1000 + i for i in range(pages * PAGE)] + [7] * (extra + 1)
+
+
+def _send(handle, tokens: list[int], frontier: int = 0) -> dict:
+    return handle.remote(RoutedRequest(tokens, params=frontier)).result(timeout_s=30)
+
+
+def test_predictions_exact_and_affine(handle) -> None:
+    """Sequential mixed-prefix requests: predicted == cached on the serving replica, always."""
+    results = []
+    for tokens, frontier in [
+        (_family(1, 6), 0),
+        (_family(1, 6, extra=5), 0),  # same head: must go where family 1 lives, 6 pages cached
+        (_family(2, 6), 5 * PAGE),  # family 2 stored with pages 0..4 tombstoned
+        (_family(2, 6, extra=3), 0),  # its valid match is only 0 pages (1 live page < window)
+        (_family(1, 3), 0),
+        (_family(2, 6, extra=9), 0),  # family 2 now fully live again where it lives
+    ]:
+        out = _send(handle, tokens, frontier)
+        results.append(out)
+        assert out["predicted"] == out["cached"], (tokens[:2], out)
+    assert results[1]["worker"] == results[0]["worker"] and results[1]["cached"] == 6 * PAGE
+    assert results[3]["cached"] == 0
+    # request 4 revived family 2 wherever it went (both had 0 valid pages): request 6 follows it
+    assert results[5]["cached"] == 6 * PAGE and results[5]["worker"] == results[3]["worker"]

@@ -16,7 +16,9 @@ def prompt(pages: int, base: int = 1000) -> list[int]:
     return list(range(base, base + pages * PAGE + 1))
 
 
-def index_with(tokens: list[int], layout: dict[str, str], window: int | None = WINDOW) -> ClusterIndex:
+def index_with(
+    tokens: list[int], layout: dict[str, str], window: int | None = WINDOW
+) -> ClusterIndex:
     """layout: worker id → one char per page of tokens[:-1]: L live, T tombstone, . absent."""
     chain = page_hashes(tokens[:-1], PAGE)
     index = ClusterIndex()
@@ -26,7 +28,9 @@ def index_with(tokens: list[int], layout: dict[str, str], window: int | None = W
             for h, c in zip(chain, states)
             if c != "."
         }
-        meta = WorkerMeta(wid, "inc", PAGE, window, full_tokens=1 << 16, swa_tokens=1 << 14, hybrid=True)
+        meta = WorkerMeta(
+            wid, "inc", PAGE, window, full_tokens=1 << 16, swa_tokens=1 << 14, hybrid=True
+        )
         index.resync(WorkerResync(meta, CacheSnapshot(wid, "inc", 0, pages)))
     return index
 

@@ -68,7 +68,10 @@ class MirroredWorker:
 def _prompts(rng: random.Random, n: int) -> list[list[int]]:
     """Prompts in a few families sharing heads, so prefixes and branches overlap."""
     heads = [[rng.randrange(4) for _ in range(rng.randrange(2, 12))] for _ in range(3)]
-    return [rng.choice(heads) + [rng.randrange(4) for _ in range(rng.randrange(0, 14))] for _ in range(n)]
+    return [
+        rng.choice(heads) + [rng.randrange(4) for _ in range(rng.randrange(0, 14))]
+        for _ in range(n)
+    ]
 
 
 @pytest.mark.parametrize("window", [3, 4])

@@ -116,7 +116,9 @@ def test_inflight_spreads_a_burst_between_samples() -> None:
     index = index_with(tokens, {"a": "", "b": ""})
     core = _core(index)
     cands = [Candidate("a", load("a", at=10.0)), Candidate("b", load("b", at=10.0))]
-    picks = [core.decide(tokens, cands, request_key=f"r{i}", now=11.0).best.worker_id for i in range(4)]
+    picks = [
+        core.decide(tokens, cands, request_key=f"r{i}", now=11.0).best.worker_id for i in range(4)
+    ]
     assert picks.count("a") == 2 and picks.count("b") == 2
     fresh = [Candidate("a", load("a", at=12.0)), Candidate("b", load("b", at=12.0))]
     assert core.inflight.pending("a", 12.0) == (0, 0)  # the newer sample includes them

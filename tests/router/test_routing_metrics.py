@@ -20,7 +20,9 @@ def test_outcomes_split_by_policy_and_direction() -> None:
     m.observe_outcome("prefix", 96, 32)
     m.observe_outcome("prefix", 0, 16)
     assert _value(reg, "swaserve_router_requests_routed_total", policy="swa_prefix") == 1
-    assert _value(reg, "swaserve_router_predictions_total", policy="swa_prefix", outcome="exact") == 1
+    assert (
+        _value(reg, "swaserve_router_predictions_total", policy="swa_prefix", outcome="exact") == 1
+    )
     assert _value(reg, "swaserve_router_predictions_total", policy="prefix", outcome="over") == 1
     assert _value(reg, "swaserve_router_predictions_total", policy="prefix", outcome="under") == 1
     assert _value(reg, "swaserve_router_prediction_error_tokens_sum", policy="prefix") == 64 + 16

@@ -6,7 +6,12 @@ import asyncio
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry
-from ray.serve._private.common import DeploymentHandleSource, DeploymentID, ReplicaID, RequestMetadata
+from ray.serve._private.common import (
+    DeploymentHandleSource,
+    DeploymentID,
+    ReplicaID,
+    RequestMetadata,
+)
 from ray.serve.request_router import PendingRequest
 from routing_builders import PAGE, index_with, prompt
 
@@ -54,8 +59,13 @@ def _pending(tokens: list[int], rid: str = "r1") -> PendingRequest:
 def _stats(wid: str, queued: int = 0) -> dict:
     pool = PoolHeadroom(4096, 0, 4096)
     return make_routing_stats(
-        worker_id=wid, timestamp_s=0.0, queue_len=0, queued_prefill_tokens=queued,
-        running_decodes=0, full=pool, swa=pool,
+        worker_id=wid,
+        timestamp_s=0.0,
+        queue_len=0,
+        queued_prefill_tokens=queued,
+        running_decodes=0,
+        full=pool,
+        swa=pool,
     )
 
 
@@ -109,7 +119,9 @@ def test_dead_replica_never_chosen_and_forgotten() -> None:
         router.on_replica_actor_died(a.replica_id)
         assert router.core.index.worker("a") is None
         for i in range(3):
-            chosen = await asyncio.wait_for(router._choose_replica_for_request(_pending(tokens, f"r{i}")), 5)
+            chosen = await asyncio.wait_for(
+                router._choose_replica_for_request(_pending(tokens, f"r{i}")), 5
+            )
             assert chosen.name == "b"
         router.update_replicas([b])  # removal through a replica-set update
         assert router.core.index.worker("b") is not None
