@@ -8,6 +8,7 @@ engine loaded and `/health` answers 200. Ctrl-C (or SIGTERM) shuts Serve and Ray
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import socket
@@ -132,6 +133,7 @@ def serve_foreground(req: ServeRequest, out: TextIO = sys.stdout) -> int:
 
     progress.say(f"starting a local Ray cluster on 127.0.0.1 ({p.num_cpus} CPUs) ...")
     cluster = start_local_ray(LocalRayConfig(num_cpus=p.num_cpus))
+    _quiet_ray_logs()  # after ray.init, which sets up Ray's loggers
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
         _deploy(p, progress, req.startup_timeout_s)
@@ -160,6 +162,7 @@ def _deploy(p: Plan, progress: Progress, timeout_s: float) -> None:
 
     progress.say(f"starting the HTTP proxy on {p.host}:{p.port} ...")
     serve.start(http_options={"host": p.host, "port": p.port}, proxy_location="HeadOnly")
+    _quiet_ray_logs()  # serve.start configures the serve logger
     progress.say(f"deploying {_workers(p.config)}; each loads the model ...")
     serve._run(build_app_from_config(p.config), _blocking=False, name=APP_NAME, route_prefix="/")
     _wait_running(progress, timeout_s)
@@ -236,6 +239,13 @@ def _workers(cfg: ServeConfig) -> str:
 
 def _probe_host(host: str) -> str:
     return "127.0.0.1" if host in ("0.0.0.0", "") else host
+
+
+def _quiet_ray_logs() -> None:
+    # Ray's INFO lines duplicate our progress, and one of them ("New http_options will not be
+    # applied", logged because serve.run re-checks the running instance) reads like an error.
+    for name in ("ray", "ray.serve"):
+        logging.getLogger(name).setLevel(logging.WARNING)
 
 
 def _raise_interrupt(signum: int, frame: Any) -> None:

@@ -197,11 +197,16 @@ class WorkerDeployment:
                 f"{s.running} running requests (stall_timeout_s={self._options.stall_timeout_s})"
             )
 
-    def flush_cache(self) -> bool:
-        return bool(self._engine.flush_cache())
+    async def flush_cache(self) -> bool:
+        """Empty the radix cache when idle (False while requests run); for tests and benches."""
+        flushed = bool(await asyncio.to_thread(self._engine.flush_cache))
+        if self._events is not None:
+            await self._events.flush()
+        return flushed
 
-    def check_integrity(self) -> None:
-        self._engine.check_integrity()
+    async def check_integrity(self) -> None:
+        # Both run on the engine's step thread between steps; wait for them off the event loop.
+        await asyncio.to_thread(self._engine.check_integrity)
 
     def shutdown(self) -> None:
         """Stop taking requests, abort what is left, stop the engine (idempotent)."""

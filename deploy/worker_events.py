@@ -35,7 +35,7 @@ class CacheEventPump:
         self._actor_name = index_actor_name(app_name, deployment_name)
         self._interval_s = interval_s
         self._seq = 0
-        self._seq_lock = threading.Lock()  # snapshots run on the caller's thread, drains on the loop
+        self._seq_lock = threading.Lock()  # snapshots run on the loop thread, drains in a worker thread
         self._flush_lock = asyncio.Lock()
         self._start_lock = asyncio.Lock()
         self._publisher: EventPublisher | None = None
@@ -68,25 +68,38 @@ class CacheEventPump:
             self._task = asyncio.get_running_loop().create_task(self._loop())
 
     def _snapshot(self) -> CacheSnapshot:
-        # Events drained here are folded into the snapshot, so its seq covers them.
+        # Runs on the caller's thread (EventPublisher's contract). Events still queued are folded
+        # into the snapshot, so its seq covers them; the engine takes both between two steps.
         with self._seq_lock:
-            if self._engine.drain_cache_events():
+            events, pages = self._drain_and_snapshot()
+            if events:
                 self._seq += 1
-            pages = self._engine.cache_snapshot()
             return CacheSnapshot(self._worker_id, self._incarnation, self._seq, dict(pages))
+
+    def _drain_and_snapshot(self) -> tuple[list[Any], dict[int, Any]]:
+        both = getattr(self._engine, "drain_and_snapshot", None)
+        if both is not None:
+            return both()
+        return self._engine.drain_cache_events(), self._engine.cache_snapshot()
+
+    def _drain_batch(self) -> EventBatch | None:
+        with self._seq_lock:
+            events = self._engine.drain_cache_events()
+            if not events:
+                return None
+            self._seq += 1
+            return EventBatch(self._worker_id, self._incarnation, self._seq, tuple(events))
 
     async def flush(self) -> None:
         """Drain and publish whatever the engine queued since the last flush."""
         if self._publisher is None:
             return
-        async with self._flush_lock:
-            with self._seq_lock:
-                events = self._engine.drain_cache_events()
-                if not events:
-                    return
-                self._seq += 1
-                batch = EventBatch(self._worker_id, self._incarnation, self._seq, tuple(events))
-            await self._publisher.publish(batch)
+        async with self._flush_lock:  # drains and publishes stay in seq order
+            # NOTE: draining waits for the engine's current step to end; off the event loop, so
+            # other requests' deltas keep flowing meanwhile.
+            batch = await asyncio.to_thread(self._drain_batch)
+            if batch is not None:
+                await self._publisher.publish(batch)
 
     async def _loop(self) -> None:
         while True:
