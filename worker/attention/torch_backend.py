@@ -64,23 +64,12 @@ def _visible(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> to
     return ok
 
 
-def _decode_group(batch: AttnBatch, view: KVView, reqs: list[int], window: int | None) -> _DecodeGroup:
-    dev = view.indices.device
-    sel = torch.tensor(reqs, dtype=torch.int64, device=dev)
-    starts = view.indptr[sel]
-    lens = view.indptr[sel + 1] - starts
-    width = int(lens.max())
-    offs = torch.arange(width, device=dev)
-    valid = offs[None, :] < lens[:, None]
-    flat = torch.where(valid, starts[:, None] + offs[None, :], 0)
-    kv_idx = torch.where(valid, view.indices[flat], 0)
-    kv_start = torch.tensor([view.kv_starts[i] for i in reqs], device=dev)
-    q_pos = torch.tensor([batch.seq_lens[i] - 1 for i in reqs], device=dev)
-    k_pos = kv_start[:, None] + offs[None, :]
-    mask = valid & _visible(q_pos[:, None], k_pos, window)
-    q_offsets = _query_offsets(batch)
-    rows = torch.tensor([q_offsets[i] for i in reqs], dtype=torch.int64, device=dev)
-    return _DecodeGroup(rows=rows, kv_idx=kv_idx, mask=mask[:, None, :])
+def _kv_offsets(batch: AttnBatch, view: KVView) -> list[int]:
+    """Host copy of the view's indptr (no device sync): key counts follow from the positions."""
+    out = [0]
+    for seq, start in zip(batch.seq_lens, view.kv_starts):
+        out.append(out[-1] + seq - start)
+    return out
 
 
 def _query_offsets(batch: AttnBatch) -> list[int]:
@@ -91,9 +80,30 @@ def _query_offsets(batch: AttnBatch) -> list[int]:
     return out
 
 
-def _extend(batch: AttnBatch, view: KVView, i: int, window: int | None, start: int) -> _Extend:
+def _decode_group(
+    batch: AttnBatch, view: KVView, reqs: list[int], window: int | None, kv_off: list[int]
+) -> _DecodeGroup:
     dev = view.indices.device
-    lo, hi = int(view.indptr[i]), int(view.indptr[i + 1])
+    lens_host = [kv_off[i + 1] - kv_off[i] for i in reqs]
+    starts = torch.tensor([kv_off[i] for i in reqs], device=dev)
+    lens = torch.tensor(lens_host, device=dev)
+    offs = torch.arange(max(lens_host), device=dev)
+    valid = offs[None, :] < lens[:, None]
+    flat = torch.where(valid, starts[:, None] + offs[None, :], 0)
+    kv_idx = torch.where(valid, view.indices[flat], 0)
+    kv_start = torch.tensor([view.kv_starts[i] for i in reqs], device=dev)
+    q_pos = torch.tensor([batch.seq_lens[i] - 1 for i in reqs], device=dev)
+    mask = valid & _visible(q_pos[:, None], kv_start[:, None] + offs[None, :], window)
+    q_off = _query_offsets(batch)
+    rows = torch.tensor([q_off[i] for i in reqs], dtype=torch.int64, device=dev)
+    return _DecodeGroup(rows=rows, kv_idx=kv_idx, mask=mask[:, None, :])
+
+
+def _extend(
+    batch: AttnBatch, view: KVView, i: int, window: int | None, start: int, kv_off: list[int]
+) -> _Extend:
+    dev = view.indices.device
+    lo, hi = kv_off[i], kv_off[i + 1]
     q_len, seq = batch.q_lens[i], batch.seq_lens[i]
     q_pos = torch.arange(seq - q_len, seq, device=dev)
     k_pos = torch.arange(view.kv_starts[i], view.kv_starts[i] + hi - lo, device=dev)
@@ -102,12 +112,12 @@ def _extend(batch: AttnBatch, view: KVView, i: int, window: int | None, start: i
 
 
 def _plan_kind(batch: AttnBatch, view: KVView, window: int | None) -> _KindMeta:
-    offsets = _query_offsets(batch)
+    q_off, kv_off = _query_offsets(batch), _kv_offsets(batch, view)
     decodes = [i for i, q in enumerate(batch.q_lens) if q == 1]
     extends = tuple(
-        _extend(batch, view, i, window, offsets[i]) for i, q in enumerate(batch.q_lens) if q > 1
+        _extend(batch, view, i, window, q_off[i], kv_off) for i, q in enumerate(batch.q_lens) if q > 1
     )
-    group = _decode_group(batch, view, decodes, window) if decodes else None
+    group = _decode_group(batch, view, decodes, window, kv_off) if decodes else None
     return _KindMeta(decode=group, extends=extends)
 
 

@@ -8,6 +8,7 @@ back to the allocator and can be handed to other requests.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -57,7 +58,7 @@ class Driver:
         hybrid: bool = True,
         chunk: int | None = None,
         free_swa: bool = False,
-        backend: type[AttentionBackend] = TorchBackend,
+        backend: Callable[[HybridKVPool], AttentionBackend] = TorchBackend,
         device: str = "cpu",
         dtype: torch.dtype = torch.float32,
     ) -> None:

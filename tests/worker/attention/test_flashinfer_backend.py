@@ -1,0 +1,141 @@
+"""FlashInfer backend vs the torch reference on the same batches (GPU; skipped without CUDA).
+
+Synthetic batches cover mixed decode/prefill, GQA, windows, sinks, softcap and MiMo's unequal
+per-kind shapes; the tiny model then runs end to end (SWA freed and reused) on both backends.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from worker import attention
+from worker.attention.base import AttentionLayer, AttnBatch, KVView
+from worker.attention.torch_backend import TorchBackend
+from worker.spec import KindShape, LayerKind, ModelSpec
+
+CUDA = torch.cuda.is_available()
+gpu = pytest.mark.skipif(not CUDA, reason="needs CUDA")
+DTYPE = torch.bfloat16
+ATOL = RTOL = 2e-2
+
+
+def _flashinfer():
+    return pytest.importorskip("flashinfer")
+
+
+@dataclass
+class FakePool:
+    k: torch.Tensor
+    v: torch.Tensor
+    dtype: torch.dtype = DTYPE
+
+    def kv_buffers(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k, self.v
+
+
+def _spec(shape: KindShape, window: int) -> ModelSpec:
+    return ModelSpec("test", (LayerKind.FULL, LayerKind.SWA), window, shape, shape, 256, 64, 4096)
+
+
+def _batch(kind: LayerKind, window: int, q_lens, prefix_lens, slots: int, gen: torch.Generator):
+    perm = torch.randperm(slots - 1, generator=gen) + 1
+    parts, starts, used = [], [], 0
+    for q, p in zip(q_lens, prefix_lens):
+        table = perm[used : used + p + q]
+        used += p + q
+        start = 0 if kind is LayerKind.FULL else max(0, p - window)
+        starts.append(start)
+        parts.append(table[start:])
+    indptr = torch.cumsum(torch.tensor([0] + [len(x) for x in parts]), 0)
+    positions = torch.cat([torch.arange(p, p + q) for p, q in zip(prefix_lens, q_lens)])
+    view = KVView(torch.cat(parts).cuda(), indptr.cuda(), tuple(starts))
+    seq_lens = tuple(p + q for p, q in zip(prefix_lens, q_lens))
+    return AttnBatch(tuple(q_lens), seq_lens, positions.cuda(), {kind: view}, window)
+
+
+CASES = {
+    # name: (kind, q heads, kv heads, head dim, v head dim, window, sinks, softcap)
+    "full_gqa": (LayerKind.FULL, 8, 2, 128, 128, 64, False, None),
+    "full_softcap": (LayerKind.FULL, 8, 4, 128, 128, 64, False, 50.0),
+    "swa_window": (LayerKind.SWA, 8, 2, 64, 64, 31, False, None),
+    "swa_sinks": (LayerKind.SWA, 8, 2, 64, 64, 31, True, None),
+    "full_sinks": (LayerKind.FULL, 8, 1, 64, 64, 31, True, None),
+    "swa_sinks_mimo_shape": (LayerKind.SWA, 8, 2, 192, 128, 128, True, None),
+}
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("name", list(CASES))
+def test_flashinfer_matches_torch_backend(name: str) -> None:
+    """Same pool, same mixed batch (decodes + chunks with and without prefix), bf16 tolerance."""
+    _flashinfer()
+    from worker.attention.flashinfer_backend import FlashInferBackend
+
+    kind, hq, hkv, d, dv, window, with_sinks, softcap = CASES[name]
+    gen = torch.Generator().manual_seed(0)
+    slots = 4096
+    pool = FakePool(
+        torch.randn(slots, hkv, d, generator=gen).to("cuda", DTYPE),
+        torch.randn(slots, hkv, dv, generator=gen).to("cuda", DTYPE),
+    )
+    q_lens, prefix = [1, 1, 37, 1, 200, 5], [300, 2, 0, 95, 150, 40]
+    batch = _batch(kind, window, q_lens, prefix, slots, gen)
+    q = torch.randn(sum(q_lens), hq, d, generator=gen).to("cuda", DTYPE)
+    sinks = (torch.randn(hq, generator=gen) * 2).cuda() if with_sinks else None
+    layer = AttentionLayer(0, kind, hq, hkv, d, dv, scaling=d**-0.5, softcap=softcap)
+    spec = _spec(KindShape(hq, hkv, d, dv, with_sinks), window)
+    fi = FlashInferBackend(pool, spec, "cuda")  # type: ignore[arg-type]
+    ref = TorchBackend(pool)  # type: ignore[arg-type]
+    got = fi.forward(layer, q, fi.plan(batch), sinks)
+    want = ref.forward(layer, q, ref.plan(batch), sinks)
+    torch.testing.assert_close(got.float(), want.float(), atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.gpu
+@gpu
+def test_tiny_model_end_to_end_on_both_backends(tmp_path) -> None:
+    """The tiny model (sinks, 2x SWA KV heads) decodes with SWA freed and reused: FlashInfer's
+    logits track the torch backend's step by step."""
+    _flashinfer()
+    from tests.worker.models.driver import Driver
+    from worker.attention.flashinfer_backend import FlashInferBackend
+    from worker.hf_config import load_spec
+    from worker.models.loader import load_model
+    from worker.models.tiny import ensure_tiny_model
+
+    path = ensure_tiny_model(tmp_path)
+    spec = load_spec(path)
+    model = load_model(path, spec, dtype=DTYPE, device="cuda")
+    runs = {}
+    for name, make in {
+        "torch": TorchBackend,
+        "flashinfer": lambda pool: FlashInferBackend(pool, spec, "cuda"),
+    }.items():
+        drv = Driver(spec, model, page_size=16, swa_size=256, chunk=48, free_swa=True,
+                     backend=make, device="cuda", dtype=DTYPE)  # fmt: skip
+        a = drv.add(list(range(10, 150)), 24)
+        b = drv.add(list(range(200, 290)), 24)
+        drv.step([a])
+        drv.run([a, b])
+        runs[name] = (a, b)
+    for ref, got in zip(runs["torch"], runs["flashinfer"]):
+        same = 0
+        while same < len(ref.out) and ref.out[same] == got.out[same]:
+            same += 1
+        assert same >= 8, f"backends diverged after {same} tokens"
+        diff = (torch.stack(ref.logits[:same]) - torch.stack(got.logits[:same])).abs().max()
+        assert diff < 0.15, f"max logit diff {diff:.3f}"
+
+
+def test_flashinfer_is_refused_off_cuda() -> None:
+    """Selecting FlashInfer on CPU (or without the package) fails with advice to use torch."""
+    spec = _spec(KindShape(4, 2, 16, 16), 7)
+    pool = FakePool(torch.zeros(8, 2, 16), torch.zeros(8, 2, 16), torch.float32)
+    with pytest.raises((ImportError, ValueError), match="attention_backend='torch'"):
+        attention.create_backend("flashinfer", pool, spec, "cpu")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="unknown; choose one of torch, flashinfer"):
+        attention.create_backend("triton", pool, spec, "cpu")  # type: ignore[arg-type]

@@ -1,0 +1,184 @@
+"""FlashInfer backend (CUDA only): one paged-prefill wrapper per layer kind.
+
+Everything runs at token granularity (FlashInfer page size 1): the KV pools' rows are the pages
+and the per-kind `KVView` indices are the page indices, so the SWA view (translated once by the
+runner) and the FULL view plug in directly. Decodes and prefill chunks share one wrapper (a
+decode is a one-token query).
+
+Per kind, planned once per batch (lazily, on the first layer of that kind, because the heads,
+scale, softcap and sinks are the layer's):
+
+- SWA: ``window_left = window`` at plan time (a query at q sees q-window … q; the view starts
+  at ``max(0, prefix_len - window)``, and FlashInfer anchors queries at the end of each request's
+  keys, so positions line up);
+- sinks: `BatchAttentionWithAttentionSinkWrapper`, sinks passed per layer at run time (float32);
+- softcap: ``logits_soft_cap`` at plan time (Gemma 2).
+
+NOTE: FlashInfer kernels take float16/bfloat16 only; float32 models use the torch backend.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from worker.attention.base import AttentionBackend, AttentionLayer, AttnBatch
+from worker.spec import LayerKind, ModelSpec
+
+if TYPE_CHECKING:
+    from worker.mem.pool import HybridKVPool
+
+WORKSPACE_BYTES = 256 * 1024 * 1024
+_SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def _import_flashinfer() -> Any:
+    try:
+        import flashinfer
+    except ImportError as exc:  # pragma: no cover - depends on the host
+        raise ImportError(
+            "attention_backend='flashinfer' needs the flashinfer-python package on a CUDA host "
+            "(pip install -e '.[gpu]'); use attention_backend='torch' otherwise"
+        ) from exc
+    return flashinfer
+
+
+@dataclass(frozen=True)
+class _PlanKey:
+    """Everything a kind's wrapper is compiled and planned for; all layers of a kind agree."""
+
+    kind: LayerKind
+    sinks: bool
+    window_left: int  # -1: no window
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    v_head_dim: int
+    scaling: float
+    softcap: float | None
+
+    @classmethod
+    def of(cls, layer: AttentionLayer, window: int | None, sinks: bool) -> _PlanKey:
+        window_left = window if layer.kind is LayerKind.SWA and window is not None else -1
+        return cls(
+            layer.kind, sinks, window_left, layer.num_q_heads, layer.num_kv_heads,
+            layer.head_dim, layer.v_head_dim, layer.scaling, layer.softcap,
+        )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class _KindPlan:
+    key: _PlanKey
+    wrapper: Any
+
+
+@dataclass
+class FlashInferMetadata:
+    batch: AttnBatch
+    qo_indptr: torch.Tensor  # int32 [B + 1], host
+    kv_indptr: dict[LayerKind, torch.Tensor]  # int32 [B + 1], host
+    kv_indices: dict[LayerKind, torch.Tensor]  # int32, device
+    planned: dict[LayerKind, _KindPlan] = field(default_factory=dict)
+
+
+def _host_indptr(lengths: list[int]) -> torch.Tensor:
+    out = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+    out[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.int32), 0)
+    return out
+
+
+class FlashInferBackend(AttentionBackend):
+    """Paged attention through FlashInfer over a `HybridKVPool` on a CUDA device."""
+
+    name = "flashinfer"
+
+    def __init__(self, pool: HybridKVPool, spec: ModelSpec, device: str | torch.device) -> None:
+        self.flashinfer = _import_flashinfer()
+        self.device = torch.device(device)
+        if self.device.type != "cuda":
+            raise ValueError(
+                f"attention_backend='flashinfer' runs on CUDA only, got device={self.device}; "
+                "use attention_backend='torch' on CPU"
+            )
+        if pool.dtype not in _SUPPORTED_DTYPES:
+            raise ValueError(
+                f"FlashInfer kernels take float16/bfloat16 KV, the pool is {pool.dtype}; "
+                "set dtype='bfloat16' or use attention_backend='torch'"
+            )
+        self.pool = pool
+        self.spec = spec
+        self.dtype = pool.dtype
+        self.workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
+        self._wrappers: dict[tuple, Any] = {}  # reused across batches; planned per batch
+
+    # ---- per batch ------------------------------------------------------------------------------
+    def plan(self, batch: AttnBatch) -> FlashInferMetadata:
+        kv_indptr, kv_indices = {}, {}
+        for kind, view in batch.kv.items():
+            lengths = [seq - start for seq, start in zip(batch.seq_lens, view.kv_starts)]
+            kv_indptr[kind] = _host_indptr(lengths)
+            kv_indices[kind] = view.indices.to(device=self.device, dtype=torch.int32)
+        return FlashInferMetadata(batch, _host_indptr(list(batch.q_lens)), kv_indptr, kv_indices)
+
+    def _wrapper(self, key: _PlanKey) -> Any:
+        if key not in self._wrappers:
+            fi = self.flashinfer
+            if key.sinks:
+                self._wrappers[key] = fi.BatchAttentionWithAttentionSinkWrapper(
+                    self.workspace, "NHD", q_data_type=self.dtype, kv_data_type=self.dtype,
+                    head_dim_qk=key.head_dim, head_dim_vo=key.v_head_dim,
+                    window_left=key.window_left,
+                )  # fmt: skip
+            else:
+                self._wrappers[key] = fi.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
+        return self._wrappers[key]
+
+    def _plan_kind(self, meta: FlashInferMetadata, key: _PlanKey) -> _KindPlan:
+        wrapper = self._wrapper(key)
+        extra: dict[str, Any] = {}
+        if not key.sinks:
+            extra = {"sm_scale": key.scaling, "logits_soft_cap": key.softcap or 0.0}
+        elif key.softcap is not None:
+            raise NotImplementedError("FlashInfer's sink kernels have no logit softcap")
+        wrapper.plan(
+            meta.qo_indptr,
+            meta.kv_indptr[key.kind],
+            meta.kv_indices[key.kind],
+            torch.ones(meta.batch.batch_size, dtype=torch.int32),  # page size 1: last pages full
+            key.num_q_heads,
+            key.num_kv_heads,
+            key.head_dim,
+            1,
+            head_dim_vo=key.v_head_dim,
+            causal=True,
+            window_left=key.window_left,
+            q_data_type=self.dtype,
+            kv_data_type=self.dtype,
+            **extra,
+        )
+        return _KindPlan(key=key, wrapper=wrapper)
+
+    # ---- per layer ------------------------------------------------------------------------------
+    def forward(
+        self,
+        layer: AttentionLayer,
+        q: torch.Tensor,
+        metadata: FlashInferMetadata,
+        sinks: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        key = _PlanKey.of(layer, metadata.batch.window, sinks is not None)
+        plan = metadata.planned.get(layer.kind)
+        if plan is None:
+            plan = metadata.planned[layer.kind] = self._plan_kind(metadata, key)
+        elif plan.key != key:
+            raise ValueError(
+                f"layer {layer.layer_id} differs from the other {layer.kind.value} layers ({key} "
+                f"vs {plan.key}); FlashInfer plans once per kind per batch"
+            )
+        k_buf, v_buf = self.pool.kv_buffers(layer.layer_id)
+        paged = (k_buf.unsqueeze(1), v_buf.unsqueeze(1))  # [rows, page=1, heads, dim]
+        if sinks is not None:
+            return plan.wrapper.run(q.contiguous(), paged, sinks.float(), layer.scaling)
+        return plan.wrapper.run(q.contiguous(), paged)
