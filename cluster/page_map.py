@@ -9,6 +9,8 @@ workers one pass over the chain instead of 64.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 
 class PageMap:
     """hash → [present_bits, tomb_bits]; a hash no worker holds has no entry."""
@@ -43,6 +45,11 @@ class PageMap:
     def get(self, page_hash: int) -> list[int] | None:
         """The [present, tomb] bitsets; callers must not mutate them."""
         return self._entries.get(page_hash)
+
+    @property
+    def lookup(self) -> Callable[[int], list[int] | None]:
+        """`get` without the method call, for the matcher's per-page loop (read-only use)."""
+        return self._entries.get
 
     def __len__(self) -> int:
         return len(self._entries)

@@ -8,20 +8,19 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from cluster.index import ClusterIndex, WorkerEntry
 from cluster.load import WorkerLoad
 from router.cost import WorkerView
 from router.hashing import PageHasher
 from router.inflight import InflightTracker
-from router.match import MatchTarget, WorkerMatch, match_chain
+from router.match import WorkerMatch, match_chain
 from router.policies import Policy, RequestView
 from router.request import RankedWorker, RoutingDecision
 
 
-@dataclass(frozen=True, slots=True)
-class Candidate:
+class Candidate(NamedTuple):  # one per replica per request: a NamedTuple is cheap to build
     worker_id: str  # the id the replica stamps on its cache events
     load: WorkerLoad | None = None
 
@@ -88,9 +87,9 @@ class RouterCore:
                 by_page_size.setdefault(entry.meta.page_size, []).append(entry)
         out: dict[str, WorkerMatch] = {}
         for page_size, entries in by_page_size.items():
-            targets = [MatchTarget(e.bit, e.meta.window) for e in entries]
+            windows = {e.bit: e.meta.window for e in entries}
             hashes = self.hasher.iter_hashes(prefix, page_size)
-            by_bit = match_chain(hashes, self.index.page_map, targets, page_size)
+            by_bit = match_chain(hashes, self.index.page_map, windows, page_size)
             for e in entries:
                 out[e.meta.worker_id] = by_bit[e.bit]
         return out

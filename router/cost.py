@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from cluster.load import PoolHeadroom, WorkerLoad
 
@@ -49,9 +50,12 @@ class CostWeights:
             raise ValueError(f"cost weights must be >= 0, got {bad}")
 
 
-@dataclass(frozen=True, slots=True)
-class WorkerView:
-    """Everything a policy may know about one candidate for one request."""
+class WorkerView(NamedTuple):
+    """Everything a policy may know about one candidate for one request.
+
+    NOTE: a NamedTuple (immutable, and twice as cheap to build as a frozen dataclass): one is
+    built per candidate per request.
+    """
 
     worker_id: str
     valid_cached: int  # tokens the worker can reuse (window rule applied)
@@ -65,36 +69,45 @@ class WorkerView:
 
 
 def load_tokens(view: WorkerView, w: CostWeights) -> float:
-    queued = view.extra_prefill_tokens + (view.load.queued_prefill_tokens if view.load else 0)
-    decodes = view.extra_requests + (view.load.running_decodes if view.load else 0)
+    """Work queued ahead of a new request on this worker, in token-equivalents."""
+    queued, decodes = view.extra_prefill_tokens, view.extra_requests
+    if view.load is not None:
+        queued += view.load.queued_prefill_tokens
+        decodes += view.load.running_decodes
     return w.queued_prefill * queued + w.decode * decodes
 
 
 def capacity_tokens(view: WorkerView, uncached: int, max_new_tokens: int, w: CostWeights) -> float:
+    """Shortfall and eviction penalties of placing the request's KV in both pools."""
     if view.load is None:
         return 0.0
     claimed = view.extra_prefill_tokens
     cost = _pool_cost(uncached + max_new_tokens, view.load.full, claimed, w)
     if view.hybrid:
-        need_swa = max(uncached, view.window or 0) + view.page_size
+        window = view.window or 0
+        need_swa = (uncached if uncached > window else window) + view.page_size
         cost += _pool_cost(need_swa, view.load.swa, claimed, w)
     return cost
 
 
 def request_cost(
-    view: WorkerView, cached: int, prompt_tokens: int, max_new_tokens: int, w: CostWeights
+    view: WorkerView,
+    cached: int,
+    prompt_tokens: int,
+    max_new_tokens: int,
+    w: CostWeights,
+    load: float | None = None,
 ) -> float:
-    uncached = max(0, prompt_tokens - cached)
-    return (
-        w.prefill * uncached
-        + load_tokens(view, w)
-        + capacity_tokens(view, uncached, max_new_tokens, w)
-    )
+    """The cost model above for one worker (`load`: a precomputed `load_tokens`)."""
+    uncached = prompt_tokens - cached if prompt_tokens > cached else 0
+    if load is None:
+        load = load_tokens(view, w)
+    return w.prefill * uncached + load + capacity_tokens(view, uncached, max_new_tokens, w)
 
 
-def overloaded(views: Sequence[WorkerView], w: CostWeights) -> list[bool]:
-    """Per worker: is its load past the imbalance guard (relative to the lightest worker)?"""
-    loads = [load_tokens(v, w) for v in views]
+def overloaded(loads: Sequence[float], w: CostWeights) -> list[bool]:
+    """Per worker: is its load (`load_tokens`) past the imbalance guard, relative to the
+    lightest worker?"""
     if not loads:
         return []
     floor = min(loads)
@@ -104,8 +117,12 @@ def overloaded(views: Sequence[WorkerView], w: CostWeights) -> list[bool]:
 
 
 def _pool_cost(need: int, pool: PoolHeadroom, claimed: int, w: CostWeights) -> float:
-    free = max(0, pool.free - claimed)
-    allocatable = max(0, pool.allocatable - claimed)
-    shortfall = max(0, need - allocatable)
-    evicted = max(0, min(need, allocatable) - free)
+    # Conditional expressions instead of max(): this runs twice per candidate per request.
+    free = pool.free - claimed
+    free = free if free > 0 else 0
+    allocatable = pool.free + pool.evictable - claimed
+    allocatable = allocatable if allocatable > 0 else 0
+    shortfall = need - allocatable if need > allocatable else 0
+    evicted = need - shortfall - free  # what fits beyond `free` evicts cached KV
+    evicted = evicted if evicted > 0 else 0
     return w.shortfall * shortfall + w.eviction * evicted

@@ -41,22 +41,23 @@ class PageHasher:
             return
         buf = struct.pack(f"<{n}q", *tokens[:n])
         stride = page_size * 8
+        young = self._young
         for start in range(0, n * 8, stride):
-            piece = buf[start : start + stride]
-            parent = self._hash(parent, piece)
-            yield parent
+            key = (parent, buf[start : start + stride])
+            value = young.get(key)  # the hot path: one dict lookup per page
+            if value is None:
+                value = self._miss(key)
+                young = self._young  # a miss may have started a new generation
+            parent = value
+            yield value
 
     def hashes(self, tokens: Sequence[int], page_size: int) -> list[int]:
         return list(self.iter_hashes(tokens, page_size))
 
-    def _hash(self, parent: int, piece: bytes) -> int:
-        key = (parent, piece)
-        value = self._young.get(key)
-        if value is not None:
-            return value
+    def _miss(self, key: tuple[int, bytes]) -> int:
         value = self._old.get(key)
         if value is None:
-            digest = hashlib.blake2b(_PACK_PARENT(parent) + piece, digest_size=8).digest()
+            digest = hashlib.blake2b(_PACK_PARENT(key[0]) + key[1], digest_size=8).digest()
             value = int.from_bytes(digest, "little") & _MASK_63
         if len(self._young) >= self._half:
             self._old, self._young = self._young, {}

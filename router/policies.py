@@ -16,7 +16,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, NamedTuple
 
 from router.cost import (
     CostWeights,
@@ -34,8 +34,7 @@ class RequestView:
     max_new_tokens: int = 0
 
 
-@dataclass(frozen=True, slots=True)
-class Ranked:
+class Ranked(NamedTuple):  # one per candidate per request: a NamedTuple is cheap to build
     index: int  # into the views the policy was given
     cost: float
 
@@ -65,9 +64,11 @@ class Policy(ABC):
         return view.valid_cached
 
     def _order(self, costs: Sequence[float], keys: Sequence[tuple[float, ...]]) -> list[Ranked]:
+        """Sort by `keys`, ties by a rotation that advances every decision."""
         n = len(costs)
         turn, self._turn = self._turn, self._turn + 1
-        order = sorted(range(n), key=lambda i: (*keys[i], (i - turn) % n))
+        full_keys = [(*key, (i - turn) % n) for i, key in enumerate(keys)]
+        order = sorted(range(n), key=full_keys.__getitem__)
         return [Ranked(i, costs[i]) for i in order]
 
 
@@ -82,12 +83,14 @@ class _CachePolicy(Policy):
 
     def rank(self, request: RequestView, views: Sequence[WorkerView]) -> list[Ranked]:
         w = self.weights
+        prompt, max_new = request.prompt_tokens, request.max_new_tokens
+        loads = [load_tokens(v, w) for v in views]
         costs = [
-            request_cost(v, self.cached(v), request.prompt_tokens, request.max_new_tokens, w)
-            for v in views
+            request_cost(v, self.cached(v), prompt, max_new, w, load)
+            for v, load in zip(views, loads)
         ]
-        over = overloaded(views, w)
-        keys = [(float(over[i]), costs[i], load_tokens(v, w)) for i, v in enumerate(views)]
+        over = overloaded(loads, w)
+        keys = [(float(over[i]), costs[i], loads[i]) for i in range(len(views))]
         return self._order(costs, keys)
 
 

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import NamedTuple
 
 PREDICTED_CACHED_TOKENS_HEADER = "x-swaserve-predicted-cached-tokens"
 
 
-@dataclass(frozen=True, slots=True)
-class RankedWorker:
+class RankedWorker(NamedTuple):  # one per candidate per request: a NamedTuple is cheap to build
     worker_id: str
     predicted_cached_tokens: int  # what the policy believes this worker will reuse
     cost: float  # the policy's score (lower is better); comparable only within one decision

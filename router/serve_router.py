@@ -85,6 +85,9 @@ class SwaPrefixRequestRouter(RequestRouter):
         self._actor: ray.actor.ActorHandle | None = None
         self._subscriber: transport.IndexSubscriber | None = None
         self._counted: OrderedDict[str, None] = OrderedDict()  # requests already counted
+        # worker id → (the routing_stats dict last parsed, its parse); Serve replaces the dict
+        # when a new sample arrives, so identity tells whether to parse again.
+        self._loads: dict[str, tuple[object, WorkerLoad | None]] = {}
 
     # ---- the decision ----------------------------------------------------------------------
     async def choose_replicas(
@@ -97,7 +100,7 @@ class SwaPrefixRequestRouter(RequestRouter):
         await self._ensure_fresh()
         request = _routed_request(pending_request)
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
-        candidates = [Candidate(wid, self._load(r)) for wid, r in by_id.items()]
+        candidates = [Candidate(wid, self._load(wid, r)) for wid, r in by_id.items()]
         key = pending_request.metadata.internal_request_id if pending_request else None
         start = time.perf_counter()
         decision = self.core.decide(
@@ -133,6 +136,7 @@ class SwaPrefixRequestRouter(RequestRouter):
         """A replica left: drop it locally and tell the shared index (fire and forget)."""
         self.core.index.remove(worker_id)
         self.core.forget_worker(worker_id)
+        self._loads.pop(worker_id, None)
         if self._actor is not None:
             self._actor.remove.remote(WorkerRemoved(worker_id))
 
@@ -153,12 +157,18 @@ class SwaPrefixRequestRouter(RequestRouter):
         elif self._subscriber is not None and self._sync_before_decide:
             await self._subscriber.sync()
 
-    def _load(self, replica: RunningReplica) -> WorkerLoad | None:
+    def _load(self, worker_id: str, replica: RunningReplica) -> WorkerLoad | None:
+        stats = replica.routing_stats
+        cached = self._loads.get(worker_id)
+        if cached is not None and cached[0] is stats:
+            return cached[1]
         try:
-            return WorkerLoad.from_routing_stats(replica.routing_stats)
+            load = WorkerLoad.from_routing_stats(stats)
         except ValueError as exc:
             logger.warning("ignoring routing stats of %s: %s", replica.replica_id, exc)
-            return None
+            load = None
+        self._loads[worker_id] = (stats, load)
+        return load
 
     def _count_once(self, key: str | None, elapsed: float) -> None:
         if key is None or key in self._counted:

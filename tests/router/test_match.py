@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cluster.page_map import PageMap
-from router.match import MatchTarget, deepest_valid, match_chain, valid_match_reference
+from router.match import deepest_valid, match_chain, valid_match_reference
 from worker.protocol import PageState
 
 L, T = PageState.LIVE, PageState.TOMBSTONE
@@ -48,14 +48,14 @@ def test_match_chain_per_worker(worker_states: list[list], window: int) -> None:
     depth = max(len(s) for s in worker_states)
     chain = list(range(100, 100 + depth))
     page_map = PageMap()
-    targets = []
+    windows = {}
     for slot, states in enumerate(worker_states):
         bit = 1 << slot
-        targets.append(MatchTarget(bit, window))
+        windows[bit] = window
         for h, state in zip(chain, states):
             if state is not None:
                 page_map.set(h, bit, state is L)
-    out = match_chain(iter(chain), page_map, targets, page_size=2)
+    out = match_chain(iter(chain), page_map, windows, page_size=2)
     for slot, states in enumerate(worker_states):
         padded = states + [None] * (depth - len(states))
         full = next((i for i, s in enumerate(padded) if s is None), depth)
@@ -74,7 +74,7 @@ def test_match_chain_stops_pulling_hashes() -> None:
             pulled.append(h)
             yield h
 
-    out = match_chain(chain(), page_map, [MatchTarget(1, None)], page_size=4)
+    out = match_chain(chain(), page_map, {1: None}, page_size=4)
     assert out[1].full_pages == 1 and pulled == [1, 2]
 
 
@@ -84,5 +84,5 @@ def test_match_chain_ignores_other_workers_bits() -> None:
     page_map.set(1, 0b01, True)
     page_map.set(1, 0b10, True)
     page_map.set(2, 0b10, True)
-    out = match_chain(iter([1, 2]), page_map, [MatchTarget(0b01, 4)], page_size=2)
+    out = match_chain(iter([1, 2]), page_map, {0b01: 4}, page_size=2)
     assert out == {0b01: out[0b01]} and out[0b01].full_pages == 1
