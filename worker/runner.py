@@ -76,7 +76,8 @@ class ModelRunner:
         host = self._prepare(batch)
         dev = self.device
         views = {
-            kind: KVView(v.indices.to(dev), v.indptr.to(dev), v.kv_starts) for kind, v in host.views.items()
+            kind: KVView(v.indices.to(dev), v.indptr.to(dev), v.kv_starts)
+            for kind, v in host.views.items()
         }
         positions = host.positions.to(dev)
         attn = AttnBatch(
@@ -87,7 +88,9 @@ class ModelRunner:
             window=self.spec.window,
         )
         swa_out = host.swa_out_loc.to(dev) if host.swa_out_loc is not None else None
-        ctx = ForwardContext(self.pool, self.backend, self.backend.plan(attn), host.out_loc.to(dev), swa_out)
+        ctx = ForwardContext(
+            self.pool, self.backend, self.backend.plan(attn), host.out_loc.to(dev), swa_out
+        )
         hidden = self.model(host.input_ids.to(dev), positions, ctx)
         if host.logit_rows.numel() == 0:
             return hidden.new_empty(0, self.spec.vocab_size, dtype=torch.float32)
@@ -159,7 +162,13 @@ def _check_model_matches_spec(model: nn.Module, spec: ModelSpec) -> None:
     for layer in layers():
         kind, _ = spec.layer_index[layer.layer_id]
         shape = spec.shape(kind)
-        in_model = (layer.kind, layer.num_q_heads, layer.num_kv_heads, layer.head_dim, layer.v_head_dim)
+        in_model = (
+            layer.kind,
+            layer.num_q_heads,
+            layer.num_kv_heads,
+            layer.head_dim,
+            layer.v_head_dim,
+        )
         in_spec = (kind, shape.num_q_heads, shape.num_kv_heads, shape.head_dim, shape.v_head_dim)
         if in_model != in_spec:
             raise ValueError(

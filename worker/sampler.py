@@ -26,7 +26,9 @@ class SampleOutput:
     top_logprobs: list[list[tuple[int, float]] | None]  # top-n (token, logprob), best first
 
 
-def make_generator(params: SamplingParams, device: str | torch.device = "cpu") -> torch.Generator | None:
+def make_generator(
+    params: SamplingParams, device: str | torch.device = "cpu"
+) -> torch.Generator | None:
     """A request's own generator when it has a seed (create once per request, keep it)."""
     if params.seed is None:
         return None
@@ -97,7 +99,11 @@ class Sampler:
         chosen = logits.argmax(dim=-1)
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         if random_rows:
-            chosen[random_rows] = self._draw(logits[random_rows], [params[i] for i in random_rows], [gens[i] for i in random_rows])
+            chosen[random_rows] = self._draw(
+                logits[random_rows],
+                [params[i] for i in random_rows],
+                [gens[i] for i in random_rows],
+            )
         return _with_logprobs(logits, chosen, params)
 
     def _draw(
@@ -115,7 +121,9 @@ class Sampler:
         return (probs / noise).argmax(dim=-1)
 
 
-def _with_logprobs(logits: torch.Tensor, chosen: torch.Tensor, params: Sequence[SamplingParams]) -> SampleOutput:
+def _with_logprobs(
+    logits: torch.Tensor, chosen: torch.Tensor, params: Sequence[SamplingParams]
+) -> SampleOutput:
     ids = chosen.tolist()
     wanted = [p.logprobs for p in params]
     if all(n is None for n in wanted):

@@ -52,10 +52,16 @@ class SamplingParams:
     def validate(self) -> None:
         """Raise ValueError naming the offending parameter and its allowed range."""
         checks: list[tuple[bool, str]] = [
-            (isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens must be an integer >= 1"),
+            (
+                isinstance(self.max_tokens, int) and self.max_tokens >= 1,
+                "max_tokens must be an integer >= 1",
+            ),
             (self.temperature >= 0.0, "temperature must be >= 0 (0 = greedy)"),
             (0.0 < self.top_p <= 1.0, "top_p must be in (0, 1]"),
-            (isinstance(self.top_k, int) and self.top_k >= -1, "top_k must be -1 or 0 (off) or >= 1"),
+            (
+                isinstance(self.top_k, int) and self.top_k >= -1,
+                "top_k must be -1 or 0 (off) or >= 1",
+            ),
             (0.0 <= self.min_p <= 1.0, "min_p must be in [0, 1]"),
             (self.seed is None or isinstance(self.seed, int), "seed must be an integer or null"),
             (all(isinstance(s, str) and s for s in self.stop), "stop must hold non-empty strings"),

@@ -52,7 +52,9 @@ def test_temperature_sampling_follows_the_distribution() -> None:
     n = 4000
     params = [SamplingParams(seed=4)] * 1
     gen = make_generator(params[0])
-    draws = torch.tensor([Sampler().sample(LOGITS[None], params, [gen]).token_ids[0] for _ in range(n)])
+    draws = torch.tensor(
+        [Sampler().sample(LOGITS[None], params, [gen]).token_ids[0] for _ in range(n)]
+    )
     freq = torch.bincount(draws, minlength=5).float() / n
     sigma = (PROBS * (1 - PROBS) / n).sqrt()
     assert ((freq - PROBS).abs() < 4 * sigma).all(), freq
@@ -73,7 +75,9 @@ def test_seed_reproducible_regardless_of_batch() -> None:
     other = SamplingParams(temperature=1.0)
     mixed = []
     for _ in range(20):
-        out = Sampler().sample(logits, [other, seeded, SamplingParams(temperature=0.0)], [None, batch_gen, None])
+        out = Sampler().sample(
+            logits, [other, seeded, SamplingParams(temperature=0.0)], [None, batch_gen, None]
+        )
         mixed.append(out.token_ids[1])
     assert alone == mixed
     assert len(set(alone)) > 3, "temperature 1.5 over 100 tokens should vary"
@@ -96,7 +100,9 @@ def test_top_logprobs_sorted_and_consistent() -> None:
     assert [t for t, _ in top] == torch.topk(logits[0], 3).indices.tolist()
     assert all(a[1] >= b[1] for a, b in zip(top, top[1:]))
     assert top[0] == (out.token_ids[0], pytest.approx(out.logprobs[0]))
-    assert math.isclose(sum(math.exp(lp) for lp in torch.log_softmax(logits[0], -1).tolist()), 1.0, rel_tol=1e-5)
+    assert math.isclose(
+        sum(math.exp(lp) for lp in torch.log_softmax(logits[0], -1).tolist()), 1.0, rel_tol=1e-5
+    )
     assert out.logprobs[1] is None and out.top_logprobs[1] is None
 
 

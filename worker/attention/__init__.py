@@ -30,4 +30,11 @@ def create_backend(
     raise ValueError(f"attention_backend {name!r} is unknown; choose one of {', '.join(BACKENDS)}")
 
 
-__all__ = ["AttentionBackend", "AttentionLayer", "AttnBatch", "KVView", "create_backend", "BACKENDS"]
+__all__ = [
+    "AttentionBackend",
+    "AttentionLayer",
+    "AttnBatch",
+    "KVView",
+    "create_backend",
+    "BACKENDS",
+]

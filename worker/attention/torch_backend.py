@@ -115,7 +115,9 @@ def _plan_kind(batch: AttnBatch, view: KVView, window: int | None) -> _KindMeta:
     q_off, kv_off = _query_offsets(batch), _kv_offsets(batch, view)
     decodes = [i for i, q in enumerate(batch.q_lens) if q == 1]
     extends = tuple(
-        _extend(batch, view, i, window, q_off[i], kv_off) for i, q in enumerate(batch.q_lens) if q > 1
+        _extend(batch, view, i, window, q_off[i], kv_off)
+        for i, q in enumerate(batch.q_lens)
+        if q > 1
     )
     group = _decode_group(batch, view, decodes, window, kv_off) if decodes else None
     return _KindMeta(decode=group, extends=extends)

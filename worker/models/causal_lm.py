@@ -40,7 +40,9 @@ class DecoderModel(nn.Module):
         self.ropes = ropes
         self.layer_kinds = tuple(layer_kinds)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
         h = self.embed_tokens(input_ids)
         by_rope: dict[int, CosSin] = {}  # kinds often share one rope: compute it once
         cos_sin: dict[LayerKind, CosSin | None] = {}
@@ -80,7 +82,9 @@ class CausalLM(nn.Module):
         self.final_logit_softcapping = final_logit_softcapping
         self.logit_scale = logit_scale
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
         """Hidden states ``[T, hidden]`` after the final norm."""
         return self.model(input_ids, positions, ctx)
 

@@ -56,5 +56,8 @@ class Cohere2ForCausalLM(CausalLM):
             layer_kinds=spec.layer_kinds,
         )
         super().__init__(
-            spec, model, tie_word_embeddings=config.tie_word_embeddings, logit_scale=config.logit_scale
+            spec,
+            model,
+            tie_word_embeddings=config.tie_word_embeddings,
+            logit_scale=config.logit_scale,
         )

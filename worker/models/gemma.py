@@ -45,7 +45,11 @@ class GemmaDecoderLayer(nn.Module):
             # config sets attn_logit_softcapping; Gemma 2 always does.
             softcap=None if gemma3 else config.attn_logit_softcapping,
         )
-        opts = AttnOptions(qkv_bias=config.attention_bias, o_bias=config.attention_bias, qk_norm_eps=eps if gemma3 else None)
+        opts = AttnOptions(
+            qkv_bias=config.attention_bias,
+            o_bias=config.attention_bias,
+            qk_norm_eps=eps if gemma3 else None,
+        )
         self.self_attn = SelfAttention(h, layer, opts)
         self.mlp = GatedMLP(h, config.intermediate_size, config.hidden_activation)
         self.input_layernorm = RMSNorm(h, eps, "gemma")
@@ -64,7 +68,9 @@ def _ropes(config, spec: ModelSpec, gemma3: bool) -> dict[LayerKind, Rotary | No
         rope = Rotary(*rope_inv_freq(config.rope_parameters, d, max_pos), "neox")
         return {LayerKind.FULL: rope, LayerKind.SWA: rope}
     return {
-        kind: Rotary(*rope_inv_freq(config.rope_parameters[_HF_LAYER_TYPE[kind]], d, max_pos), "neox")
+        kind: Rotary(
+            *rope_inv_freq(config.rope_parameters[_HF_LAYER_TYPE[kind]], d, max_pos), "neox"
+        )
         for kind in set(spec.layer_kinds)
     }
 
@@ -74,7 +80,9 @@ class _GemmaForCausalLM(CausalLM):
 
     def __init__(self, config, spec: ModelSpec) -> None:
         if getattr(config, "use_bidirectional_attention", None):
-            raise ValueError("use_bidirectional_attention=True (an encoder variant) is not supported")
+            raise ValueError(
+                "use_bidirectional_attention=True (an encoder variant) is not supported"
+            )
         h = config.hidden_size
         model = DecoderModel(
             embed_tokens=ScaledEmbedding(config.vocab_size, h, h**0.5),

@@ -32,7 +32,9 @@ class GptOssDecoderLayer(nn.Module):
             head_dim=config.head_dim,
             scaling=config.head_dim**-0.5,
         )
-        opts = AttnOptions(qkv_bias=config.attention_bias, o_bias=config.attention_bias, sinks_name="sinks")
+        opts = AttnOptions(
+            qkv_bias=config.attention_bias, o_bias=config.attention_bias, sinks_name="sinks"
+        )
         self.self_attn = SelfAttention(h, layer, opts)
         self.mlp = GptOssMoE(
             h,
@@ -54,7 +56,10 @@ class GptOssForCausalLM(CausalLM):
     keep_fp32 = ("input_layernorm", "post_attention_layernorm", "model.norm")
 
     def __init__(self, config, spec: ModelSpec) -> None:
-        rope = Rotary(*rope_inv_freq(config.rope_parameters, config.head_dim, config.max_position_embeddings), "neox")
+        rope = Rotary(
+            *rope_inv_freq(config.rope_parameters, config.head_dim, config.max_position_embeddings),
+            "neox",
+        )
         model = DecoderModel(
             embed_tokens=nn.Embedding(config.vocab_size, config.hidden_size),
             layers=[GptOssDecoderLayer(config, spec, i) for i in range(config.num_hidden_layers)],

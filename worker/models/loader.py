@@ -26,11 +26,17 @@ def load_hf_config(model_dir: str | Path) -> Any:
     """The directory's config.json through transformers, offline and without remote code."""
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(str(model_dir), local_files_only=True, trust_remote_code=False)
+    return AutoConfig.from_pretrained(
+        str(model_dir), local_files_only=True, trust_remote_code=False
+    )
 
 
 def build_model(
-    config: Any, spec: ModelSpec, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+    config: Any,
+    spec: ModelSpec,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
 ) -> CausalLM:
     """The architecture's module tree with UNINITIALISED weights on `device` in `dtype`."""
     cls = model_class(config.model_type)

@@ -78,7 +78,9 @@ class MiMoV2FlashForCausalLM(CausalLM):
         kinds = set(spec.layer_kinds)
         model = DecoderModel(
             embed_tokens=nn.Embedding(config.vocab_size, config.hidden_size),
-            layers=[MiMoV2FlashDecoderLayer(config, spec, i) for i in range(config.num_hidden_layers)],
+            layers=[
+                MiMoV2FlashDecoderLayer(config, spec, i) for i in range(config.num_hidden_layers)
+            ],
             norm=RMSNorm(config.hidden_size, config.rms_norm_eps),
             ropes={kind: _rope(config, kind) for kind in kinds},
             layer_kinds=spec.layer_kinds,

@@ -53,7 +53,10 @@ class _LlamaStyleForCausalLM(CausalLM):
 
     def __init__(self, config, spec: ModelSpec) -> None:
         rope = Rotary(
-            *rope_inv_freq(config.rope_parameters, _head_dim(config), config.max_position_embeddings), "neox"
+            *rope_inv_freq(
+                config.rope_parameters, _head_dim(config), config.max_position_embeddings
+            ),
+            "neox",
         )
         model = DecoderModel(
             embed_tokens=nn.Embedding(config.vocab_size, config.hidden_size),

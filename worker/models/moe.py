@@ -45,7 +45,9 @@ class GptOssRouter(nn.Module):
 class GptOssExperts(nn.Module):
     """Fused expert weights, gate/up interleaved along the last dim (HF layout)."""
 
-    def __init__(self, hidden: int, intermediate: int, num_experts: int, alpha: float, limit: float) -> None:
+    def __init__(
+        self, hidden: int, intermediate: int, num_experts: int, alpha: float, limit: float
+    ) -> None:
         super().__init__()
         self.gate_up_proj = nn.Parameter(torch.zeros(num_experts, hidden, 2 * intermediate))
         self.gate_up_proj_bias = nn.Parameter(torch.zeros(num_experts, 2 * intermediate))
@@ -63,7 +65,15 @@ class GptOssExperts(nn.Module):
 
 
 class GptOssMoE(nn.Module):
-    def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int, alpha: float, limit: float) -> None:
+    def __init__(
+        self,
+        hidden: int,
+        intermediate: int,
+        num_experts: int,
+        top_k: int,
+        alpha: float,
+        limit: float,
+    ) -> None:
         super().__init__()
         self.router = GptOssRouter(hidden, num_experts, top_k)
         self.experts = GptOssExperts(hidden, intermediate, num_experts, alpha, limit)
@@ -82,7 +92,9 @@ class MiMoRouter(nn.Module):
     ) -> None:  # fmt: skip
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(num_experts, hidden, dtype=torch.float32))
-        self.register_buffer("e_score_correction_bias", torch.zeros(num_experts, dtype=torch.float32))
+        self.register_buffer(
+            "e_score_correction_bias", torch.zeros(num_experts, dtype=torch.float32)
+        )
         self.top_k, self.n_group, self.topk_group = top_k, n_group, topk_group
         self.norm_topk_prob = norm_topk_prob
         self.routed_scaling_factor = routed_scaling_factor

@@ -25,7 +25,9 @@ def model_class(model_type: str) -> type[CausalLM]:
     """The class implementing HF ``model_type``; ValueError listing the supported ones otherwise."""
     target = _REGISTRY.get(model_type)
     if target is None:
-        hint = " (use the text-only config: model_type gemma3_text)" if model_type == "gemma3" else ""
+        hint = (
+            " (use the text-only config: model_type gemma3_text)" if model_type == "gemma3" else ""
+        )
         raise ValueError(
             f"model_type {model_type!r} is not supported{hint}; supported: "
             f"{', '.join(supported_model_types())}"

@@ -26,7 +26,9 @@ def _base_inv_freq(base: float, dim: int) -> torch.Tensor:
     return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
 
 
-def _yarn(params: Mapping[str, Any], base: float, dim: int, max_pos: int) -> tuple[torch.Tensor, float]:
+def _yarn(
+    params: Mapping[str, Any], base: float, dim: int, max_pos: int
+) -> tuple[torch.Tensor, float]:
     factor = params.get("factor")
     orig = params["original_max_position_embeddings"]
     if factor is None:
@@ -38,7 +40,9 @@ def _yarn(params: Mapping[str, Any], base: float, dim: int, max_pos: int) -> tup
     attention_factor = params.get("attention_factor")
     if attention_factor is None:
         m, m_all = params.get("mscale"), params.get("mscale_all_dim")
-        attention_factor = float(mscale(factor, m) / mscale(factor, m_all)) if m and m_all else mscale(factor)
+        attention_factor = (
+            float(mscale(factor, m) / mscale(factor, m_all)) if m and m_all else mscale(factor)
+        )
     beta_fast = params.get("beta_fast") or 32
     beta_slow = params.get("beta_slow") or 1
 
@@ -54,7 +58,9 @@ def _yarn(params: Mapping[str, Any], base: float, dim: int, max_pos: int) -> tup
     ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
     pos_freqs = base ** (torch.arange(0, dim, 2).float() / dim)
     extrapolation = 1 - ramp
-    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (
+        1.0 / pos_freqs
+    ) * extrapolation
     return inv_freq, attention_factor
 
 
@@ -88,7 +94,9 @@ def rope_inv_freq(
         return _inv_freq(params, head_dim, max_position_embeddings)
 
 
-def _inv_freq(params: Mapping[str, Any], head_dim: int, max_position_embeddings: int) -> tuple[torch.Tensor, float]:
+def _inv_freq(
+    params: Mapping[str, Any], head_dim: int, max_position_embeddings: int
+) -> tuple[torch.Tensor, float]:
     rope_type = params.get("rope_type", params.get("type", "default"))
     base = float(params["rope_theta"])
     dim = int(head_dim * params.get("partial_rotary_factor", 1.0))
@@ -115,7 +123,9 @@ class CosSin:
 class Rotary:
     """cos/sin for a batch of positions. Not an nn.Module: it holds no weights to load."""
 
-    def __init__(self, inv_freq: torch.Tensor, attention_scaling: float, layout: RopeLayout) -> None:
+    def __init__(
+        self, inv_freq: torch.Tensor, attention_scaling: float, layout: RopeLayout
+    ) -> None:
         self.inv_freq = inv_freq  # float32 CPU; copied per device on first use
         self.attention_scaling = attention_scaling
         self.layout = layout

@@ -29,7 +29,9 @@ class AttnOptions:
     qk_norm_eps: float | None = None  # Gemma 3: RMSNorm over each head of q and k
     qk_norm_style: NormStyle = "gemma"
     value_scale: float = 1.0  # MiMo scales V before it is cached
-    sinks_name: str | None = None  # parameter holding per-head sinks: "sinks" or "attention_sink_bias"
+    sinks_name: str | None = (
+        None  # parameter holding per-head sinks: "sinks" or "attention_sink_bias"
+    )
 
 
 class SelfAttention(nn.Module):

@@ -39,7 +39,13 @@ CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
-_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "generation_config.json")
+_FILES = (
+    "config.json",
+    "model.safetensors",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "generation_config.json",
+)
 
 
 def default_cache_root() -> Path:
@@ -121,7 +127,9 @@ def _generation_config(tok):
     from transformers import GenerationConfig
 
     return GenerationConfig(
-        bos_token_id=tok.token_to_id(BOS), eos_token_id=tok.token_to_id(EOS), pad_token_id=tok.token_to_id(PAD)
+        bos_token_id=tok.token_to_id(BOS),
+        eos_token_id=tok.token_to_id(EOS),
+        pad_token_id=tok.token_to_id(PAD),
     )
 
 

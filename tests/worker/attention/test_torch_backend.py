@@ -30,7 +30,14 @@ def _layer(kind: LayerKind, softcap: float | None = None) -> AttentionLayer:
     return AttentionLayer(0, kind, HQ, HKV, D, DV, scaling=D**-0.5, softcap=softcap)
 
 
-def _batch(q_lens: list[int], prefix_lens: list[int], kind: LayerKind, window: int | None, slots: int, gen: torch.Generator):
+def _batch(
+    q_lens: list[int],
+    prefix_lens: list[int],
+    kind: LayerKind,
+    window: int | None,
+    slots: int,
+    gen: torch.Generator,
+):
     """Random distinct slots per request; the view starts where the window rule says."""
     perm = torch.randperm(slots - 1, generator=gen) + 1  # slot 0 is the dummy
     tables, used = [], 0
@@ -55,10 +62,15 @@ def _naive(q, pool, tables, batch, window, scaling, softcap, sinks):
             keys = [k for k in range(seq) if k <= pos and (window is None or k >= pos - window)]
             for h in range(HQ):
                 kv_h = h // (HQ // HKV)
-                s = [float(q[row, h].double() @ pool.k[table[k], kv_h].double()) * scaling for k in keys]
+                s = [
+                    float(q[row, h].double() @ pool.k[table[k], kv_h].double()) * scaling
+                    for k in keys
+                ]
                 if softcap is not None:
                     s = [math.tanh(x / softcap) * softcap for x in s]
-                denom = sum(math.exp(x) for x in s) + (math.exp(float(sinks[h])) if sinks is not None else 0.0)
+                denom = sum(math.exp(x) for x in s) + (
+                    math.exp(float(sinks[h])) if sinks is not None else 0.0
+                )
                 for k, x in zip(keys, s):
                     out[row, h] += math.exp(x) / denom * pool.v[table[k], kv_h].double()
             row += 1
@@ -79,7 +91,9 @@ def test_matches_definition_on_mixed_batch(kind, window, softcap, with_sinks) ->
     """Decodes and prefill chunks (with and without a prefix) in one batch, GQA, Dv != D."""
     gen = torch.Generator().manual_seed(0)
     slots = 128
-    pool = FakePool(torch.randn(slots, HKV, D, generator=gen), torch.randn(slots, HKV, DV, generator=gen))
+    pool = FakePool(
+        torch.randn(slots, HKV, D, generator=gen), torch.randn(slots, HKV, DV, generator=gen)
+    )
     q_lens, prefix = [1, 5, 1, 7, 3], [9, 0, 2, 6, 12]
     batch, tables = _batch(q_lens, prefix, kind, window, slots, gen)
     check_views(batch)
@@ -88,7 +102,16 @@ def test_matches_definition_on_mixed_batch(kind, window, softcap, with_sinks) ->
     layer = _layer(kind, softcap)
     backend = TorchBackend(pool)  # type: ignore[arg-type]
     got = backend.forward(layer, q, backend.plan(batch), sinks)
-    want = _naive(q, pool, tables, batch, window if kind is LayerKind.SWA else None, layer.scaling, softcap, sinks)
+    want = _naive(
+        q,
+        pool,
+        tables,
+        batch,
+        window if kind is LayerKind.SWA else None,
+        layer.scaling,
+        softcap,
+        sinks,
+    )
     assert got.shape == (sum(q_lens), HQ, DV)
     torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
 
@@ -100,8 +123,12 @@ def test_window_edge_is_inclusive() -> None:
     pool = FakePool(torch.randn(64, HKV, D, generator=gen), torch.randn(64, HKV, DV, generator=gen))
     batch, tables = _batch([1], [prefix], LayerKind.FULL, None, 64, gen)
     # Same request seen as SWA: its view is the last window + 1 positions of the table.
-    swa_view = KVView(tables[0][prefix - window :], torch.tensor([0, window + 1]), (prefix - window,))
-    swa = AttnBatch(batch.q_lens, batch.seq_lens, batch.positions, {LayerKind.SWA: swa_view}, window)
+    swa_view = KVView(
+        tables[0][prefix - window :], torch.tensor([0, window + 1]), (prefix - window,)
+    )
+    swa = AttnBatch(
+        batch.q_lens, batch.seq_lens, batch.positions, {LayerKind.SWA: swa_view}, window
+    )
     q = torch.randn(1, HQ, D, generator=gen)
     backend = TorchBackend(pool)  # type: ignore[arg-type]
 
@@ -125,5 +152,9 @@ def test_sinks_only_shrink_the_weights() -> None:
     backend = TorchBackend(pool)  # type: ignore[arg-type]
     meta = backend.plan(batch)
     plain = backend.forward(_layer(LayerKind.FULL), q, meta)
-    torch.testing.assert_close(backend.forward(_layer(LayerKind.FULL), q, meta, torch.full((HQ,), -1e4)), plain)
-    assert backend.forward(_layer(LayerKind.FULL), q, meta, torch.full((HQ,), 1e4)).abs().max() < 1e-6
+    torch.testing.assert_close(
+        backend.forward(_layer(LayerKind.FULL), q, meta, torch.full((HQ,), -1e4)), plain
+    )
+    assert (
+        backend.forward(_layer(LayerKind.FULL), q, meta, torch.full((HQ,), 1e4)).abs().max() < 1e-6
+    )

@@ -20,7 +20,7 @@ class Arch:
         self.model = load_model(tiny.path, self.spec)
         self.window = self.spec.window
 
-    @functools.lru_cache(maxsize=None)  # noqa: B019 - one instance per arch per session
+    @functools.cache  # noqa: B019 - one instance per arch per session
     def reference(self, prompt: tuple[int, ...], max_new: int) -> tuple[list[int], torch.Tensor]:
         return hf_greedy(self.tiny.model, list(prompt), max_new)
 

@@ -63,9 +63,13 @@ class Driver:
         dtype: torch.dtype = torch.float32,
     ) -> None:
         self.spec = spec
-        self.allocator = HybridAllocator(full_size, swa_size, page_size, hybrid=hybrid and spec.has_swa)
+        self.allocator = HybridAllocator(
+            full_size, swa_size, page_size, hybrid=hybrid and spec.has_swa
+        )
         self.pool = HybridKVPool(spec, full_size, swa_size, page_size, dtype, device, hybrid=hybrid)
-        self.runner = ModelRunner(spec, model, self.pool, self.allocator, backend(self.pool), device=device)
+        self.runner = ModelRunner(
+            spec, model, self.pool, self.allocator, backend(self.pool), device=device
+        )
         self.page_size = page_size
         self.chunk = chunk
         self.free_swa = free_swa and spec.has_swa and hybrid

@@ -16,7 +16,9 @@ import torch
 VOCAB = 128
 
 # HF sliding_window per arch: window = sliding_window - 1 (DESIGN §1), between 8 and 16 here.
-_COMMON = dict(vocab_size=VOCAB, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+_COMMON = dict(
+    vocab_size=VOCAB, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16
+)
 
 
 def _gpt_oss() -> Any:
@@ -70,7 +72,11 @@ def _mistral() -> Any:
     from transformers import MistralConfig
 
     return MistralConfig(
-        **_COMMON, num_hidden_layers=3, intermediate_size=96, sliding_window=9, max_position_embeddings=1024
+        **_COMMON,
+        num_hidden_layers=3,
+        intermediate_size=96,
+        sliding_window=9,
+        max_position_embeddings=1024,
     )
 
 

@@ -36,7 +36,12 @@ def _hf_rope(config, layer_type: str | None = None) -> tuple[torch.Tensor, float
 def test_rope_frequencies_equal_transformers(rope: dict) -> None:
     from transformers import LlamaConfig
 
-    cfg = LlamaConfig(hidden_size=128, num_attention_heads=2, max_position_embeddings=131072, rope_parameters=dict(rope))
+    cfg = LlamaConfig(
+        hidden_size=128,
+        num_attention_heads=2,
+        max_position_embeddings=131072,
+        rope_parameters=dict(rope),
+    )
     want, want_scale = _hf_rope(cfg)
     got, scale = rope_inv_freq(cfg.rope_parameters, 64, cfg.max_position_embeddings)
     assert torch.equal(got, want)
@@ -49,9 +54,15 @@ def test_unknown_rope_type_is_refused() -> None:
 
 
 def test_registry_lists_supported_types() -> None:
-    assert {"gpt_oss", "mimo_v2_flash", "gemma2", "gemma3_text", "mistral", "qwen2", "cohere2"} <= set(
-        supported_model_types()
-    )
+    assert {
+        "gpt_oss",
+        "mimo_v2_flash",
+        "gemma2",
+        "gemma3_text",
+        "mistral",
+        "qwen2",
+        "cohere2",
+    } <= set(supported_model_types())
     with pytest.raises(ValueError, match="'llama' is not supported; supported: cohere2, gemma2"):
         model_class("llama")
 
@@ -75,7 +86,9 @@ def test_missing_and_unexpected_tensors_are_named(archs: Archs, tmp_path: Path) 
         t["model.layers.1.extra"] = torch.zeros(1)
 
     bad = _copy_with(arch.tiny.path, tmp_path / "bad", edit)
-    with pytest.raises(ValueError, match=r"missing \['model.layers.1.self_attn.sinks'\].*model.layers.1.extra"):
+    with pytest.raises(
+        ValueError, match=r"missing \['model.layers.1.self_attn.sinks'\].*model.layers.1.extra"
+    ):
         load_model(bad, arch.spec)
 
 

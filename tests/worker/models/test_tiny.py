@@ -28,14 +28,22 @@ def _digests(path: Path) -> dict[str, str]:
 def test_layout_and_second_call_reuses(tiny_dir: Path) -> None:
     """An HF dir under <root>/models/tiny-v1; a second call returns it untouched."""
     assert tiny_dir.name == TINY_VERSION and tiny_dir.parent.name == "models"
-    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+    for name in (
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "generation_config.json",
+    ):
         assert (tiny_dir / name).is_file(), name
     before = {p.name: p.stat().st_mtime_ns for p in tiny_dir.iterdir()}
     assert ensure_tiny_model(tiny_dir.parent.parent) == tiny_dir
     assert {p.name: p.stat().st_mtime_ns for p in tiny_dir.iterdir()} == before
 
 
-def test_env_var_sets_the_cache_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tiny_dir: Path) -> None:
+def test_env_var_sets_the_cache_root(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tiny_dir: Path
+) -> None:
     """$SWASERVE_CACHE_DIR is the default root (pre-seeded here to skip a rebuild)."""
     import shutil
 
@@ -47,14 +55,19 @@ def test_env_var_sets_the_cache_root(tmp_path: Path, monkeypatch: pytest.MonkeyP
 def test_concurrent_builds_agree_and_are_deterministic(tmp_path: Path, tiny_dir: Path) -> None:
     """Two racing builders leave one complete dir, byte-identical to an independent build."""
     results: list[Path] = []
-    threads = [threading.Thread(target=lambda: results.append(ensure_tiny_model(tmp_path))) for _ in range(2)]
+    threads = [
+        threading.Thread(target=lambda: results.append(ensure_tiny_model(tmp_path)))
+        for _ in range(2)
+    ]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
     assert results == [tmp_path / "models" / TINY_VERSION] * 2
     assert _digests(results[0]) == _digests(tiny_dir)
-    assert [p.name for p in (tmp_path / "models").iterdir()] == [TINY_VERSION], "temp dirs left behind"
+    assert [p.name for p in (tmp_path / "models").iterdir()] == [TINY_VERSION], (
+        "temp dirs left behind"
+    )
 
 
 def test_spec_has_the_hard_cases(tiny_dir: Path) -> None:
