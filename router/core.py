@@ -50,15 +50,14 @@ class RouterCore:
         """Rank the candidates for one prompt; with `request_key`, count it as in flight on
         the first-ranked worker until its next load sample or `complete(request_key)`."""
         ordered = sorted(candidates, key=lambda c: c.worker_id)
-        matches = self.match(token_ids, [c.worker_id for c in ordered])
-        views = [self._view(c, matches.get(c.worker_id)) for c in ordered]
+        matched = self._match(token_ids, [c.worker_id for c in ordered])
+        views = [self._view(c, matched.get(c.worker_id)) for c in ordered]
         ranked = self.policy.rank(RequestView(len(token_ids), max_new_tokens), views)
+        predicted = self.policy.predicted
         decision = RoutingDecision(
             self.policy.name,
             tuple(
-                RankedWorker(
-                    views[r.index].worker_id, self.policy.predicted(views[r.index]), r.cost
-                )
+                RankedWorker(views[r.index].worker_id, predicted(views[r.index]), r.cost)
                 for r in ranked
             ),
         )
@@ -79,36 +78,46 @@ class RouterCore:
 
         The worker computes at least one token, so it matches `token_ids[:-1]`; so do we.
         """
+        return {wid: m for wid, (_, m) in self._match(token_ids, worker_ids).items()}
+
+    def _match(
+        self, token_ids: Sequence[int], worker_ids: Sequence[str]
+    ) -> dict[str, tuple[WorkerEntry, WorkerMatch]]:
         prefix = token_ids[: len(token_ids) - 1]
         by_page_size: dict[int, list[WorkerEntry]] = {}
+        worker = self.index.worker
         for wid in worker_ids:
-            entry = self.index.worker(wid)
+            entry = worker(wid)
             if entry is not None and not entry.stale:
                 by_page_size.setdefault(entry.meta.page_size, []).append(entry)
-        out: dict[str, WorkerMatch] = {}
+        out: dict[str, tuple[WorkerEntry, WorkerMatch]] = {}
         for page_size, entries in by_page_size.items():
             windows = {e.bit: e.meta.window for e in entries}
             hashes = self.hasher.iter_hashes(prefix, page_size)
             by_bit = match_chain(hashes, self.index.page_map, windows, page_size)
             for e in entries:
-                out[e.meta.worker_id] = by_bit[e.bit]
+                out[e.meta.worker_id] = (e, by_bit[e.bit])
         return out
 
-    def _view(self, cand: Candidate, match: WorkerMatch | None) -> WorkerView:
-        entry = self.index.worker(cand.worker_id)
-        sampled_at = cand.load.timestamp_s if cand.load else None
-        extra_tokens, extra_requests = self.inflight.pending(cand.worker_id, sampled_at)
-        if entry is None or match is None:
-            return WorkerView(cand.worker_id, 0, 0, cand.load, extra_tokens, extra_requests)
-        meta = entry.meta
+    def _view(self, cand: Candidate, matched: tuple[WorkerEntry, WorkerMatch] | None) -> WorkerView:
+        load = cand.load
+        extra_tokens, extra_requests = self.inflight.pending(
+            cand.worker_id, load.timestamp_s if load is not None else None
+        )
+        if matched is None:
+            return WorkerView(cand.worker_id, 0, 0, load, extra_tokens, extra_requests)
+        meta, match = matched[0].meta, matched[1]
+        page = meta.page_size
+        # Positional: WorkerView(worker_id, valid_cached, full_cached, load, extra_prefill_tokens,
+        # extra_requests, window, page_size, hybrid); keywords cost a third more per candidate.
         return WorkerView(
-            worker_id=cand.worker_id,
-            valid_cached=match.valid_pages * meta.page_size,
-            full_cached=match.full_pages * meta.page_size,
-            load=cand.load,
-            extra_prefill_tokens=extra_tokens,
-            extra_requests=extra_requests,
-            window=meta.window,
-            page_size=meta.page_size,
-            hybrid=meta.hybrid,
+            cand.worker_id,
+            match.valid_pages * page,
+            match.full_pages * page,
+            load,
+            extra_tokens,
+            extra_requests,
+            meta.window,
+            page,
+            meta.hybrid,
         )
