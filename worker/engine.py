@@ -263,6 +263,23 @@ class Engine:
         running = [r.kv for r in self.scheduler.running if r.kv is not None]
         self.allocator.check_integrity()
         self.cache.check_integrity(running)
+        if not running:
+            self._check_idle_pools()
+
+    def _check_idle_pools(self) -> None:
+        # NOTE: the cache checks the leak identity only when given running requests; with none,
+        # no lock may be held and every slot must be free or the tree's.
+        a, c = self.allocator, self.cache
+        pools = [("full", a.full_size, a.full_available_size(), c.full_evictable, c.full_protected)]
+        if a.hybrid:
+            swa = ("SWA", a.swa_size, a.swa_available_size(), c.swa_evictable, c.swa_protected)
+            pools.append(swa)
+        for name, total, free, evictable, protected in pools:
+            if protected or free + evictable != total:
+                raise AssertionError(
+                    f"{name} pool with no running request: free {free} + evictable {evictable} != "
+                    f"total {total}, protected {protected} (a leaked slot or lock)"
+                )
 
     def flush_cache(self) -> bool:
         """Empty the radix cache. Only when idle (returns False otherwise)."""

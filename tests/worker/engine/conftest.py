@@ -4,7 +4,7 @@ context is long enough for prompts far beyond the SWA pool, and its transformers
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -30,7 +30,7 @@ class Oracle:
         self.path = root / "mimo_long"
         self.model.save_pretrained(self.path)
 
-    @functools.lru_cache(maxsize=None)  # noqa: B019 - one oracle per session
+    @functools.cache  # noqa: B019 - one oracle per session
     def _greedy(self, prompt: tuple[int, ...], max_new: int) -> tuple[int, ...]:
         return tuple(hf_greedy(self.model, list(prompt), max_new)[0])
 
@@ -42,6 +42,16 @@ class Oracle:
                     swa_full_tokens_ratio=0.25, chunked_prefill_size=64, swa_eviction_interval=8)  # fmt: skip
         base.update(overrides)
         return Engine(EngineConfig(**base))  # type: ignore[arg-type]
+
+
+@pytest.fixture(autouse=True)
+def _one_torch_thread() -> Iterator[None]:
+    # NOTE: the models here are tiny; on a shared, busy box torch's intra-op threads only contend
+    # (a step takes ~20x longer with 2 threads than with 1).
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="session")
@@ -64,3 +74,14 @@ def run_checked(engine: Engine, on_step: Callable[[int], None] | None = None, li
         if on_step is not None:
             on_step(i)
     raise AssertionError(f"engine still busy after {limit} steps")
+
+
+def assert_all_free(engine: Engine) -> None:
+    """Idle engine: invariants hold, and after a flush both pools are entirely free."""
+    assert not engine.has_work(), "the engine still has requests"
+    engine.check_integrity()
+    assert engine.flush_cache()
+    engine.check_integrity()
+    s = engine.stats()
+    assert (s.full.free, s.swa.free) == (s.full.total, s.swa.total), f"after flush: {s.full} {s.swa}"
+    assert (s.full.used, s.swa.used) == (0, 0)
