@@ -110,7 +110,7 @@ class ModelRunner:
         reqs = batch.reqs
         for r in reqs:
             r.validate()
-        ids = torch.tensor([t for r in reqs for t in r.token_ids], dtype=torch.int64)
+        ids = torch.cat([torch.as_tensor(r.token_ids, dtype=torch.int64) for r in reqs])
         positions = torch.cat([torch.arange(r.prefix_len, r.seq_len) for r in reqs])
         out_loc = torch.cat([r.table[r.prefix_len : r.seq_len] for r in reqs]).to(torch.int64)
         views: dict[LayerKind, KVView] = {}

@@ -69,8 +69,15 @@ def _exponential_noise(
 ) -> torch.Tensor:
     noise = torch.empty(shape, dtype=torch.float32, device=device).exponential_()
     for row, gen in enumerate(generators):
-        if gen is not None:
+        if gen is None:
+            continue
+        if gen.device == noise.device:
             noise[row].exponential_(generator=gen)
+        else:
+            # A CPU generator for a GPU batch: draw where the generator lives, then copy. Also
+            # keeps a seed's samples identical across devices.
+            row_noise = torch.empty(shape[-1], dtype=torch.float32, device=gen.device)
+            noise[row] = row_noise.exponential_(generator=gen).to(device)
     return noise
 
 

@@ -61,6 +61,10 @@ class CausalLM(nn.Module):
     # Parameter-name substrings kept in float32 when the model runs in a lower precision, as the
     # HF class does (`_keep_in_fp32_modules`).
     keep_fp32: tuple[str, ...] = ()
+    # Checkpoint name prefixes rewritten on load (a multimodal wrapper's language model), and
+    # prefixes of tensors this class does not use (its vision tower).
+    checkpoint_prefixes: tuple[tuple[str, str], ...] = ()
+    ignored_prefixes: tuple[str, ...] = ()
 
     def __init__(
         self,

@@ -108,3 +108,26 @@ class Gemma2ForCausalLM(_GemmaForCausalLM):
 
 class Gemma3ForCausalLM(_GemmaForCausalLM):
     gemma3 = True
+
+
+class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
+    """The language model inside HF's multimodal Gemma 3 (model_type ``gemma3``): text only.
+
+    Built from ``config.text_config``; its checkpoint nests the LM under ``language_model.``
+    (``save_pretrained``'s layout) or ``model.language_model.``; the vision tower is skipped.
+    """
+
+    checkpoint_prefixes = (
+        ("language_model.model.", "model."),
+        ("language_model.lm_head.", "lm_head."),
+        ("model.language_model.", "model."),
+    )
+    ignored_prefixes = (
+        "vision_tower.",
+        "multi_modal_projector.",
+        "model.vision_tower.",
+        "model.multi_modal_projector.",
+    )
+
+    def __init__(self, config, spec: ModelSpec) -> None:
+        super().__init__(getattr(config, "text_config", None) or config, spec)

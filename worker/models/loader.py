@@ -69,17 +69,19 @@ def load_weights(model: CausalLM, model_dir: str | Path) -> None:
     targets = dict(model.named_parameters())
     targets.update(dict(model.named_buffers()))
     tied = model.tie_word_embeddings
+    ignored = _IGNORED_PREFIXES + model.ignored_prefixes
     seen: set[str] = set()
     unexpected: list[str] = []
     for path in _shard_files(Path(model_dir)):
         with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():
-                if name.startswith(_IGNORED_PREFIXES) or (tied and name == "lm_head.weight"):
+            for stored in f.keys():
+                name = _rename(stored, model.checkpoint_prefixes)
+                if stored.startswith(ignored) or (tied and name == "lm_head.weight"):
                     continue
                 if name not in targets:
-                    unexpected.append(name)
+                    unexpected.append(stored)
                     continue
-                _copy(targets[name], f.get_tensor(name), name)
+                _copy(targets[name], f.get_tensor(stored), name)
                 seen.add(name)
     skip = {"lm_head.weight"} if tied else set()
     missing = sorted(set(targets) - seen - skip)
@@ -89,6 +91,13 @@ def load_weights(model: CausalLM, model_dir: str | Path) -> None:
             f"missing {missing[:8]}{'…' if len(missing) > 8 else ''}, "
             f"unexpected {unexpected[:8]}{'…' if len(unexpected) > 8 else ''}"
         )
+
+
+def _rename(name: str, prefixes: tuple[tuple[str, str], ...]) -> str:
+    for old, new in prefixes:
+        if name.startswith(old):
+            return new + name[len(old) :]
+    return name
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:

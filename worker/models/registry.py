@@ -11,6 +11,7 @@ _REGISTRY: dict[str, str] = {
     "mimo_v2_flash": "worker.models.mimo_v2_flash:MiMoV2FlashForCausalLM",
     "gemma2": "worker.models.gemma:Gemma2ForCausalLM",
     "gemma3_text": "worker.models.gemma:Gemma3ForCausalLM",
+    "gemma3": "worker.models.gemma:Gemma3ForConditionalGeneration",  # text only
     "mistral": "worker.models.mistral:MistralForCausalLM",
     "qwen2": "worker.models.mistral:Qwen2ForCausalLM",
     "cohere2": "worker.models.cohere2:Cohere2ForCausalLM",

@@ -116,3 +116,43 @@ def test_bfloat16_load_keeps_listed_params_in_float32(archs: Archs) -> None:
     dtypes = {n: p.dtype for n, p in model.named_parameters()}
     assert dtypes["model.layers.1.mlp.gate.weight"] == torch.float32
     assert dtypes["model.layers.1.self_attn.q_proj.weight"] == torch.bfloat16
+
+
+def test_multimodal_gemma3_checkpoint_loads_its_language_model(tmp_path: Path) -> None:
+    """model_type gemma3 (vision + text): the LM loads from `language_model.*`, the vision tower
+    is skipped, and greedy decoding matches HF's multimodal class on text input."""
+    from transformers import (
+        Gemma3Config,
+        Gemma3ForConditionalGeneration,
+        Gemma3TextConfig,
+        SiglipVisionConfig,
+    )
+
+    from tests.worker.models.driver import Driver
+    from tests.worker.models.hf_tiny import hf_greedy, randomize
+
+    text = Gemma3TextConfig(
+        vocab_size=300, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        num_hidden_layers=2, intermediate_size=96, sliding_window=9, max_position_embeddings=512,
+        layer_types=["sliding_attention", "full_attention"], query_pre_attn_scalar=16,
+    )  # fmt: skip
+    vision = SiglipVisionConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        image_size=28, patch_size=14,
+    )  # fmt: skip
+    cfg = Gemma3Config(
+        text_config=text.to_dict(), vision_config=vision.to_dict(), mm_tokens_per_image=4,
+        image_token_index=299, boi_token_index=297, eoi_token_index=298,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    hf = Gemma3ForConditionalGeneration(cfg).eval()
+    randomize(hf, "gemma3", seed=3)
+    hf.save_pretrained(tmp_path)
+    spec = spec_from_hf_config(cfg)
+    drv = Driver(spec, load_model(tmp_path, spec), page_size=4)
+    prompt = list(range(5, 40))
+    seq = drv.add(prompt, 8)
+    drv.run([seq])
+    tokens, logits = hf_greedy(hf, prompt, 8)
+    assert seq.out == tokens
+    assert (torch.stack(seq.logits) - logits).abs().max() < 1e-4
