@@ -1,0 +1,175 @@
+"""The configs really run: `deploy.app:build_app` resolves, and local.yaml serves over HTTP.
+
+Needs `deploy/app.py`. The serving test starts one loopback Ray cluster (2 CPUs, no
+dashboard, auth off, a small object store) and deploys local.yaml through the same controller
+path as `serve run FILE` and KubeRay (`deploy_apps` of a `ServeDeploySchema`). Only the port
+changes, so that it does not collide with other runs.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import socket
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from deploy.config import (
+    API_KEY_ENV,
+    APP_IMPORT_PATH,
+    APP_NAME,
+    INGRESS_DEPLOYMENT,
+    WORKER_DEPLOYMENT,
+    ServeConfig,
+)
+
+pytestmark = pytest.mark.ray
+
+CONFIG_DIR = Path(__file__).resolve().parents[2] / "deploy" / "configs"
+LOCAL = CONFIG_DIR / "local.yaml"
+
+
+def _builder() -> Any:
+    module, attr = APP_IMPORT_PATH.split(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+def _built(cfg: ServeConfig) -> dict[str, Any]:
+    from ray.serve._private.build_app import build_app
+
+    app = _builder()(cfg.to_args())
+    return {d.name: d for d in build_app(app, name=APP_NAME).deployments}
+
+
+@pytest.mark.parametrize("path", sorted(CONFIG_DIR.glob("*.yaml")), ids=lambda p: p.name)
+def test_import_path_resolves(path: Path) -> None:
+    """Every config's import_path names a callable builder."""
+    doc = yaml.safe_load(path.read_text())
+    assert {a["import_path"] for a in doc["applications"]} == {APP_IMPORT_PATH}
+    assert callable(_builder())
+
+
+def test_builder_applies_the_worker_options(monkeypatch: pytest.MonkeyPatch) -> None:
+    """build_app(args) has the Ingress and Worker deployments; the Worker options come from args."""
+    monkeypatch.delenv(API_KEY_ENV, raising=False)
+    cfg = ServeConfig.from_yaml(LOCAL)
+    deployments = _built(cfg)
+    assert {INGRESS_DEPLOYMENT, WORKER_DEPLOYMENT} <= set(deployments)
+    worker = deployments[WORKER_DEPLOYMENT]
+    expected = cfg.worker_deployment_options()
+    assert worker.max_ongoing_requests == expected["max_ongoing_requests"]
+    assert worker.max_queued_requests == expected["max_queued_requests"]
+    assert worker.ray_actor_options["num_cpus"] == cfg.worker_num_cpus
+    assert worker.ray_actor_options.get("num_gpus", 0) == cfg.worker_num_gpus
+    scaling = worker._deployment_config.autoscaling_config
+    for key, value in expected["autoscaling_config"].items():
+        assert getattr(scaling, key) == value, key
+
+
+def test_builder_with_fixed_workers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without autoscaling the Worker deployment has exactly `workers` replicas."""
+    monkeypatch.delenv(API_KEY_ENV, raising=False)
+    worker = _built(ServeConfig(workers=2, worker_num_cpus=0.25))[WORKER_DEPLOYMENT]
+    assert worker.num_replicas == 2 and worker._deployment_config.autoscaling_config is None
+
+
+# -- local.yaml really serves --------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _http(
+    method: str, url: str, body: dict | None = None, timeout: float = 60.0
+) -> tuple[int, dict, Any]:
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(
+        url, data=data, method=method, headers={"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            raw = resp.read()
+            return (
+                resp.status,
+                dict(resp.headers),
+                (json.loads(raw) if raw.strip().startswith(b"{") else raw),
+            )
+    except urllib.error.HTTPError as e:
+        return e.code, dict(e.headers), e.read()
+
+
+def _wait_for_routes(base: str, deadline_s: float = 120.0) -> None:
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        try:
+            status, _, body = _http("GET", f"{base}/-/routes", timeout=5)
+            if status == 200 and body:
+                return
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"no Serve routes at {base} after {deadline_s} s")
+
+
+@pytest.fixture(scope="module")
+def served_local() -> Iterator[tuple[str, ServeConfig]]:
+    import os
+
+    from ray import serve
+    from ray.serve._private.api import serve_start
+    from ray.serve.schema import ServeDeploySchema
+
+    from cluster.ray_local import LocalRayConfig, start_local_ray, stop_local_ray
+
+    os.environ.pop(API_KEY_ENV, None)
+    port = _free_port()
+    doc = yaml.safe_load(LOCAL.read_text())
+    doc["http_options"]["port"] = port
+    cluster = start_local_ray(LocalRayConfig(num_cpus=2))
+    try:
+        client = serve_start(http_options=doc["http_options"], proxy_location=doc["proxy_location"])
+        client.deploy_apps(ServeDeploySchema.model_validate(doc), _blocking=True)
+        base = f"http://127.0.0.1:{port}"
+        _wait_for_routes(base)
+        yield base, ServeConfig.from_yaml(LOCAL)
+    finally:
+        serve.shutdown()
+        stop_local_ray(cluster)
+
+
+def test_local_config_serves_models_and_completions(served_local) -> None:
+    """local.yaml deployed like `serve run`: /v1/models lists the model, a completion returns text."""
+    base, _ = served_local
+    status, _, models = _http("GET", f"{base}/v1/models")
+    assert status == 200 and models["data"], models
+    model_id = models["data"][0]["id"]
+    status, headers, out = _http(
+        "POST", f"{base}/v1/completions",
+        {"model": model_id, "prompt": "hello world", "max_tokens": 8, "temperature": 0},
+    )  # fmt: skip
+    assert status == 200, out
+    assert out["choices"][0]["finish_reason"] in ("length", "stop")
+    assert 0 < out["usage"]["completion_tokens"] <= 8
+    assert any(k.lower() == "x-swaserve-replica" for k in headers)
+
+
+def test_local_config_runs_the_configured_worker(served_local) -> None:
+    """The running Worker deployment is healthy with min_replicas replicas and the file's scaling."""
+    from ray import serve
+
+    _, cfg = served_local
+    app = serve.status().applications[APP_NAME]
+    worker = app.deployments[WORKER_DEPLOYMENT]
+    assert str(app.status).endswith("RUNNING") and str(worker.status).endswith("HEALTHY")
+    running = sum(n for state, n in worker.replica_states.items() if str(state).endswith("RUNNING"))
+    assert cfg.autoscaling.min_replicas <= running <= cfg.autoscaling.max_replicas
