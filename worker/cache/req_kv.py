@@ -25,9 +25,9 @@ def _empty_table() -> torch.Tensor:
     return torch.empty(0, dtype=torch.int64)
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class ReqKV:
-    """One request's KV bookkeeping. The engine grows `tokens` and `table` and the lengths;
+    """One request's KV bookkeeping (identity-compared: it holds a tensor). The engine grows `tokens` and `table` and the lengths;
     the cache hooks rewrite `table[:cache_protected_len]`, `cache_protected_len` and `lock`."""
 
     tokens: list[int]  # token ids so far (prompt + output)

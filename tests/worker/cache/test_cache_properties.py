@@ -1,0 +1,353 @@
+"""Stateful property test: random request interleavings against a brute-force page model.
+
+The model records, per cached page (by chained hash), whether it holds full + SWA KV (LIVE) or
+full KV only (TOMBSTONE). Inserts are predicted by the model from the rules alone; evictions
+and early releases are the cache's choice, so the model takes them from the events and checks
+they are allowed (never a locked page). After every step: each match equals the model's valid
+match, event replay == model == snapshot, and `check_integrity` (incl. the pool identity) holds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+from cache_helpers import decode, make_cache, move_frontier
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
+
+from worker.cache.base import LockReceipt
+from worker.cache.events import replay
+from worker.cache.match import match_path
+from worker.cache.req_kv import ReqKV
+from worker.protocol import EventKind, PageState, page_hashes
+
+LIVE, TOMB = PageState.LIVE, PageState.TOMBSTONE
+tokens_st = st.lists(st.integers(0, 2), min_size=2, max_size=14)
+
+
+@dataclass(eq=False)
+class Reader:
+    tokens: list[int]
+    receipt: LockReceipt
+
+
+class PageModel:
+    """Per-page presence; the window rule computed by brute force."""
+
+    def __init__(self, page_size: int, window: int | None) -> None:
+        self.P, self.W = page_size, window
+        self.pages: dict[int, PageState] = {}
+
+    def valid_match(self, tokens: list[int]) -> int:
+        run, tombstone_seen, best = 0, False, 0
+        for i, h in enumerate(page_hashes(tokens, self.P)):
+            state = self.pages.get(h)
+            if state is None:
+                break
+            run = run + self.P if state is LIVE else 0
+            tombstone_seen |= state is TOMB
+            if self.W is None or not tombstone_seen or run >= self.W:
+                best = (i + 1) * self.P
+        return best
+
+    def insert(self, tokens: list[int], prev: int, evicted: int) -> None:
+        for i, h in enumerate(page_hashes(tokens, self.P)):
+            pos = i * self.P
+            has_swa = pos >= evicted
+            if h not in self.pages:
+                assert pos >= prev, "the request's protected prefix vanished"
+                self.pages[h] = LIVE if has_swa else TOMB
+            elif self.pages[h] is TOMB and has_swa and pos >= prev:
+                self.pages[h] = LIVE
+
+
+class CacheMachine(RuleBasedStateMachine):
+    page_size = 1
+    window: int | None = 4
+    eager = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        P = self.page_size
+        self.cache = make_cache(P, self.window, 96 * P, 48 * P, eager_swa_free=self.eager)
+        self.model = PageModel(P, self.window)
+        self.replayed: dict[int, PageState] = {}
+        self.reqs: list[ReqKV] = []
+        self.released: set[int] = set()  # id() of requests past early release (decode only)
+        self.readers: list[Reader] = []
+        self.history: list[list[int]] = []  # every sequence a request started with
+
+    # ---- event bookkeeping ----------------------------------------------------------------
+    def absorb(self, *, inserted: bool = False) -> None:
+        """Apply drained events: inserts were predicted (compare), evictions are taken."""
+        events = self.cache.drain_events()
+        replay(events, self.replayed)
+        locked = self._locked_pages()
+        for e in events:
+            if e.kind is EventKind.REMOVED:
+                assert not locked & set(e.page_hashes), "evicted a locked page"
+                for h in e.page_hashes:
+                    del self.model.pages[h]
+            elif e.kind is EventKind.SWA_REMOVED:
+                for h in e.page_hashes:
+                    assert self.model.pages[h] is LIVE
+                    self.model.pages[h] = TOMB
+            else:
+                assert inserted, f"{e.kind} outside an insert"
+        assert self.replayed == self.model.pages
+
+    def _locked_pages(self) -> set[int]:
+        out: set[int] = set()
+        for r in self.reqs:
+            out.update(page_hashes(r.tokens[: r.cache_protected_len], self.page_size))
+        for rd in self.readers:
+            out.update(page_hashes(rd.tokens, self.page_size))
+        return out
+
+    # ---- rules ----
+    @initialize(seqs=st.lists(tokens_st, min_size=2, max_size=5), decoded=st.integers(0, 12))
+    def seed(self, seqs: list[list[int]], decoded: int) -> None:
+        """Start from a populated tree: finished requests that decoded and moved their
+        frontier (tombstone prefixes), so the rules below meet shared paths at once."""
+        for tokens in seqs:
+            m = self.cache.match_prefix(tokens[:-1])
+            req = _allocate(self.cache, tokens, m.indices, m.length, self.cache.lock(m.node))
+            self.absorb()
+            if req is None:
+                continue
+            self.history.append(tokens)
+            decode(self.cache, req, [t % 3 for t in range(decoded)])
+            if self.window is not None:
+                move_frontier(self.cache, req)
+            aligned = req.kv_committed_len - req.kv_committed_len % self.page_size
+            self.cache.cache_finished_req(req)
+            self.model.insert(req.tokens[:aligned], req.cache_protected_len, req.swa_evicted_seqlen)
+            self.absorb(inserted=True)
+
+    @precondition(lambda self: len(self.reqs) < 4)
+    @rule(data=st.data(), tail=tokens_st)
+    def start(self, data: st.DataObject, tail: list[int]) -> None:
+        tokens = self._query(data, tail)
+        self.history.append(tokens)
+        expected = self.model.valid_match(tokens[:-1])
+        m = self.cache.match_prefix(tokens[:-1])
+        assert m.length == expected
+        receipt = self.cache.lock(m.node)
+        req = _allocate(self.cache, tokens, m.indices, m.length, receipt)
+        self.absorb()
+        if req is not None:
+            self.reqs.append(req)
+
+    @precondition(lambda self: self.reqs)
+    @rule(data=st.data(), new=st.lists(st.integers(0, 2), min_size=1, max_size=6))
+    def decode(self, data: st.DataObject, new: list[int]) -> None:
+        req = data.draw(st.sampled_from(self.reqs))
+        decode(self.cache, req, new)
+        self.absorb()
+
+    @precondition(lambda self: self.reqs and self.window is not None)
+    @rule(data=st.data())
+    def frontier(self, data: st.DataObject) -> None:
+        move_frontier(self.cache, data.draw(st.sampled_from(self.reqs)))
+
+    @precondition(lambda self: any(id(r) not in self.released for r in self.reqs))
+    @rule(data=st.data())
+    def unfinished(self, data: st.DataObject) -> None:
+        req = data.draw(st.sampled_from([r for r in self.reqs if id(r) not in self.released]))
+        prev = req.cache_protected_len
+        self.cache.cache_unfinished_req(req)  # may move the frontier first (eager)
+        aligned = req.kv_committed_len - req.kv_committed_len % self.page_size
+        if aligned > prev:
+            self.model.insert(req.tokens[:aligned], prev, req.swa_evicted_seqlen)
+        self.absorb(inserted=True)
+
+    @precondition(lambda self: self.reqs)
+    @rule(data=st.data(), insert=st.booleans())
+    def finish(self, data: st.DataObject, insert: bool) -> None:
+        req = data.draw(st.sampled_from(self.reqs))
+        self.reqs.remove(req)
+        self.released.discard(id(req))
+        aligned = req.kv_committed_len - req.kv_committed_len % self.page_size
+        self.cache.cache_finished_req(req, insert=insert)
+        if insert:
+            self.model.insert(req.tokens[:aligned], req.cache_protected_len, req.swa_evicted_seqlen)
+        self.absorb(inserted=insert)
+
+    @precondition(lambda self: any(id(r) not in self.released for r in self.reqs))
+    @rule(data=st.data())
+    def early_release(self, data: st.DataObject) -> None:
+        req = data.draw(st.sampled_from([r for r in self.reqs if id(r) not in self.released]))
+        req.lock = self.cache.release_window_lock(req.lock)
+        req.swa_lock_released = True
+        self.released.add(id(req))
+        self.absorb()
+
+    @rule(full=st.integers(0, 8), swa=st.integers(0, 8))
+    def evict(self, full: int, swa: int) -> None:
+        before = dict(self.model.pages)
+        res = self.cache.evict(full * self.page_size, swa * self.page_size)
+        self.absorb()
+        gone = before.keys() - self.model.pages.keys()
+        tombed = {h for h in self.model.pages if before[h] is LIVE and self.model.pages[h] is TOMB}
+        assert res.full == len(gone) * self.page_size
+        if self.window is not None:
+            lost_swa = len(tombed) + sum(before[h] is LIVE for h in gone)
+            assert res.swa == lost_swa * self.page_size
+
+    @precondition(lambda self: self.window is not None)
+    @rule(data=st.data())
+    def tombstone_any(self, data: st.DataObject) -> None:
+        """Chaos: tombstone any SWA-unlocked node, not just the LRU's pick, so the match rule
+        meets arbitrary tombstone patterns (T, short live run, T, live …)."""
+        nodes = [n for n in self.cache.tree.iter_nodes() if n.swa is not None and n.swa_lock == 0]
+        if nodes:
+            node = data.draw(st.sampled_from(nodes))
+            self.cache.tree.tombstone(node)
+            self.cache.allocator.free_swa(node.full)
+            self.absorb()
+
+    @rule(data=st.data(), tail=tokens_st)
+    def match(self, data: st.DataObject, tail: list[int]) -> None:
+        query = self._query(data, tail)
+        assert self.cache.match_prefix(query).length == self.model.valid_match(query)
+
+    @precondition(lambda self: len(self.readers) < 3)
+    @rule(query=tokens_st)
+    def reader_lock(self, query: list[int]) -> None:
+        m = self.cache.match_prefix(query)
+        self.readers.append(Reader(query[: m.length], self.cache.lock(m.node)))
+
+    @precondition(lambda self: self.readers)
+    @rule(data=st.data())
+    def reader_unlock(self, data: st.DataObject) -> None:
+        rd = data.draw(st.sampled_from(self.readers))
+        self.readers.remove(rd)
+        self.cache.unlock(rd.receipt)
+
+    def _query(self, data: st.DataObject, tail: list[int]) -> list[int]:
+        """Often a prefix of an earlier sequence plus a tail: that is where sharing,
+        splits and revivals happen."""
+        sources = self.history + [r.tokens for r in self.reqs]
+        if not sources or not data.draw(st.booleans()):
+            return tail
+        src = data.draw(st.sampled_from(sources))
+        return src[: data.draw(st.integers(0, len(src)))] + tail
+
+    # ---- invariants -----------------------------------------------------------------------
+    @invariant()
+    def integrity(self) -> None:
+        self.cache.check_integrity(running_reqs=self.reqs)
+        assert self.cache.snapshot_pages() == self.model.pages
+
+    @invariant()
+    def locked_prefixes_stay_valid(self) -> None:
+        for rd in self.readers:
+            assert self.model.valid_match(rd.tokens) == len(rd.tokens)
+        for r in self.reqs:
+            if id(r) in self.released:
+                hs = page_hashes(r.tokens[: r.cache_protected_len], self.page_size)
+                assert all(h in self.model.pages for h in hs)
+            else:
+                n = r.cache_protected_len
+                assert self.model.valid_match(r.tokens[:n]) == n
+
+    def teardown(self) -> None:
+        for r in list(self.reqs):
+            self.cache.cache_finished_req(r)
+        for rd in self.readers:
+            self.cache.unlock(rd.receipt)
+        assert self.cache.full_protected == 0 and self.cache.swa_protected == 0
+        self.cache.check_integrity()
+        self.cache.reset()
+        a = self.cache.allocator
+        assert a.full_available_size() == a.full_size and a.swa_available_size() == a.swa_size
+
+
+def _allocate(cache, tokens, indices, length, receipt) -> ReqKV | None:
+    from cache_helpers import _alloc
+
+    new = _alloc(cache, [length], [len(tokens)], [-1])
+    if new is None:
+        cache.unlock(receipt)
+        return None
+    return ReqKV(
+        tokens=list(tokens),
+        table=torch.cat([indices, new]),
+        cache_protected_len=length,
+        lock=receipt,
+        kv_committed_len=len(tokens),
+        kv_allocated_len=len(tokens),
+    )
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize("window", [1, 4, 7])
+def test_cache_matches_brute_force_model(page_size: int, window: int) -> None:
+    """Random interleavings keep matches, events and accounting exact."""
+    machine = type(
+        f"CacheMachineP{page_size}W{window}",
+        (CacheMachine,),
+        {"page_size": page_size, "window": window, "eager": window == 4},
+    )
+    run_state_machine_as_test(
+        machine,
+        settings=settings(
+            max_examples=20,
+            stateful_step_count=40,
+            deadline=None,
+            suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+        ),
+    )
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize("window", [1, 4, 7])
+def test_match_rule_on_random_tombstone_patterns(page_size: int, window: int) -> None:
+    """Any tombstone pattern (not only what the LRU picks): every prefix of every cached
+    sequence matches exactly the brute-force valid length."""
+
+    @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @given(
+        seqs=st.lists(st.lists(st.integers(0, 1), min_size=1, max_size=24), min_size=1, max_size=6),
+        picks=st.lists(st.integers(0, 1000), max_size=8),
+    )
+    def check(seqs: list[list[int]], picks: list[int]) -> None:
+        cache = make_cache(page_size, window, 256 * page_size, 256 * page_size)
+        seqs = [[t for t in s for _ in range(page_size)] for s in seqs]  # whole pages
+        for s in seqs:
+            put_seq(cache, s)
+        for p in picks:
+            live = [n for n in cache.tree.iter_nodes() if n.swa is not None]
+            if live:
+                node = live[p % len(live)]
+                if len(node) > page_size and p % 2:  # short runs: keep the first page live
+                    cache.tree.split(node, page_size)
+                cache.tree.tombstone(node)
+                cache.allocator.free_swa(node.full)
+        model = PageModel(page_size, window)
+        model.pages = cache.snapshot_pages()
+        for s in seqs:
+            for n in range(0, len(s) + 1, page_size):
+                assert cache.match_prefix(s[:n]).length == model.valid_match(s[:n])
+        cache.check_integrity()
+
+    check()
+
+
+def put_seq(cache, tokens: list[int]) -> None:
+    path, length = match_path(cache.tree, tuple(tokens), window_rule=False)
+    fresh = cache.allocator.alloc(len(tokens) - length)
+    head = [n.full for n in path]
+    cache.insert(
+        tokens, torch.cat([torch.empty(0, dtype=torch.int64), *head, fresh]), prev_prefix_len=length
+    )
