@@ -32,6 +32,7 @@ class IngressSettings:
     """Ingress knobs that are not (yet) `ServeConfig` fields; the defaults suit both CPU and GPU."""
 
     max_inflight: int = 1024  # generation requests one ingress replica holds; beyond: 429
+    max_queued: int = 256  # requests the proxy queues for a busy ingress replica; beyond: 503
     retry_after_s: int = 1
     num_cpus: float = 0.25  # tokenization and SSE only; a fraction keeps small hosts schedulable
     replicas: int = 1
@@ -72,6 +73,7 @@ def build_app_from_config(
         name=INGRESS_DEPLOYMENT,
         num_replicas=ingress.replicas,
         max_ongoing_requests=ingress.max_inflight + 32,  # headroom for /health and /metrics
+        max_queued_requests=ingress.max_queued,  # beyond: the proxy answers 503, never a hang
         ray_actor_options={"num_cpus": ingress.num_cpus},
     )
     workers = worker.bind(cfg.to_engine_config(), WorkerOptions(), engine_factory)

@@ -10,6 +10,7 @@ from pydantic import BaseModel
 
 from deploy.metrics import IngressMetrics
 from deploy.openai_schema import APIError, overloaded
+from deploy.worker_protocol import WorkerUnavailableError
 
 
 class RequestTimer:
@@ -43,7 +44,12 @@ def translate_worker_error(e: BaseException, retry_after_s: int) -> APIError:
     from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
     if isinstance(e, BackPressureError):
-        return overloaded(503, "worker queues are full; retry later", retry_after_s)
+        # Serve's backpressure_config may ask for 429 and its own Retry-After; honour both.
+        status = 429 if getattr(e, "status_code", 503) == 429 else 503
+        retry = getattr(e, "retry_after_s", None)
+        return overloaded(status, "worker queues are full; retry later", int(retry) if retry else retry_after_s)
+    if isinstance(e, WorkerUnavailableError):
+        return overloaded(503, str(e), retry_after_s)
     if isinstance(e, DeploymentUnavailableError):
         return overloaded(503, "no worker replica is available; retry later", retry_after_s)
     name = type(e).__name__

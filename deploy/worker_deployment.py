@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from cluster.load import PoolHeadroom, make_routing_stats
 from deploy.metrics import flatten_stats
-from deploy.worker_protocol import StreamStart, WorkerInfo, merge_deltas
+from deploy.worker_protocol import StreamStart, WorkerInfo, WorkerUnavailableError, merge_deltas
 from router.request import RoutedRequest
 from worker.config import EngineConfig
 from worker.outputs import StreamDelta
@@ -111,7 +111,7 @@ class WorkerDeployment:
             predicted_cached_tokens=routing.predicted_for(self.replica_id) if routing else None,
             routing_policy=routing.policy if routing else None,
         )
-        queue: asyncio.Queue[StreamDelta | BaseException] = asyncio.Queue()
+        queue: asyncio.Queue[StreamDelta | BaseException | None] = asyncio.Queue()  # None: ended
         pump = asyncio.create_task(self._pump(token_ids, params, rid, queue))
         self._inflight.add(rid)
         try:
@@ -122,7 +122,13 @@ class WorkerDeployment:
                 errors = [b for b in batch if isinstance(b, BaseException)]
                 if errors:
                     raise errors[0]
-                delta = merge_deltas(batch)  # type: ignore[arg-type]
+                deltas = [b for b in batch if isinstance(b, StreamDelta)]
+                ended = len(deltas) < len(batch) and not (deltas and deltas[-1].finished)
+                delta = merge_deltas(deltas) if deltas else None
+                if ended or (delta and delta.finish_reason == "abort" and not delta.error):
+                    # Aborted here, not by the caller (who is gone when it cancels): shutdown.
+                    raise WorkerUnavailableError(f"request {rid} was aborted on worker {self.replica_id}; retry")
+                assert delta is not None
                 if delta.finished and self._events is not None:
                     # The cache this request leaves behind reaches the index before the
                     # client hears back, so its follow-up is routed with it.
@@ -144,11 +150,14 @@ class WorkerDeployment:
         except Exception as e:  # noqa: BLE001 - forwarded to the consumer, raised there
             queue.put_nowait(e)
         finally:
+            queue.put_nowait(None)
             await gen.aclose()
 
     def _refusal(self, token_ids: list[int], params: Any) -> StreamStart | None:
         if self._draining:
             return StreamStart(self.replica_id, "unavailable", "worker replica is shutting down; retry")
+        if getattr(self._engine, "error", None) is not None:  # Serve replaces us at the next health check
+            return StreamStart(self.replica_id, "unavailable", "worker engine failed; retry")
         try:
             self._engine.validate(token_ids, params)
         except ValueError as e:
@@ -186,6 +195,9 @@ class WorkerDeployment:
     def check_health(self) -> None:
         if self._draining:
             return  # Serve is stopping us; do not get replaced mid-drain
+        error = getattr(self._engine, "error", None)
+        if error is not None:
+            raise RuntimeError(f"engine step thread died: {error!r}")
         s = self._engine.stats()
         steps, since = self._progress
         now = time.monotonic()

@@ -34,6 +34,10 @@ class WorkerInfo:
     page_size: int
 
 
+class WorkerUnavailableError(RuntimeError):
+    """The worker cannot finish this request (shutting down, engine gone); the ingress answers 503."""
+
+
 def merge_deltas(deltas: list[StreamDelta]) -> StreamDelta:
     """Coalesce consecutive deltas of one request into one (fewer Ray stream items under load)."""
     if len(deltas) == 1:

@@ -302,3 +302,50 @@ def test_models_and_health(tokenizer: Any) -> None:
     models, health = run(go())
     assert models["data"][0]["id"] == MODEL and models["data"][0]["max_model_len"] == MAX_MODEL_LEN
     assert health.status_code == 200 and health.json()["workers_ready"] == 1
+
+
+def test_draining_worker_gives_503_with_retry_after(tokenizer: Any) -> None:
+    """A worker that is shutting down refuses; the client gets 503 + Retry-After, not a hang."""
+    h = make_harness(tokenizer)
+    h.workers[0].shutdown()
+
+    async def go() -> Any:
+        async with h.client() as c:
+            return await c.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2})
+
+    r = run(go())
+    assert r.status_code == 503 and r.headers["retry-after"] == "1"
+    assert r.json()["error"]["code"] == "service_unavailable" and h.engines[0].shut_down
+
+
+def test_worker_backpressure_maps_to_503() -> None:
+    """Serve's BackPressureError (worker queues full) becomes a 503 with Retry-After."""
+    from ray.serve.exceptions import BackPressureError
+
+    from deploy.streaming import translate_worker_error
+
+    err = translate_worker_error(BackPressureError(num_queued_requests=9, max_queued_requests=8), 2)
+    assert err.status == 503 and err.headers == {"Retry-After": "2"}
+    assert translate_worker_error(RuntimeError("boom"), 1).status == 500
+
+
+def test_router_prediction_is_echoed_in_header(tokenizer: Any) -> None:
+    """The router's prediction for the serving replica comes back as x-swaserve-predicted-cached-tokens."""
+    from router.request import RankedWorker, RoutingDecision
+
+    h = make_harness(tokenizer)
+    decision = RoutingDecision("swa_prefix", (RankedWorker("w9", 64, 0.0), RankedWorker("w0", 16, 1.0)))
+    client = h.service._client
+    original = client.stream
+
+    def routed(request: Any) -> Any:
+        return original(request.with_routing(decision))
+
+    client.stream = routed  # what the Serve router does to args[0]
+
+    async def go() -> Any:
+        async with h.client() as c:
+            return await c.post("/v1/completions", json={"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 2})
+
+    r = run(go())
+    assert r.headers["x-swaserve-predicted-cached-tokens"] == "16"
