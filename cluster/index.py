@@ -250,8 +250,10 @@ class ClusterIndex:
             bit = self._free_bits.pop()
         else:
             bit, self._next_slot = 1 << self._next_slot, self._next_slot + 1
-        pool_pages = max(1, meta.full_tokens // max(1, meta.page_size))
-        entry = WorkerEntry(meta, bit, min(self.limits.max_pages_per_worker, pool_pages))
+        cap = self.limits.max_pages_per_worker
+        if meta.full_tokens > 0 and meta.page_size > 0:  # a worker never holds more pages
+            cap = min(cap, max(1, meta.full_tokens // meta.page_size))
+        entry = WorkerEntry(meta, bit, cap)
         self._workers[meta.worker_id] = entry
         return entry
 

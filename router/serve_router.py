@@ -147,6 +147,8 @@ class SwaPrefixRequestRouter(RequestRouter):
                 logger.warning("Ray is not initialised: routing without the cache index")
                 self._subscribe = False
                 return
+            # NOTE: a synchronous GCS lookup/creation, once per router lifetime; every later
+            # call to the actor is awaited.
             self._actor = transport.get_or_create_index_actor(self._actor_name)
             self._subscriber = transport.IndexSubscriber(
                 self._actor, self.core.index, self._pull_wait_s

@@ -45,6 +45,10 @@ class MirroredWorker:
         self.cache.evict(full, swa)
         self.sync()
 
+    def flush(self) -> None:
+        self.cache.reset()  # no locks held: one CLEARED event
+        self.sync()
+
     def sync(self) -> None:
         events = self.cache.drain_events()
         self.seq += 1
@@ -78,7 +82,8 @@ def _prompts(rng: random.Random, n: int) -> list[list[int]]:
 @settings(max_examples=30, deadline=None)
 @given(seed=st.integers(0, 2**31 - 1), steps=st.integers(5, 25))
 def test_prediction_equals_cache_match(window: int, seed: int, steps: int) -> None:
-    """Random inserts (with SWA frontiers → tombstones) and evictions; every probe agrees."""
+    """Random inserts (SWA frontiers → tombstones, revivals), evictions and flushes; every
+    probe's prediction equals the cache's own match."""
     rng = random.Random(seed)
     worker = MirroredWorker(window)
     prompts = _prompts(rng, 12)
@@ -89,8 +94,10 @@ def test_prediction_equals_cache_match(window: int, seed: int, steps: int) -> No
             if aligned:
                 frontier = rng.randrange(0, len(aligned) + 1, PAGE)
                 worker.insert(aligned, frontier)
-        else:
+        elif rng.random() < 0.9:
             worker.evict(rng.randrange(0, 24, PAGE), rng.randrange(0, 24, PAGE))
+        else:
+            worker.flush()
         for probe in prompts:
             assert worker.predicted(probe) == worker.actual(probe), probe
     worker.cache.check_integrity()
