@@ -2,6 +2,7 @@
 
     swaserve serve [--model tiny|PATH] [--workers N] [--host 127.0.0.1] [--port 8000]
                    [--routing swa_prefix|prefix|least_loaded|round_robin] [--config FILE]
+                   [--device cpu|cuda] [--num-cpus N] [--startup-timeout S]
     swaserve bench {memory,engine,cache,routing} [benchmark options]
 
 `serve` starts a local Ray cluster on loopback and serves in the foreground until Ctrl-C
@@ -31,6 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", help="address to listen on (default 127.0.0.1, or the config file's)")
     serve.add_argument("--port", type=_port, help="HTTP port (default 8000, or the config file's)")
     serve.add_argument("--routing", choices=ROUTING_POLICIES, help="placement policy (default swa_prefix)")
+    serve.add_argument("--device", choices=("cpu", "cuda"), help="engine device (default cpu; cuda gives each worker one GPU)")
     serve.add_argument("--config", metavar="FILE", help="a ServeConfig YAML or a Ray Serve config file; flags override it")
     serve.add_argument("--num-cpus", type=int, help="CPUs of the local Ray cluster (default: all)")
     serve.add_argument("--startup-timeout", type=float, default=900.0, help="seconds to wait for the workers (default 900)")
@@ -55,7 +57,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     return serve_foreground(
         ServeRequest(
             model=args.model, workers=args.workers, host=args.host, port=args.port,
-            routing=args.routing, config=args.config, num_cpus=args.num_cpus,
+            routing=args.routing, device=args.device, config=args.config, num_cpus=args.num_cpus,
             startup_timeout_s=args.startup_timeout,
         )
     )  # fmt: skip

@@ -169,7 +169,7 @@ class OpenAIService:
         headers = {REPLICA_HEADER: ",".join(dict.fromkeys(c.replica for c in choices))}
         predicted = [c.start.predicted_cached_tokens if c.start else None for c in choices]
         if any(p is not None for p in predicted):
-            headers[PREDICTED_HEADER] = ",".join(str(p) for p in predicted)
+            headers[PREDICTED_HEADER] = ",".join("" if p is None else str(p) for p in predicted)
         timer = RequestTimer(self.metrics, endpoint, t0)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)

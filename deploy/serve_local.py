@@ -35,6 +35,7 @@ class ServeRequest:
     host: str | None = None
     port: int | None = None
     routing: str | None = None
+    device: str | None = None
     config: str | None = None
     num_cpus: int | None = None
     startup_timeout_s: float = 900.0
@@ -71,13 +72,18 @@ def plan(req: ServeRequest) -> Plan:
         base = loaded.config.model_dump(mode="json", exclude_unset=True, exclude={"api_key"})
         if loaded.config.api_key is not None:
             base["api_key"] = loaded.config.api_key.get_secret_value()
-    flags = {"model": req.model, "workers": req.workers, "routing": req.routing}
+    flags = {"model": req.model, "workers": req.workers, "routing": req.routing, "device": req.device}
     args = {**base, **{k: v for k, v in flags.items() if v is not None}}
     if req.workers is not None:
         args.pop("autoscaling", None)  # --workers asks for a fixed count
+    if str(args.get("device", "cpu")).startswith("cuda"):
+        args.setdefault("worker_num_gpus", 1)  # one GPU per worker replica
+    elif req.device == "cpu":
+        args["worker_num_gpus"] = 0
     num_cpus = req.num_cpus or os.cpu_count() or 1
     cfg = ServeConfig.model_validate(args)
     cfg = _fit_cpus(cfg, args, num_cpus)
+    _check_gpus(cfg)
     return Plan(cfg, req.host or host or DEFAULT_HOST, req.port or port or DEFAULT_PORT, num_cpus)
 
 
@@ -96,6 +102,21 @@ def _fit_cpus(cfg: ServeConfig, args: dict[str, Any], num_cpus: int) -> ServeCon
             "worker_num_cpus or --workers, or raise --num-cpus"
         )
     return cfg
+
+
+def _check_gpus(cfg: ServeConfig) -> None:
+    if cfg.worker_num_gpus <= 0:
+        return
+    import torch
+
+    have = torch.cuda.device_count()
+    replicas = cfg.autoscaling.min_replicas if cfg.autoscaling else cfg.workers
+    need = replicas * cfg.worker_num_gpus
+    if need > have:
+        raise ValueError(
+            f"{replicas} worker(s) x worker_num_gpus={cfg.worker_num_gpus} need {need:g} GPUs but "
+            f"this machine has {have}; lower --workers or use --device cpu"
+        )
 
 
 def prepare_model(model: str, progress: Progress) -> Path:

@@ -91,3 +91,14 @@ def test_port_in_use_is_reported() -> None:
         port = s.getsockname()[1]
         with pytest.raises(ValueError, match=f"127.0.0.1:{port}.*--port"):
             check_port_free("127.0.0.1", port)
+
+
+def test_cuda_device_asks_for_one_gpu_per_worker(monkeypatch: pytest.MonkeyPatch) -> None:
+    """--device cuda reserves a GPU per worker and refuses more workers than GPUs."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    p = plan(ServeRequest(device="cuda", workers=2, num_cpus=16))
+    assert p.config.device == "cuda" and p.config.worker_num_gpus == 1
+    with pytest.raises(ValueError, match="need 3 GPUs"):
+        plan(ServeRequest(device="cuda", workers=3, num_cpus=16))
