@@ -116,19 +116,7 @@ class WorkerDeployment:
         self._inflight.add(rid)
         try:
             while True:
-                batch = [await queue.get()]
-                while not queue.empty():
-                    batch.append(queue.get_nowait())
-                errors = [b for b in batch if isinstance(b, BaseException)]
-                if errors:
-                    raise errors[0]
-                deltas = [b for b in batch if isinstance(b, StreamDelta)]
-                ended = len(deltas) < len(batch) and not (deltas and deltas[-1].finished)
-                delta = merge_deltas(deltas) if deltas else None
-                if ended or (delta and delta.finish_reason == "abort" and not delta.error):
-                    # Aborted here, not by the caller (who is gone when it cancels): shutdown.
-                    raise WorkerUnavailableError(f"request {rid} was aborted on worker {self.replica_id}; retry")
-                assert delta is not None
+                delta = await self._next_delta(queue, rid)
                 if delta.finished and self._events is not None:
                     # The cache this request leaves behind reaches the index before the
                     # client hears back, so its follow-up is routed with it.
@@ -141,6 +129,24 @@ class WorkerDeployment:
             if not pump.done():
                 pump.cancel()
                 await asyncio.gather(pump, return_exceptions=True)
+
+    async def _next_delta(self, queue: asyncio.Queue, rid: str) -> StreamDelta:
+        """Everything queued since the last call, merged into one delta (fewer Ray stream items
+        when the consumer is slower than the engine). Raises what the engine raised, or
+        `WorkerUnavailableError` when the request was aborted here rather than by the caller
+        (a caller that cancels is gone and never sees this): that is shutdown."""
+        batch = [await queue.get()]
+        while not queue.empty():
+            batch.append(queue.get_nowait())
+        errors = [b for b in batch if isinstance(b, BaseException)]
+        if errors:
+            raise errors[0]
+        deltas = [b for b in batch if isinstance(b, StreamDelta)]
+        delta = merge_deltas(deltas) if deltas else None
+        ended_early = len(deltas) < len(batch) and not (delta and delta.finished)
+        if delta is None or ended_early or (delta.finish_reason == "abort" and not delta.error):
+            raise WorkerUnavailableError(f"request {rid} was aborted on worker {self.replica_id}; retry")
+        return delta
 
     async def _pump(self, token_ids: list[int], params: Any, rid: str, queue: asyncio.Queue) -> None:
         gen = self._engine.generate(token_ids, params, rid)
