@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -90,7 +91,13 @@ def stop_local_ray(cluster: LocalRay) -> None:
 
     ray.shutdown()
     ray_constants.ENABLE_RAY_CLUSTER = _CLUSTERS_DEFAULT
-    shutil.rmtree(cluster.temp_dir, ignore_errors=True)
+    # Ray's helper processes (log monitor, agents) exit a moment after shutdown and may still
+    # write session files: retry until the directory is really gone (at most ~5 s).
+    for _ in range(50):
+        shutil.rmtree(cluster.temp_dir, ignore_errors=True)
+        if not os.path.exists(cluster.temp_dir):
+            return
+        time.sleep(0.1)
 
 
 @contextmanager

@@ -14,9 +14,11 @@ The cost is one hop (worker → actor → router, about 1–2 ms on loopback) an
 per worker deployment. Routers long-poll (`pull(wait_s)`), so a push reaches them at once.
 
 Lifecycle: the actor is detached, named `index_actor_name(app, deployment)` in namespace
-`swaserve`, created by whichever side comes first (`get_if_exists`), restarted by Ray if it dies
-(`max_restarts=-1`) with a fresh `epoch`: publishers then get "resync needed" on their next push,
-routers get a reset delta. `kill_index_actor` ends it (the app builder calls it at shutdown).
+`swaserve`, created by the worker replicas (`get_or_create_index_actor`, idempotent) and only
+looked up by routers (`find_index_actor`), so a router never resurrects the actor of an
+application that was shut down. Ray restarts it if it dies (`max_restarts=-1`) with a fresh
+`epoch`: publishers get "resync needed" on their next push, routers a reset delta.
+`kill_index_actor` ends it (the app's shutdown calls it); subscribers then stop following.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from collections.abc import Callable
 
 import ray
 from ray.actor import ActorHandle
-from ray.exceptions import RayError
+from ray.exceptions import ActorDiedError, RayError
 
 from cluster.index import ClusterIndex, IndexLimits
 from cluster.index_hub import IndexHub, apply_delta
@@ -114,6 +116,15 @@ def get_or_create_index_actor(
         num_cpus=0,
         max_restarts=-1,
     ).remote(limits.max_pages_per_worker, limits.max_workers, max_log)
+
+
+def find_index_actor(name: str) -> ActorHandle | None:
+    """The index actor if it exists (routers look it up; only workers create it, so a router
+    never resurrects the actor of an application that was shut down)."""
+    try:
+        return ray.get_actor(name, namespace=INDEX_NAMESPACE)
+    except ValueError:
+        return None
 
 
 def kill_index_actor(name: str) -> bool:
@@ -219,6 +230,11 @@ class IndexSubscriber:
     def ready(self) -> bool:
         return self._ready.is_set()
 
+    @property
+    def stopped(self) -> bool:
+        """The long-poll loop ended (the actor was killed, or Ray shut down)."""
+        return self._task is not None and self._task.done()
+
     async def sync(self, wait_s: float = 0.0) -> bool:
         """Pull and apply once; True when the index changed."""
         delta: Delta | None = await self._actor.pull.remote(self._epoch, self._cursor, wait_s)
@@ -250,10 +266,14 @@ class IndexSubscriber:
 
     async def _run(self) -> None:
         backoff = 0.05
-        while True:
+        # NOTE: stop with Ray: touching the core worker after ray.shutdown() ends the process.
+        while ray.is_initialized():
             try:
                 await self.sync(self._wait_s)
                 backoff = 0.05
+            except ActorDiedError:
+                logger.info("cache index actor is gone (application shut down): stop following")
+                return
             except RayError as exc:
                 logger.warning("cache index pull failed (%s); retrying in %.2fs", exc, backoff)
                 await asyncio.sleep(backoff)

@@ -44,6 +44,8 @@ from router.request import RoutedRequest
 
 logger = logging.getLogger(__name__)
 
+_LOOKUP_INTERVAL_S = 1.0  # how often a router without an index actor looks for one
+
 
 class SwaPrefixRequestRouter(RequestRouter):
     """Routes on the SWA-valid prefix match; `policy` picks one of router.policies.POLICIES."""
@@ -84,6 +86,7 @@ class SwaPrefixRequestRouter(RequestRouter):
         self._sync_before_decide = sync_before_decide
         self._actor: ray.actor.ActorHandle | None = None
         self._subscriber: transport.IndexSubscriber | None = None
+        self._next_lookup = 0.0  # monotonic time of the next index-actor lookup
         self._counted: OrderedDict[str, None] = OrderedDict()  # requests already counted
         # worker id → (the routing_stats dict last parsed, its parse); Serve replaces the dict
         # when a new sample arrives, so identity tells whether to parse again.
@@ -137,27 +140,38 @@ class SwaPrefixRequestRouter(RequestRouter):
         self.core.index.remove(worker_id)
         self.core.forget_worker(worker_id)
         self._loads.pop(worker_id, None)
-        if self._actor is not None:
+        if (
+            self._actor is not None
+            and self._subscriber is not None
+            and not self._subscriber.stopped
+        ):
             self._actor.remove.remote(WorkerRemoved(worker_id))
 
     # ---- helpers ---------------------------------------------------------------------------
     async def _ensure_fresh(self) -> None:
-        if self._subscriber is None and self._subscribe:
-            if not ray.is_initialized():
-                logger.warning("Ray is not initialised: routing without the cache index")
-                self._subscribe = False
-                return
-            # NOTE: a synchronous GCS lookup/creation, once per router lifetime; every later
-            # call to the actor is awaited.
-            self._actor = transport.get_or_create_index_actor(self._actor_name)
-            self._subscriber = transport.IndexSubscriber(
-                self._actor, self.core.index, self._pull_wait_s
-            )
-            self._subscriber.start()
-            if not await self._subscriber.wait_ready(self._bootstrap_timeout_s):
-                logger.warning("cache index not reached in %.1fs", self._bootstrap_timeout_s)
-        elif self._subscriber is not None and self._sync_before_decide:
-            await self._subscriber.sync()
+        """Follow the index actor: start (or restart) the subscriber, or pull once if asked."""
+        if not self._subscribe:
+            return
+        sub = self._subscriber
+        if sub is not None and not sub.stopped:
+            if self._sync_before_decide:
+                await sub.sync()
+            return
+        if time.monotonic() < self._next_lookup or not ray.is_initialized():
+            return
+        self._next_lookup = time.monotonic() + _LOOKUP_INTERVAL_S
+        # NOTE: a synchronous GCS lookup, at most once a second until the actor exists (its
+        # workers create it); every call to the actor itself is awaited.
+        actor = transport.find_index_actor(self._actor_name)
+        if actor is None:
+            return
+        self._actor = actor
+        sub = self._subscriber = transport.IndexSubscriber(
+            actor, self.core.index, self._pull_wait_s
+        )
+        sub.start()
+        if not await sub.wait_ready(self._bootstrap_timeout_s):
+            logger.warning("cache index not reached in %.1fs", self._bootstrap_timeout_s)
 
     def _load(self, worker_id: str, replica: RunningReplica) -> WorkerLoad | None:
         stats = replica.routing_stats

@@ -27,6 +27,7 @@ from cluster.ray_local import LocalRayConfig, start_local_ray, stop_local_ray
 from cluster.transport import (
     EventPublisher,
     IndexSubscriber,
+    find_index_actor,
     get_or_create_index_actor,
     index_actor_name,
     kill_index_actor,
@@ -212,6 +213,26 @@ def test_dead_worker_removed(actor_name: str) -> None:
         await actor.remove.remote(WorkerRemoved("b"))
         await sub.sync()
         assert len(sub.index) == 0 and sub.index.page_map.get(1) is None
+
+    asyncio.run(run())
+
+
+def test_subscriber_stops_when_actor_killed(actor_name: str) -> None:
+    """Routers only look the actor up (never create it) and stop following once it is killed."""
+
+    async def run() -> None:
+        assert find_index_actor(actor_name) is None
+        actor = get_or_create_index_actor(actor_name)
+        assert find_index_actor(actor_name) is not None
+        sub = IndexSubscriber(actor, ClusterIndex(), wait_s=5.0)
+        sub.start()
+        assert await sub.wait_ready(10.0)
+        kill_index_actor(actor_name)
+        for _ in range(100):
+            if sub.stopped:
+                break
+            await asyncio.sleep(0.05)
+        assert sub.stopped
 
     asyncio.run(run())
 
