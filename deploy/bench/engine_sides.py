@@ -39,6 +39,8 @@ class TransformersSide:
         # NOTE: no EOS at all instead of min_new_tokens = max_new_tokens: generation still runs
         # exactly max_new_tokens steps, and no logits processor masks EOS, so the greedy choice is
         # the raw argmax - as in our engine with ignore_eos (masking EOS would change tokens).
+        # It must be cleared on the model: a None passed to generate() means "model default".
+        self.model.generation_config.eos_token_id = None
         self._config = GenerationConfig
 
     @torch.inference_mode()
@@ -51,6 +53,11 @@ class TransformersSide:
         )
         out = self.model.generate(input_ids=ids, attention_mask=mask, generation_config=generation)
         seconds = time.perf_counter() - t0
+        if out.shape[1] - ids.shape[1] != max_new:
+            raise RuntimeError(
+                f"transformers generated {out.shape[1] - ids.shape[1]} tokens, not {max_new}: "
+                "something still stops generation early (EOS?)"
+            )
         return Timed(seconds, out[:, ids.shape[1] :].tolist())
 
 
@@ -97,6 +104,8 @@ class EngineSide:
         t0 = time.perf_counter()
         outs = self.engine.generate(prompts, params)
         seconds = time.perf_counter() - t0
+        if any(len(o.token_ids) != max_new for o in outs):
+            raise RuntimeError(f"the engine stopped a request before {max_new} tokens")
         if not self.engine.flush_cache():
             raise RuntimeError("the engine is still busy after generate(); cannot flush its cache")
         return Timed(seconds, [o.token_ids for o in outs])

@@ -1,13 +1,20 @@
 """The reference backend: gather the keys each request may see, then an explicit masked softmax.
 
-Runs anywhere torch runs (CPU tests, GPU cross-checks). Per layer kind `plan` builds:
-
-- one padded group for all decode rows (one query per request), vectorised;
-- one entry per extend request (prefill chunk), attended request by request.
+Runs anywhere torch runs (CPU tests, GPU cross-checks). Per layer kind `plan` packs the requests
+into a few padded *groups* — all decodes (one query each) in one group, prefill chunks of similar
+shape in another — and builds, once per batch, each group's query rows, padded key slots and an
+additive mask. Per layer, a group is then two batched matmuls over every request in it, so the
+cost per step does not grow with a Python loop over requests.
 
 Scores follow the HF eager order: ``(q @ k^T) * scaling`` → tanh softcap → mask → softmax in
 float32, with a sink column appended per head when the layer has sinks (its probability is
 dropped after the softmax, so it only enlarges the denominator).
+
+Layout inside a group (G requests, Q queries and L keys each, padded)::
+
+    keys   gathered head-major: [Hkv, G*L, D]   (one index_select per KV head, no transposes)
+    scores [Hkv*G, g*Q, L] = bmm(q [Hkv*G, g*Q, D], k^T)     g = Hq // Hkv (HF `repeat_kv`)
+    out    [Hkv*G, g*Q, Dv] = bmm(probs, v) → [G*Q, Hq, Dv]
 """
 
 from __future__ import annotations
@@ -17,139 +24,155 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from worker.attention.base import (
-    AttentionBackend,
-    AttentionLayer,
-    AttnBatch,
-    KVView,
-)
+from worker.attention.base import AttentionBackend, AttentionLayer, AttnBatch, KVView
 from worker.spec import LayerKind
 
 if TYPE_CHECKING:
     from worker.mem.pool import HybridKVPool
 
-
-@dataclass(frozen=True)
-class _DecodeGroup:
-    rows: torch.Tensor  # int64 [Bd]: query rows of the decode requests
-    kv_idx: torch.Tensor  # int64 [Bd, L]: slots, padded with the dummy slot 0
-    mask: torch.Tensor  # bool [Bd, 1, L]: key visible to the query
+# A prefill group is padded to its longest query and key range; start another group when the
+# padding would exceed this multiple of the real work (scores computed / scores needed).
+MAX_PADDING = 1.5
 
 
 @dataclass(frozen=True)
-class _Extend:
-    start: int  # first query row
-    end: int
-    kv_idx: torch.Tensor  # int64 [L]
-    mask: torch.Tensor  # bool [Q, L]
+class _Group:
+    """Requests attended together. Tensors are on the model device."""
 
-
-@dataclass(frozen=True)
-class _KindMeta:
-    decode: _DecodeGroup | None
-    extends: tuple[_Extend, ...]
+    size: int  # G requests
+    q_len: int  # Q: queries per request, padded
+    kv_len: int  # L: keys per request, padded
+    rows: torch.Tensor | None  # int64 [G*Q]: query rows (pads repeat a real row); None: all rows
+    kv_idx: torch.Tensor  # int64 [G*L]: key slots, padded with the dummy slot 0
+    bias: torch.Tensor  # float32 [G, Q, L]: 0 where the key is visible, -inf elsewhere
+    keep: torch.Tensor | None  # int64 [n]: the real queries among the G*Q; None: all are real
+    out_rows: torch.Tensor | None  # int64 [n]: the rows they answer; None: the whole output
 
 
 @dataclass(frozen=True)
 class TorchMetadata:
-    per_kind: dict[LayerKind, _KindMeta]
+    per_kind: dict[LayerKind, tuple[_Group, ...]]
     num_tokens: int
 
 
-def _visible(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
-    """Causal (and windowed) visibility of keys ``k_pos [..., L]`` to queries ``q_pos [..., Q, 1]``."""
-    ok = k_pos <= q_pos
+@dataclass(frozen=True)
+class _Member:
+    """One request's part of a group, from host values only (planning never syncs a device)."""
+
+    q_off: int  # first query row
+    q_len: int
+    prefix: int  # position of its first query
+    kv_off: int  # its range in the view's indices
+    kv_len: int
+    kv_start: int  # position of its first key
+
+
+def _members(batch: AttnBatch, view: KVView) -> list[_Member]:
+    out, q_off, kv_off = [], 0, 0
+    for q, seq, start in zip(batch.q_lens, batch.seq_lens, view.kv_starts):
+        out.append(_Member(q_off, q, seq - q, kv_off, seq - start, start))
+        q_off += q
+        kv_off += seq - start
+    return out
+
+
+def _buckets(extends: list[_Member]) -> list[list[_Member]]:
+    """Prefill chunks grouped by shape so that padding stays under MAX_PADDING."""
+    groups: list[list[_Member]] = []
+    for m in sorted(extends, key=lambda m: (m.q_len, m.kv_len)):
+        cur = groups[-1] if groups else None
+        if cur is not None:
+            q, kv = max(m.q_len, cur[-1].q_len), max(m.kv_len, max(c.kv_len for c in cur))
+            real = sum(c.q_len * c.kv_len for c in cur) + m.q_len * m.kv_len
+            if (len(cur) + 1) * q * kv <= MAX_PADDING * real:
+                cur.append(m)
+                continue
+        groups.append([m])
+    return groups
+
+
+def _group(members: list[_Member], view: KVView, window: int | None, total: int) -> _Group:
+    dev = view.indices.device
+    G, Q, L = len(members), max(m.q_len for m in members), max(m.kv_len for m in members)
+
+    def col(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64, device=dev)[:, None]
+
+    j, ell = torch.arange(Q, device=dev)[None, :], torch.arange(L, device=dev)[None, :]
+    q_len, kv_len = col([m.q_len for m in members]), col([m.kv_len for m in members])
+    q_pos = col([m.prefix for m in members]) + j  # [G, Q]
+    k_pos = col([m.kv_start for m in members]) + ell  # [G, L]
+    key_ok = ell < kv_len  # [G, L]
+    slot_pos = torch.where(key_ok, col([m.kv_off for m in members]) + ell, 0)
+    kv_idx = torch.where(key_ok, view.indices[slot_pos], 0).reshape(-1)
+    visible = key_ok[:, None, :] & (k_pos[:, None, :] <= q_pos[:, :, None])
     if window is not None:
-        ok &= k_pos >= q_pos - window
-    return ok
+        visible &= k_pos[:, None, :] >= q_pos[:, :, None] - window
+    q_ok = j < q_len  # [G, Q]
+    # NOTE: a padded query sees key 0 only, so its softmax stays finite (its row is dropped).
+    visible |= (~q_ok)[:, :, None] & (ell == 0)[:, None, :]
+    bias = torch.zeros(G, Q, L, device=dev).masked_fill_(~visible, float("-inf"))
+    rows = (col([m.q_off for m in members]) + torch.minimum(j, q_len - 1)).reshape(-1)
+    if G * Q == total and all(m.q_len == Q for m in members) and _in_order(members):
+        return _Group(G, Q, L, None, kv_idx, bias, None, None)
+    keep = q_ok.reshape(-1).nonzero().squeeze(1) if Q > 1 else None
+    out_rows = rows if keep is None else rows[keep]
+    return _Group(G, Q, L, rows, kv_idx, bias, keep, out_rows)
 
 
-def _kv_offsets(batch: AttnBatch, view: KVView) -> list[int]:
-    """Host copy of the view's indptr (no device sync): key counts follow from the positions."""
-    out = [0]
-    for seq, start in zip(batch.seq_lens, view.kv_starts):
-        out.append(out[-1] + seq - start)
+def _in_order(members: list[_Member]) -> bool:
+    return all(m.q_off == i * members[0].q_len for i, m in enumerate(members))
+
+
+def _plan_kind(batch: AttnBatch, view: KVView, window: int | None) -> tuple[_Group, ...]:
+    members = _members(batch, view)
+    total = sum(batch.q_lens)
+    decodes = [m for m in members if m.q_len == 1]
+    extends = _buckets([m for m in members if m.q_len > 1])
+    groups = [decodes] if decodes else []
+    return tuple(_group(g, view, window, total) for g in groups + extends)
+
+
+def _gather(buf: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """Rows `idx` of ``buf [slots, H, D]`` as ``[H, len(idx), D]`` (head-major, contiguous)."""
+    heads, dim = buf.shape[1], buf.shape[2]
+    if heads == 1:
+        return buf.index_select(0, idx).view(1, -1, dim)
+    out = buf.new_empty(heads, idx.numel(), dim)
+    for h in range(heads):
+        torch.index_select(buf[:, h], 0, idx, out=out[h])
     return out
 
 
-def _query_offsets(batch: AttnBatch) -> list[int]:
-    out, acc = [], 0
-    for q in batch.q_lens:
-        out.append(acc)
-        acc += q
-    return out
-
-
-def _decode_group(
-    batch: AttnBatch, view: KVView, reqs: list[int], window: int | None, kv_off: list[int]
-) -> _DecodeGroup:
-    dev = view.indices.device
-    lens_host = [kv_off[i + 1] - kv_off[i] for i in reqs]
-    starts = torch.tensor([kv_off[i] for i in reqs], device=dev)
-    lens = torch.tensor(lens_host, device=dev)
-    offs = torch.arange(max(lens_host), device=dev)
-    valid = offs[None, :] < lens[:, None]
-    flat = torch.where(valid, starts[:, None] + offs[None, :], 0)
-    kv_idx = torch.where(valid, view.indices[flat], 0)
-    kv_start = torch.tensor([view.kv_starts[i] for i in reqs], device=dev)
-    q_pos = torch.tensor([batch.seq_lens[i] - 1 for i in reqs], device=dev)
-    mask = valid & _visible(q_pos[:, None], kv_start[:, None] + offs[None, :], window)
-    q_off = _query_offsets(batch)
-    rows = torch.tensor([q_off[i] for i in reqs], dtype=torch.int64, device=dev)
-    return _DecodeGroup(rows=rows, kv_idx=kv_idx, mask=mask[:, None, :])
-
-
-def _extend(
-    batch: AttnBatch, view: KVView, i: int, window: int | None, start: int, kv_off: list[int]
-) -> _Extend:
-    dev = view.indices.device
-    lo, hi = kv_off[i], kv_off[i + 1]
-    q_len, seq = batch.q_lens[i], batch.seq_lens[i]
-    q_pos = torch.arange(seq - q_len, seq, device=dev)
-    k_pos = torch.arange(view.kv_starts[i], view.kv_starts[i] + hi - lo, device=dev)
-    mask = _visible(q_pos[:, None], k_pos[None, :], window)
-    return _Extend(start=start, end=start + q_len, kv_idx=view.indices[lo:hi], mask=mask)
-
-
-def _plan_kind(batch: AttnBatch, view: KVView, window: int | None) -> _KindMeta:
-    q_off, kv_off = _query_offsets(batch), _kv_offsets(batch, view)
-    decodes = [i for i, q in enumerate(batch.q_lens) if q == 1]
-    extends = tuple(
-        _extend(batch, view, i, window, q_off[i], kv_off)
-        for i, q in enumerate(batch.q_lens)
-        if q > 1
-    )
-    group = _decode_group(batch, view, decodes, window, kv_off) if decodes else None
-    return _KindMeta(decode=group, extends=extends)
-
-
-def masked_attention(
-    q: torch.Tensor,  # [B, Q, Hq, D]
-    k: torch.Tensor,  # [B, L, Hkv, D]
-    v: torch.Tensor,  # [B, L, Hkv, Dv]
-    mask: torch.Tensor,  # bool [B, Q, L]
-    scaling: float,
-    softcap: float | None,
+def group_attention(
+    grp: _Group,
+    q: torch.Tensor,  # [T, Hq, D]
+    k_buf: torch.Tensor,  # [slots, Hkv, D]
+    v_buf: torch.Tensor,  # [slots, Hkv, Dv]
+    layer: AttentionLayer,
     sinks: torch.Tensor | None,  # [Hq]
 ) -> torch.Tensor:
-    """Explicit GQA attention; query head h uses KV head ``h // (Hq // Hkv)`` (HF `repeat_kv`)."""
-    b, nq, hq, d = q.shape
-    hkv = k.shape[2]
+    """Attention of one group: ``[G*Q, Hq, Dv]`` in query order (padded queries included)."""
+    G, Q, L = grp.size, grp.q_len, grp.kv_len
+    hkv, hq, d = layer.num_kv_heads, layer.num_q_heads, q.shape[-1]
     g = hq // hkv
-    scores = torch.einsum("bqhgd,blhd->bhgql", q.view(b, nq, hkv, g, d), k) * scaling
-    scores = scores.float()
-    if softcap is not None:
-        scores = torch.tanh(scores / softcap) * softcap
-    scores = scores.masked_fill(~mask[:, None, None], float("-inf"))
+    qg = q if grp.rows is None else q.index_select(0, grp.rows)
+    q3 = qg.reshape(G, Q, hkv, g, d).permute(2, 0, 3, 1, 4).reshape(hkv * G, g * Q, d)
+    k = _gather(k_buf, grp.kv_idx).view(hkv * G, L, d)
+    scores = (torch.bmm(q3, k.transpose(1, 2)) * layer.scaling).float()
+    if layer.softcap is not None:
+        scores = torch.tanh(scores / layer.softcap) * layer.softcap
+    scores = scores.view(hkv, G, g, Q, L) + grp.bias[None, :, None]
     if sinks is not None:
-        sink = sinks.float().view(1, hkv, g, 1, 1).expand(b, hkv, g, nq, 1)
+        sink = sinks.float().view(hkv, 1, g, 1, 1).expand(hkv, G, g, Q, 1)
         scores = torch.cat([scores, sink], dim=-1)
         scores = scores - scores.amax(dim=-1, keepdim=True)
         probs = torch.softmax(scores, dim=-1)[..., :-1]
     else:
         probs = torch.softmax(scores, dim=-1)
-    out = torch.einsum("bhgql,blhd->bqhgd", probs.to(v.dtype), v)
-    return out.reshape(b, nq, hq, v.shape[-1])
+    v = _gather(v_buf, grp.kv_idx).view(hkv * G, L, -1)
+    out = torch.bmm(probs.reshape(hkv * G, g * Q, L).to(v.dtype), v)
+    return out.view(hkv, G, g, Q, -1).permute(1, 3, 0, 2, 4).reshape(G * Q, hq, -1)
 
 
 class TorchBackend(AttentionBackend):
@@ -165,7 +188,7 @@ class TorchBackend(AttentionBackend):
         for kind, view in batch.kv.items():
             window = batch.window if kind is LayerKind.SWA else None
             per_kind[kind] = _plan_kind(batch, view, window)
-        return TorchMetadata(per_kind=per_kind, num_tokens=int(batch.positions.numel()))
+        return TorchMetadata(per_kind=per_kind, num_tokens=sum(batch.q_lens))
 
     def forward(
         self,
@@ -174,26 +197,18 @@ class TorchBackend(AttentionBackend):
         metadata: TorchMetadata,
         sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        meta = metadata.per_kind[layer.kind]
+        groups = metadata.per_kind[layer.kind]
         k_buf, v_buf = self.pool.kv_buffers(layer.layer_id)
+        if len(groups) == 1 and groups[0].out_rows is None:  # one group, rows in order
+            return group_attention(groups[0], q, k_buf, v_buf, layer, sinks)
         out = q.new_empty(q.shape[0], layer.num_q_heads, layer.v_head_dim)
-        args = (layer.scaling, layer.softcap, sinks)
-        if meta.decode is not None:
-            grp = meta.decode
-            res = masked_attention(
-                q[grp.rows][:, None], k_buf[grp.kv_idx], v_buf[grp.kv_idx], grp.mask, *args
-            )
-            out[grp.rows] = res[:, 0]
-        for ext in meta.extends:
-            res = masked_attention(
-                q[None, ext.start : ext.end],
-                k_buf[ext.kv_idx][None],
-                v_buf[ext.kv_idx][None],
-                ext.mask[None],
-                *args,
-            )
-            out[ext.start : ext.end] = res[0]
+        for grp in groups:
+            res = group_attention(grp, q, k_buf, v_buf, layer, sinks)
+            if grp.keep is not None:
+                res = res.index_select(0, grp.keep)
+            assert grp.out_rows is not None
+            out.index_copy_(0, grp.out_rows, res.to(out.dtype))
         return out
 
 
-__all__ = ["TorchBackend", "TorchMetadata", "masked_attention"]
+__all__ = ["TorchBackend", "TorchMetadata", "group_attention"]
