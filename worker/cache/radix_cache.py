@@ -22,7 +22,7 @@ from worker.cache.req_kv import ReqKV
 from worker.cache.tree import AllocOps, RadixTree
 from worker.mem.allocator import HybridAllocator
 from worker.mem.frontier import free_out_of_window
-from worker.protocol import EventKind, PageState
+from worker.protocol import CacheEvent, EventKind, PageState
 
 _I64 = torch.int64
 
@@ -214,7 +214,7 @@ class RadixCache(PrefixCache):
         self.evict(self.tree.full_evictable, self.tree.swa_evictable)
 
     # ---- events / checks ------------------------------------------------------------------
-    def drain_events(self) -> list:
+    def drain_events(self) -> list[CacheEvent]:
         return self.events.drain()
 
     def snapshot_pages(self) -> dict[int, PageState]:
@@ -229,12 +229,10 @@ class RadixCache(PrefixCache):
 
     # ---- helpers --------------------------------------------------------------------------
     def _key(self, tokens: Sequence[int]) -> tuple[int, ...]:
+        if isinstance(tokens, torch.Tensor):
+            tokens = tokens.tolist()
         n = len(tokens) - len(tokens) % self.page_size
-        return (
-            tuple(int(t) for t in tokens[:n])
-            if isinstance(tokens, torch.Tensor)
-            else tuple(tokens[:n])
-        )
+        return tuple(tokens[:n])
 
     def _apply(self, ops: AllocOps) -> None:
         """The only place tree work reaches the allocator (remap, then SWA frees, then frees)."""

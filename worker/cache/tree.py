@@ -163,6 +163,7 @@ class RadixTree:
         (stopping at a tombstone: KV above it cannot serve this match's window anyway)."""
         if node.is_root:
             return LockReceipt(node, None)
+        assert node.attached, "lock of an evicted node: lock a match before anything can evict"
         self.leaves.discard(node)
         top: Node | None = None
         acc = 0

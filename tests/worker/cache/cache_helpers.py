@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
+from worker.cache.insert import InsertOutcome
 from worker.cache.match import match_path
 from worker.cache.node import Node
 from worker.cache.radix_cache import RadixCache
@@ -36,7 +37,7 @@ def put(
     prev: int = 0,
     evicted: int = 0,
     free_evicted_swa: bool = True,
-):
+) -> tuple[InsertOutcome, torch.Tensor]:
     """Insert `tokens` with fresh slots (the tree's own slots below `prev`).
 
     With `evicted` > 0 the fresh slots' SWA below `evicted` is freed first, as the request's

@@ -217,3 +217,58 @@ def test_decode_past_window_with_early_release_and_frontier() -> None:
         cache.check_integrity(running_reqs=[req])
     finish(cache, req, [req])
     assert cache.full_protected == cache.swa_protected == 0
+
+
+def test_finish_uses_cache_protected_len() -> None:
+    """Test 6 (non-EAGLE part): insert gets prev_prefix_len = cache_protected_len; without
+    insert exactly [protected, aligned) and then the unaligned tail are freed."""
+    cache = make_cache(1, 4, 64, 64)
+    first = start_req(cache, [1, 2])
+    first.kv_committed_len = 1
+    finish(cache, first)  # the tree holds [1]
+    req = start_req(cache, [1, 2, 3, 4, 5, 6])
+    assert req.cache_protected_len == 1
+    freed: list[list[int]] = []
+    real_free = cache.allocator.free
+    cache.allocator.free = lambda idx: (freed.append(idx.tolist()), real_free(idx))[1]
+    table = req.table.tolist()
+    req.kv_committed_len = 5  # position 5 is allocated but never committed: the tail
+    cache.cache_finished_req(req, insert=False)
+    assert freed == [table[1:5], table[5:6]]
+    cache.check_integrity()
+
+    calls = []
+    real_insert = cache.insert
+    cache.insert = lambda *a, **kw: (calls.append(kw), real_insert(*a, **kw))[1]
+    finish(cache, start_req(cache, [1, 2, 3]))
+    assert calls[-1]["prev_prefix_len"] == 1
+
+
+def test_locked_revival_splits_at_frontier() -> None:
+    """R2 with a full-locked tombstone: the part below the frontier stays a tombstone, the
+    rest adopts the request's SWA through the mapping; only request full slots are freed."""
+    cache = make_cache(1, 4, 64, 64)
+    first = start_req(cache, list(range(1, 10)), match=False)
+    first.kv_committed_len = 8
+    cache.allocator.free_swa(first.table[:8])
+    first.swa_evicted_seqlen = 8
+    finish(cache, first)  # a FULL-only leaf [1..8]
+    node = node_at(cache, list(range(1, 9)))
+    holder = cache.lock(node)
+    old_full = node.full.clone()
+    req = start_req(cache, list(range(1, 10)), match=False)
+    req.kv_committed_len = 8
+    cache.allocator.free_swa(req.table[:2])
+    req.swa_evicted_seqlen = 2
+    full0, swa0 = cache.allocator.full_available_size(), cache.allocator.swa_available_size()
+    cache.cache_unfinished_req(req)
+    upper = node_at(cache, [1, 2])
+    assert upper.is_tombstone and not node.is_tombstone and len(node) == 6
+    assert torch.equal(node.full, old_full[2:])  # locked: the node keeps its full slots
+    assert torch.equal(cache.allocator.translate(old_full[2:]), node.swa)
+    assert cache.allocator.full_available_size() == full0 + 8  # all of the request's 8
+    assert cache.allocator.swa_available_size() == swa0  # its 6 live SWA slots were adopted
+    assert torch.equal(req.table[:8], old_full) and req.cache_protected_len == 8
+    cache.check_integrity(running_reqs=[req])
+    cache.unlock(holder)
+    finish(cache, req, [req])
