@@ -67,6 +67,7 @@ def torch_dtype(name: str) -> torch.dtype:
 
 
 def build_engine_parts(config: EngineConfig) -> EngineParts:
+    from worker.attention import create_backend
     from worker.hf_config import load_spec
     from worker.mem.pool import HybridKVPool
     from worker.models.loader import load_model
@@ -89,7 +90,10 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         enable_radix_cache=config.enable_radix_cache,
         eager_swa_free=config.eager_swa_free,
     )
-    runner = ModelRunner(spec, model, pool, allocator, _backend(config, spec, pool), device=device)
+    if config.attention_backend == "flashinfer" and device.type != "cuda":
+        raise ConfigError("attention_backend 'flashinfer' needs a CUDA device; use 'torch' on CPU")
+    backend = create_backend(config.attention_backend, pool, spec, device)
+    runner = ModelRunner(spec, model, pool, allocator, backend, device=device)
     max_len = min(config.max_model_len or spec.max_position_embeddings, spec.max_position_embeddings)
     return EngineParts(
         spec=spec,
@@ -130,21 +134,6 @@ def _allocator_sizes(plan: PoolPlan, spec: ModelSpec) -> tuple[int, int]:
     # with no buffer behind them. Giving the allocator several times the SWA pool in them lets
     # the same tree keep tombstoned prefixes (free) and apply the window rule unchanged.
     return plan.swa_tokens * ALL_SWA_VIRTUAL_FULL, plan.swa_tokens
-
-
-def _backend(config: EngineConfig, spec: ModelSpec, pool: Any) -> Any:
-    name = config.attention_backend
-    if name == "torch":
-        from worker.attention.torch_backend import TorchBackend
-
-        return TorchBackend(pool)
-    if name == "flashinfer":
-        if not config.device.startswith("cuda"):
-            raise ConfigError("attention_backend 'flashinfer' needs a CUDA device; use 'torch' on CPU")
-        from worker.attention.flashinfer_backend import FlashInferBackend
-
-        return FlashInferBackend(pool)
-    raise ConfigError(f"attention_backend {name!r} is not one of ['torch', 'flashinfer']")
 
 
 def eos_token_ids(model_dir: Path) -> tuple[int, ...]:
