@@ -89,7 +89,9 @@ def worker_options(cfg: ServeConfig) -> dict[str, Any]:
 
 def ingress_options(cfg: ServeConfig, ingress: IngressSettings) -> IngressOptions:
     service = ServiceOptions(
-        model_name=cfg.model, max_inflight=ingress.max_inflight, retry_after_s=ingress.retry_after_s
+        model_name=cfg.served_model_name or cfg.model,
+        max_inflight=ingress.max_inflight,
+        retry_after_s=ingress.retry_after_s,
     )
     api_key = cfg.api_key.get_secret_value() if cfg.api_key is not None else None
     return IngressOptions(

@@ -101,6 +101,11 @@ class ServeConfig(BaseModel):
         min_length=1,
         description="'tiny' (the built-in test model) or a local Hugging Face model directory.",
     )
+    served_model_name: str | None = Field(
+        None,
+        min_length=1,
+        description="The model id clients send and /v1/models lists; unset: the `model` value.",
+    )
     device: str = Field(
         "cpu", pattern=r"^(cpu|cuda(:\d+)?)$", description="Engine device: cpu, cuda or cuda:N."
     )

@@ -213,3 +213,12 @@ def test_valid_configs_round_trip(
     if autoscaling is not None:
         ray_cfg = AutoscalingConfig(**opts["autoscaling_config"])
         assert ray_cfg.min_replicas <= ray_cfg.max_replicas
+
+
+def test_served_model_name_is_the_model_id_clients_use() -> None:
+    from deploy.app import IngressSettings, ingress_options
+
+    cfg = ServeConfig(model="tiny", served_model_name="my-model")
+    opts = ingress_options(cfg, IngressSettings())
+    assert opts.service.model_name == "my-model" and opts.model == "tiny"
+    assert ingress_options(ServeConfig(model="tiny"), IngressSettings()).service.model_name == "tiny"
