@@ -14,9 +14,9 @@ The cost is one hop (worker → actor → router, about 1–2 ms on loopback) an
 per worker deployment. Routers long-poll (`pull(wait_s)`), so a push reaches them at once.
 
 Lifecycle: the actor is detached, named `index_actor_name(app, deployment)` in namespace
-`swaserve`, created by the worker replicas (`get_or_create_index_actor`, idempotent) and only
-looked up by routers (`find_index_actor`), so a router never resurrects the actor of an
-application that was shut down. Ray restarts it if it dies (`max_restarts=-1`) with a fresh
+`swaserve`, created by whichever comes first, a worker replica or a router's first decision
+(`get_or_create_index_actor`, idempotent); a router whose actor was killed only looks it up
+again (`find_index_actor`), so it never resurrects the actor of an application shut down. Ray restarts it if it dies (`max_restarts=-1`) with a fresh
 `epoch`: publishers get "resync needed" on their next push, routers a reset delta.
 `kill_index_actor` ends it (the app's shutdown calls it); subscribers then stop following.
 """

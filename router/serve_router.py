@@ -24,12 +24,14 @@ the cache decision.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections import OrderedDict
 from typing import Any
 
 import ray
+from ray.exceptions import RayError
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from cluster import transport
@@ -87,6 +89,10 @@ class SwaPrefixRequestRouter(RequestRouter):
         self._actor: ray.actor.ActorHandle | None = None
         self._subscriber: transport.IndexSubscriber | None = None
         self._next_lookup = 0.0  # monotonic time of the next index-actor lookup
+        # Catch-up pulls (see `_catch_up`): completions seen, completions covered by a pull.
+        self._completions = 0
+        self._synced = 0
+        self._sync_task: asyncio.Task[None] | None = None
         self._counted: OrderedDict[str, None] = OrderedDict()  # requests already counted
         # worker id → (the routing_stats dict last parsed, its parse); Serve replaces the dict
         # when a new sample arrives, so identity tells whether to parse again.
@@ -122,6 +128,9 @@ class SwaPrefixRequestRouter(RequestRouter):
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         self.core.complete(internal_request_id)
+        # The worker published this request's cache events before finishing it (the worker
+        # deployment's contract), so the actor holds them now: the next decision pulls first.
+        self._completions += 1
 
     # ---- replica set -----------------------------------------------------------------------
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
@@ -155,14 +164,20 @@ class SwaPrefixRequestRouter(RequestRouter):
         sub = self._subscriber
         if sub is not None and not sub.stopped:
             if self._sync_before_decide:
-                await sub.sync()
+                self._completions += 1
+            await self._catch_up(self._completions)
             return
         if time.monotonic() < self._next_lookup or not ray.is_initialized():
             return
         self._next_lookup = time.monotonic() + _LOOKUP_INTERVAL_S
-        # NOTE: a synchronous GCS lookup, at most once a second until the actor exists (its
-        # workers create it); every call to the actor itself is awaited.
-        actor = transport.find_index_actor(self._actor_name)
+        # NOTE: synchronous GCS calls, once per router (or once a second while the actor is
+        # gone); every call to the actor itself is awaited. The first router may create the
+        # actor before any worker does (requests can arrive before a worker's first flush);
+        # once a followed actor was killed (application shut down) it is only looked up.
+        if sub is None:
+            actor = transport.get_or_create_index_actor(self._actor_name)
+        else:
+            actor = transport.find_index_actor(self._actor_name)
         if actor is None:
             return
         self._actor = actor
@@ -172,6 +187,29 @@ class SwaPrefixRequestRouter(RequestRouter):
         sub.start()
         if not await sub.wait_ready(self._bootstrap_timeout_s):
             logger.warning("cache index not reached in %.1fs", self._bootstrap_timeout_s)
+
+    async def _catch_up(self, target: int) -> None:
+        """Make sure a pull that started after completion number `target` has been applied.
+
+        The long poll alone delivers a push within about a millisecond, but a follow-up request
+        can reach the router sooner (a driver calling in a loop). After a completion, the next
+        decision therefore pulls once (a non-waiting actor call, ~1 ms); concurrent decisions
+        share one pull, and decisions with no completion since the last pull pull nothing.
+        """
+        while self._synced < target:
+            task = self._sync_task
+            if task is None or task.done():
+                task = self._sync_task = asyncio.get_running_loop().create_task(self._pull_once())
+            await asyncio.shield(task)
+
+    async def _pull_once(self) -> None:
+        started = self._completions
+        try:
+            if self._subscriber is not None:
+                await self._subscriber.sync()
+        except RayError as exc:  # best effort: the long poll keeps following
+            logger.warning("cache index catch-up pull failed: %s", exc)
+        self._synced = max(self._synced, started)
 
     def _load(self, worker_id: str, replica: RunningReplica) -> WorkerLoad | None:
         stats = replica.routing_stats

@@ -184,3 +184,39 @@ def test_malformed_stats_ignored() -> None:
         assert [r[0].name for r in ranks] == ["a"]
 
     asyncio.run(run())
+
+
+class CountingSubscriber:
+    """Stands in for IndexSubscriber: counts pulls, each taking one loop turn."""
+
+    stopped = False
+
+    def __init__(self) -> None:
+        self.pulls = 0
+
+    async def sync(self, wait_s: float = 0.0) -> bool:
+        self.pulls += 1
+        await asyncio.sleep(0)
+        return False
+
+
+def test_completion_triggers_one_shared_catch_up_pull() -> None:
+    """After a completion the next decisions pull once (shared); without one they do not pull."""
+    tokens = prompt(2)
+
+    async def run() -> None:
+        router = _router()
+        sub = CountingSubscriber()
+        router._subscribe, router._subscriber = True, sub
+        replicas = [FakeReplica("a")]
+        await router.choose_replicas(replicas, _pending(tokens, "r1"))
+        assert sub.pulls == 0
+        router.on_request_completed(replicas[0].replica_id, "r1")
+        await asyncio.gather(
+            *(router.choose_replicas(replicas, _pending(tokens, f"c{i}")) for i in range(3))
+        )
+        assert sub.pulls == 1
+        await router.choose_replicas(replicas, _pending(tokens, "r5"))
+        assert sub.pulls == 1
+
+    asyncio.run(run())
