@@ -3,14 +3,18 @@
 Policy (mixed batches, decode first):
 1. every decoding request feeds its one token (SWA out of its window is freed first, per
    request, once `swa_eviction_interval` tokens left the window since its last free);
-   when the pools cannot take the decode tokens even after evicting the tree, the most
-   recently admitted requests are retracted (KV freed, requeued) until they can;
+   when the pools cannot take the decode tokens even after evicting the tree and freeing
+   everything already out of the window, the most recently admitted requests are retracted
+   (KV freed, requeued) until they can;
 2. requests still prefilling get their next chunk, then waiting requests are admitted, while
    the step's prefill budget (`chunked_prefill_size` tokens) lasts and within both pools'
    budgets (reference §2.16): full = free + evictable − what running requests will still take;
    SWA = free + evictable − the decode headroom running requests keep. An extend is charged
    max(min(e, chunk), W) + P SWA tokens; one too large for the SWA budget starts with a capped
-   chunk instead of blocking the queue; a continuing chunk with no SWA room is deferred.
+   chunk instead of blocking the queue; a continuing chunk with no SWA room is deferred;
+3. a step that would schedule nothing while requests wait or run is a livelock (without a
+   forward nothing frees memory): deferred prefills are retracted and the oldest request
+   restarts alone with the chunk the pools physically hold.
 
 The scheduler decides and allocates; the engine runs the batch and finishes requests.
 """
@@ -24,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from worker.budget import ceil_page, chunk_cap, floor_page, full_admits, swa_admission_charge
-from worker.cache.base import PrefixCache
+from worker.cache.base import MatchResult, PrefixCache
 from worker.cache.req_kv import ReqKV
 from worker.mem.allocator import HybridAllocator
 from worker.mem.frontier import free_out_of_window
@@ -112,30 +116,54 @@ class Scheduler:
             self.waiting.popleft()
             work.append(item)
             budget -= item.n
+        if not work and (self.running or self.waiting):
+            work = self._unstick()
         return work
+
+    def _unstick(self) -> list[StepWork]:
+        """Nothing was scheduled although requests wait or run, and without a forward nothing
+        frees memory: a livelock. Decoders always get work or are retracted, so every running
+        request is a prefill deferred for SWA room (e.g. several locked windows filling a small
+        pool). Retract them all and restart the oldest alone, with the chunk the pools hold."""
+        for req in reversed(list(self.running)):
+            self.retract(req)
+        if not self.waiting:
+            return []
+        item = self._admit(self.waiting[0], self.limits.chunked_prefill_size, alone=True)
+        if item is None:
+            return []
+        self.waiting.popleft()
+        return [item]
 
     # ---- decode ---------------------------------------------------------------------------------
     def _schedule_decodes(self) -> list[StepWork]:
         decoding = [r for r in self.running if r.is_decoding]
         for req in decoding:
             self._free_out_of_window(req)
-        while decoding and not self._alloc_decodes(decoding):
-            victim = decoding.pop()  # the most recently admitted decoding request
-            self.retract(victim)
+        if decoding and not self._alloc_decodes(decoding):
+            # Out of room: first free every out-of-window SWA slot the interval left behind (a
+            # pool smaller than W + interval + P per request would otherwise retract forever).
+            for req in decoding:
+                self._free_out_of_window(req, force=True)
+            while decoding and not self._alloc_decodes(decoding):
+                victim = decoding.pop()  # the most recently admitted decoding request
+                self.retract(victim)
         return [StepWork(r, r.computed, 1) for r in decoding]
 
-    def _free_out_of_window(self, req: Req) -> None:
+    def _free_out_of_window(self, req: Req, force: bool = False) -> None:
         window, kv = self.limits.window, req.kv
         if not self.swa_budgeted or kv is None:
             return
         assert window is not None
         if kv.lock is not None and not kv.swa_lock_released:
-            if kv.kv_committed_len - kv.cache_protected_len > window:
-                # Past the window: the prefix's SWA is no longer read by this request.
+            # The next query sits at kv_committed_len and reads keys from kv_committed_len - W
+            # on: once that is >= cache_protected_len, the prefix's SWA is no longer read.
+            if kv.kv_committed_len - kv.cache_protected_len >= window:
                 kv.lock = self.cache.release_window_lock(kv.lock)
                 kv.swa_lock_released = True
         # Per request (not per global step): free once `interval` tokens left the window.
-        if kv.kv_committed_len - window < kv.swa_evicted_seqlen + self.limits.swa_eviction_interval:
+        interval = 1 if force else self.limits.swa_eviction_interval
+        if kv.kv_committed_len - window < kv.swa_evicted_seqlen + interval:
             return
         kv.swa_evicted_seqlen = free_out_of_window(
             self.allocator,
@@ -198,27 +226,42 @@ class Scheduler:
             chunk_cache=True, floor=kv.swa_evict_floor,
         )  # fmt: skip
 
-    def _admit(self, req: Req, budget: int) -> StepWork | None:
+    def _admit(self, req: Req, budget: int, alone: bool = False) -> StepWork | None:
         tokens = req.all_tokens()
         match = self.cache.match_prefix(tokens[: len(tokens) - 1])
+        item = self._admit_with(req, tokens, match, budget, alone)
+        if item is None and alone and match.length:
+            # NOTE: locks cover whole nodes, so a matched prefix can lock most of a small SWA
+            # pool by itself; start from scratch then (inserts re-find the cached KV anyway).
+            item = self._admit_with(req, tokens, self.cache.match_prefix(()), budget, alone)
+        return item
+
+    def _admit_with(
+        self, req: Req, tokens: list[int], match: MatchResult, budget: int, alone: bool
+    ) -> StepWork | None:
         receipt = self.cache.lock(match.node)
         kv = ReqKV(tokens=tokens, table=torch.zeros(req.max_len + self.limits.page_size, dtype=torch.int64))
         kv.table[: match.length] = match.indices
         kv.cache_protected_len = kv.kv_committed_len = kv.kv_allocated_len = match.length
         kv.lock = receipt
-        n = self._admissible_chunk(req, len(tokens) - match.length, budget)
+        extend = len(tokens) - match.length
+        if alone:  # the whole pool is this request's: no headroom for others to keep
+            room = self.rem_swa() - self.limits.page_size if self.swa_budgeted else extend
+            n = min(extend, budget, room)
+        else:
+            n = self._admissible_chunk(req, extend, budget)
         if n <= 0:
             self.cache.unlock(receipt)
             return None
         req.kv, req.state = kv, ReqState.RUNNING
-        if req.cached_tokens < 0:
-            req.cached_tokens = match.length
         self.running.append(req)
         item = self._alloc_extend(req, n)
         if item is None:  # budgets said yes but pages are fragmented/short: undo, retry later
             self.running.remove(req)
             self.cache.cache_finished_req(kv, insert=False)
             req.kv, req.state = None, ReqState.WAITING
+        elif req.cached_tokens < 0:
+            req.cached_tokens = match.length
         return item
 
     def _admissible_chunk(self, req: Req, extend: int, budget: int) -> int:

@@ -1,0 +1,107 @@
+"""Decode out of room: the scheduler retracts, outputs stay exact, nothing leaks; and the
+small-pool corner cases that used to retract needlessly or stall the queue."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.worker.engine.conftest import WINDOW, Oracle, assert_all_free, run_checked, tokens
+from worker.engine import Engine
+from worker.sampling_params import SamplingParams
+
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+def _run(engine: Engine, prompts: list[list[int]], max_tokens: int) -> dict[str, list[int]]:
+    got: dict[str, list[int]] = {}
+    rids = [
+        engine.add_request(p, SamplingParams(max_tokens=max_tokens, **GREEDY),
+                           on_delta=lambda d: got.setdefault(d.request_id, []).extend(d.token_ids))
+        for p in prompts
+    ]  # fmt: skip
+    run_checked(engine)
+    return {rid: got[rid] for rid in rids}
+
+
+@pytest.mark.parametrize("radix", [True, False], ids=["radix", "chunk_cache"])
+def test_decode_out_of_room_retracts_and_stays_exact(oracle: Oracle, radix: bool) -> None:
+    """Short prompts are all admitted at once; their windows then outgrow a 48-token SWA pool."""
+    engine = oracle.engine(max_total_tokens=256, swa_full_tokens_ratio=48 / 256, chunked_prefill_size=64,
+                           swa_eviction_interval=4, enable_radix_cache=radix)  # fmt: skip
+    prompts = [tokens(5 + i, seed=70 + i) for i in range(8)]
+    got = _run(engine, prompts, 24)
+    assert engine.stats().retractions > 0
+    for i, (out, prompt) in enumerate(zip(got.values(), prompts)):
+        assert out == oracle.greedy(prompt, 24), f"request {i}"
+    assert_all_free(engine)
+
+
+def test_retraction_with_locked_shared_prefixes(oracle: Oracle) -> None:
+    """Retracted requests that locked a shared prefix give it back and re-find it on re-admission."""
+    engine = oracle.engine(max_total_tokens=256, swa_full_tokens_ratio=64 / 256, chunked_prefill_size=64,
+                           swa_eviction_interval=4)  # fmt: skip
+    shared = tokens(8, seed=80)
+    engine.generate([shared + [1]], SamplingParams(max_tokens=1, **GREEDY))
+    prompts = [shared + tokens(2 + i, seed=81 + i) for i in range(8)]
+    got = _run(engine, prompts, 24)
+    s = engine.stats()
+    assert s.retractions > 0 and s.cache_hit_tokens > 0
+    for i, (out, prompt) in enumerate(zip(got.values(), prompts)):
+        assert out == oracle.greedy(prompt, 24), f"request {i}"
+    assert_all_free(engine)
+
+
+def test_a_lone_request_is_not_retracted_for_its_own_eviction_interval(oracle: Oracle) -> None:
+    """W + interval + P exceeds the SWA pool: before retracting, the scheduler frees what already
+    left the window, so a request alone decodes without ever being retracted."""
+    engine = oracle.engine(
+        max_total_tokens=256, swa_full_tokens_ratio=48 / 256, swa_eviction_interval=128
+    )
+    prompt = tokens(20, seed=90)
+    got = _run(engine, [prompt], 60)
+    assert list(got.values()) == [oracle.greedy(prompt, 60)]
+    assert engine.stats().retractions == 0
+    assert engine.stats().swa.peak_used <= 48
+    assert_all_free(engine)
+
+
+def test_window_lock_is_released_once_the_prefix_leaves_the_window(oracle: Oracle) -> None:
+    """The query at position protected + W reads keys from `protected` on: the prefix's SWA lock
+    is gone before that query runs (not one token later)."""
+    engine = oracle.engine(
+        max_total_tokens=512, swa_full_tokens_ratio=0.25, swa_eviction_interval=4
+    )
+    shared = tokens(32, seed=91)
+    engine.generate([shared + [1]], SamplingParams(max_tokens=1, **GREEDY))
+    prompt = shared + tokens(2, seed=92)
+    rid = engine.add_request(prompt, SamplingParams(max_tokens=2 * WINDOW, **GREEDY))
+    checked = []
+
+    def on_step(_: int) -> None:
+        req = next((r for r in engine.scheduler.running if r.rid == rid), None)
+        if req is None or req.kv is None:
+            return
+        kv = req.kv
+        assert kv.cache_protected_len == 32  # the match (no chunk was inserted)
+        if kv.kv_committed_len > kv.cache_protected_len + WINDOW:  # that query has run
+            assert kv.swa_lock_released, f"lock still held at committed {kv.kv_committed_len}"
+            checked.append(kv.kv_committed_len)
+
+    run_checked(engine, on_step)
+    assert checked and checked[0] == 32 + WINDOW + 1
+    assert_all_free(engine)
+
+
+def test_a_prefix_lock_filling_the_swa_pool_does_not_stall_the_queue(oracle: Oracle) -> None:
+    """Locks cover whole nodes: a match ending in a 12-token node also locks the 16-token node
+    above it, leaving 20 of 48 SWA slots, less than the admission charge W + P + chunk. Alone
+    (nothing will ever free more), the request must still be admitted."""
+    engine = oracle.engine(max_total_tokens=256, swa_full_tokens_ratio=48 / 256, chunked_prefill_size=16,
+                           swa_eviction_interval=128)  # fmt: skip
+    first = tokens(30, seed=93)
+    engine.generate([first], SamplingParams(max_tokens=1, **GREEDY))  # live nodes [0, 16), [16, 28)
+    second = first[:28] + tokens(3, seed=94)
+    got = _run(engine, [second], 24)
+    assert list(got.values()) == [oracle.greedy(second, 24)]
+    assert engine.stats().cache_hit_tokens == 28
+    assert_all_free(engine)
