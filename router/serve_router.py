@@ -31,7 +31,6 @@ from collections import OrderedDict
 from typing import Any
 
 import ray
-from ray.exceptions import RayError
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from cluster import transport
@@ -207,7 +206,7 @@ class SwaPrefixRequestRouter(RequestRouter):
         try:
             if self._subscriber is not None:
                 await self._subscriber.sync()
-        except RayError as exc:  # best effort: the long poll keeps following
+        except Exception as exc:  # best effort: the long poll keeps following
             logger.warning("cache index catch-up pull failed: %s", exc)
         self._synced = max(self._synced, started)
 
