@@ -66,6 +66,8 @@ class Engine:
     def validate(self, token_ids: Sequence[int], params: SamplingParams) -> None:
         """Raise ValueError (message names what to change) for a request that can never run."""
         params.validate()
+        if params.stop:
+            self.stopper.check_stop_strings_supported()
         n = len(token_ids)
         if n == 0:
             raise ValueError("the prompt is empty: send at least one token")

@@ -14,6 +14,7 @@ class StopChecker:
         self.eos = frozenset(eos_token_ids)
         self._loader = tokenizer_loader
         self._tokenizer: Any = None
+        self._load_error = ""
 
     def check(self, req: Req) -> FinishReason | None:
         """Called after each new token of `req`."""
@@ -38,7 +39,21 @@ class StopChecker:
         # Only matches that end in the new token count (earlier ones would have stopped before).
         return any(s in tail and s not in before for s in req.params.stop)
 
+    def check_stop_strings_supported(self) -> None:
+        """Raise ValueError when stop strings cannot be checked (no tokenizer loads): refusing
+        the request up front beats failing inside a step that other requests share."""
+        if self._get_tokenizer() is None:
+            raise ValueError(
+                "stop strings need the model's tokenizer, which could not be loaded"
+                f"{f' ({self._load_error})' if self._load_error else ''}; drop `stop` or "
+                "use stop_token_ids"
+            )
+
     def _get_tokenizer(self) -> Any:
         if self._tokenizer is None and self._loader is not None:
-            self._tokenizer = self._loader()
+            try:
+                self._tokenizer = self._loader()
+            except Exception as err:  # noqa: BLE001 - transformers raises OSError/ValueError/...
+                self._load_error = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
+                self._loader = None  # do not retry on every request
         return self._tokenizer
