@@ -257,6 +257,8 @@ class Engine:
     def stats(self) -> EngineStats:
         s = self.scheduler
         self.counters["retractions"] = s.retractions
+        self.counters["full_evicted_tokens"] = s.evicted["full"]
+        self.counters["swa_evicted_tokens"] = s.evicted["swa"]
         return engine_stats(self.allocator, self.cache, self.peaks, len(s.waiting), len(s.running),
                             self.counters, self.last_step_seconds)  # fmt: skip
 

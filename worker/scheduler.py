@@ -77,6 +77,7 @@ class Scheduler:
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []  # admission order
         self.retractions = 0
+        self.evicted = {"full": 0, "swa": 0}  # tokens the tree gave up to make room, per pool
 
     # ---- budgets --------------------------------------------------------------------------------
     def _decode_reserve(self, req: Req) -> int:
@@ -305,6 +306,8 @@ class Scheduler:
         full_short = max(0, full_tokens - a.full_available_size())
         swa_short = max(0, swa_tokens - a.swa_available_size()) if a.hybrid else 0
         if full_short or swa_short:
-            self.cache.evict(full_short, swa_short)
+            freed = self.cache.evict(full_short, swa_short)
+            self.evicted["full"] += freed.full
+            self.evicted["swa"] += freed.swa
         ok_full = a.full_available_size() >= full_tokens
         return ok_full and (not a.hybrid or a.swa_available_size() >= swa_tokens)

@@ -26,6 +26,15 @@ def _used(total: int, free: int, evictable: int) -> int:
     return total - free - evictable
 
 
+def tombstone_tokens(allocator: HybridAllocator, cache: PrefixCache) -> int:
+    """Cached tokens whose SWA KV was freed (full KV kept): every cached token counts in the
+    full sizes, only those with live SWA in the SWA sizes."""
+    if not allocator.hybrid:
+        return 0
+    cached = cache.full_evictable + cache.full_protected
+    return cached - cache.swa_evictable - cache.swa_protected
+
+
 def pool_stats(allocator: HybridAllocator, cache: PrefixCache, peaks: PoolPeaks) -> tuple[PoolStats, PoolStats]:
     a = allocator
     full = PoolStats(a.full_size, a.full_available_size(), cache.full_evictable,
@@ -57,9 +66,9 @@ def engine_stats(
         cache_hit_tokens=c["cache_hit_tokens"],
         prompt_tokens=c["prompt_tokens"],
         generated_tokens=c["generated_tokens"],
-        full_evicted_tokens=int(getattr(cache, "full_evicted_total", 0)),
-        swa_evicted_tokens=int(getattr(cache, "swa_evicted_total", 0)),
-        tombstone_tokens=int(getattr(cache, "tombstone_tokens", 0)),
+        full_evicted_tokens=c["full_evicted_tokens"],
+        swa_evicted_tokens=c["swa_evicted_tokens"],
+        tombstone_tokens=tombstone_tokens(allocator, cache),
         retractions=c["retractions"],
         aborts=c["aborts"],
         steps=c["steps"],
