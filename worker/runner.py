@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import chain
 from typing import TYPE_CHECKING
 
 import torch
@@ -36,11 +37,23 @@ class _HostInputs:
     logit_rows: torch.Tensor
 
 
-def _ranges(reqs: Sequence, starts: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Concatenate ``table[start:seq_len]`` per request; also return the indptr."""
-    parts = [r.table[s : r.seq_len] for r, s in zip(reqs, starts)]
-    lens = torch.tensor([0] + [p.numel() for p in parts], dtype=torch.int64)
-    return torch.cat(parts), torch.cumsum(lens, 0)
+def _offsets(lengths: Sequence[int]) -> list[int]:
+    """Exclusive prefix sums with the total appended: ``[0, l0, l0 + l1, ...]`` (host ints)."""
+    out = [0]
+    for n in lengths:
+        out.append(out[-1] + n)
+    return out
+
+
+def _spread(shifts: Sequence[int], lengths: Sequence[int], total: int) -> torch.Tensor:
+    """``arange(total)`` plus ``shifts[i]`` on segment i (of ``lengths[i]`` entries): the one
+    vectorised form of "for each request, a run of consecutive indices"."""
+    if all(n == 1 for n in lengths):  # all decodes: one index per request
+        return torch.tensor(shifts, dtype=torch.int64) + torch.arange(total)
+    shift = torch.repeat_interleave(
+        torch.tensor(shifts, dtype=torch.int64), torch.tensor(lengths, dtype=torch.int64)
+    )
+    return torch.arange(total) + shift
 
 
 class ModelRunner:
@@ -107,37 +120,65 @@ class ModelRunner:
 
     # ---- host-side preparation -------------------------------------------------------------------
     def _prepare(self, batch: ForwardBatch) -> _HostInputs:
+        """Host tensors of one step, built with a fixed number of tensor ops (one table slice
+        per request; everything else is vectorised over the batch)."""
         reqs = batch.reqs
         for r in reqs:
             r.validate()
-        ids = torch.cat([torch.as_tensor(r.token_ids, dtype=torch.int64) for r in reqs])
-        positions = torch.cat([torch.arange(r.prefix_len, r.seq_len) for r in reqs])
-        out_loc = torch.cat([r.table[r.prefix_len : r.seq_len] for r in reqs]).to(torch.int64)
+        q_lens = [len(r.token_ids) for r in reqs]
+        prefix = [r.prefix_len for r in reqs]
+        seq = [p + q for p, q in zip(prefix, q_lens)]
+        q_off = _offsets(q_lens)
+        total = q_off[-1]
+        ids = torch.tensor(list(chain.from_iterable(r.token_ids for r in reqs)), dtype=torch.int64)
+        positions = _spread([p - o for p, o in zip(prefix, q_off)], q_lens, total)
+        # Every key slot a layer may read: table[start:seq] per request, start = 0 when the model
+        # has full layers (else the SWA window start). The SWA view and both out_locs are
+        # sub-ranges of this one concatenation.
+        window = self.spec.window or 0
+        swa_starts = [max(0, p - window) for p in prefix]
+        has_full = bool(self.spec.full_layer_ids)
+        starts = [0] * len(reqs) if has_full else swa_starts
+        slots = torch.cat([r.table[s:n] for r, s, n in zip(reqs, starts, seq)]).to(torch.int64)
+        ptr = _offsets([n - s for n, s in zip(seq, starts)])
+        out_loc = slots[
+            _spread([e - q - o for e, q, o in zip(ptr[1:], q_lens, q_off)], q_lens, total)
+        ]
         views: dict[LayerKind, KVView] = {}
         swa_out_loc = None
-        if self.spec.full_layer_ids:
-            idx, indptr = _ranges(reqs, [0] * len(reqs))
-            views[LayerKind.FULL] = KVView(idx.to(torch.int64), indptr, (0,) * len(reqs))
+        if has_full:
+            views[LayerKind.FULL] = KVView(slots, torch.tensor(ptr), (0,) * len(reqs))
         if self.spec.swa_layer_ids:
-            views[LayerKind.SWA], swa_out_loc = self._swa_view(reqs)
+            views[LayerKind.SWA], swa_out_loc = self._swa_view(
+                slots, ptr, starts, swa_starts, seq, q_lens
+            )
         if self.check_slots:
             _check_slots(views, out_loc, swa_out_loc)
-        ends = torch.cumsum(torch.tensor([len(r.token_ids) for r in reqs]), 0)
-        need = torch.tensor([r.need_logits for r in reqs], dtype=torch.bool)
-        return _HostInputs(ids, positions, out_loc, swa_out_loc, views, (ends - 1)[need])
+        rows = [q_off[i + 1] - 1 for i, r in enumerate(reqs) if r.need_logits]
+        return _HostInputs(
+            ids, positions, out_loc, swa_out_loc, views, torch.tensor(rows, dtype=torch.int64)
+        )
 
-    def _swa_view(self, reqs: Sequence) -> tuple[KVView, torch.Tensor]:
-        window = self.spec.window or 0
-        starts = [max(0, r.prefix_len - window) for r in reqs]
-        full_idx, indptr = _ranges(reqs, starts)
-        swa_idx = self.allocator.translate(full_idx.to(torch.int64))  # the one translation
+    def _swa_view(
+        self,
+        slots: torch.Tensor,
+        ptr: list[int],
+        starts: list[int],
+        swa_starts: list[int],
+        seq: list[int],
+        q_lens: list[int],
+    ) -> tuple[KVView, torch.Tensor]:
+        """The SWA range of each request, cut out of `slots` and translated in ONE call."""
+        lens = [n - s for n, s in zip(seq, swa_starts)]
+        swa_ptr = _offsets(lens)
+        shifts = [p + (w - s) - o for p, w, s, o in zip(ptr, swa_starts, starts, swa_ptr)]
+        full_idx = slots[_spread(shifts, lens, swa_ptr[-1])]
+        swa_idx = self.allocator.translate(full_idx)  # the one translation
         # The new tokens are the tail of each request's SWA range: slice their slots out of it.
-        tails = [
-            torch.arange(int(indptr[i]) + r.prefix_len - s, int(indptr[i + 1]))
-            for i, (r, s) in enumerate(zip(reqs, starts))
-        ]
-        swa_out_loc = swa_idx[torch.cat(tails)]
-        return KVView(swa_idx, indptr, tuple(starts)), swa_out_loc
+        q_off = _offsets(q_lens)
+        tails = [e - q - o for e, q, o in zip(swa_ptr[1:], q_lens, q_off)]
+        swa_out_loc = swa_idx[_spread(tails, q_lens, q_off[-1])]
+        return KVView(swa_idx, torch.tensor(swa_ptr), tuple(swa_starts)), swa_out_loc
 
 
 def _check_slots(

@@ -44,7 +44,8 @@ class _Group:
     kv_len: int  # L: keys per request, padded
     rows: torch.Tensor | None  # int64 [G*Q]: query rows (pads repeat a real row); None: all rows
     kv_idx: torch.Tensor  # int64 [G*L]: key slots, padded with the dummy slot 0
-    bias: torch.Tensor  # float32 [G, Q, L]: 0 where the key is visible, -inf elsewhere
+    bias: torch.Tensor | None  # float32 [G, Q, L]: 0 where the key is visible, -inf elsewhere
+    # (None: every key is visible to every query)
     keep: torch.Tensor | None  # int64 [n]: the real queries among the G*Q; None: all are real
     out_rows: torch.Tensor | None  # int64 [n]: the rows they answer; None: the whole output
 
@@ -91,33 +92,65 @@ def _buckets(extends: list[_Member]) -> list[list[_Member]]:
     return groups
 
 
-def _group(members: list[_Member], view: KVView, window: int | None, total: int) -> _Group:
+def _col(values: list[int], dev: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int64, device=dev)[:, None]
+
+
+def _slots(
+    members: list[_Member], view: KVView, L: int
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Key slots ``[G*L]`` padded with slot 0, and which are real ``[G, L]`` (None: all)."""
+    if len(members) == 1:
+        m = members[0]
+        return view.indices[m.kv_off : m.kv_off + L], None
+    dev = view.indices.device
+    ell = torch.arange(L, device=dev)[None, :]
+    key_ok = ell < _col([m.kv_len for m in members], dev)
+    pos = torch.where(key_ok, _col([m.kv_off for m in members], dev) + ell, 0)
+    return torch.where(key_ok, view.indices[pos], 0).reshape(-1), key_ok
+
+
+def _decode_group(members: list[_Member], view: KVView, window: int | None, total: int) -> _Group:
+    """One query per request at position ``prefix``: every key of its view is visible (the view
+    ends at the query and, on SWA layers, starts at the window) except padding."""
+    dev = view.indices.device
+    G, L = len(members), max(m.kv_len for m in members)
+    kv_idx, visible = _slots(members, view, L)
+    if window is not None and any(m.kv_start < m.prefix - window for m in members):
+        k_pos = _col([m.kv_start for m in members], dev) + torch.arange(L, device=dev)[None, :]
+        in_window = k_pos >= _col([m.prefix for m in members], dev) - window
+        visible = in_window if visible is None else visible & in_window
+    bias = None
+    if visible is not None:
+        bias = torch.zeros(G, 1, L, device=dev).masked_fill_(~visible[:, None, :], float("-inf"))
+    if G == total and all(m.q_off == i for i, m in enumerate(members)):
+        return _Group(G, 1, L, None, kv_idx, bias, None, None)
+    rows = torch.tensor([m.q_off for m in members], dtype=torch.int64, device=dev)
+    return _Group(G, 1, L, rows, kv_idx, bias, None, rows)
+
+
+def _extend_group(members: list[_Member], view: KVView, window: int | None, total: int) -> _Group:
     dev = view.indices.device
     G, Q, L = len(members), max(m.q_len for m in members), max(m.kv_len for m in members)
-
-    def col(values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int64, device=dev)[:, None]
-
+    kv_idx, key_ok = _slots(members, view, L)
     j, ell = torch.arange(Q, device=dev)[None, :], torch.arange(L, device=dev)[None, :]
-    q_len, kv_len = col([m.q_len for m in members]), col([m.kv_len for m in members])
-    q_pos = col([m.prefix for m in members]) + j  # [G, Q]
-    k_pos = col([m.kv_start for m in members]) + ell  # [G, L]
-    key_ok = ell < kv_len  # [G, L]
-    slot_pos = torch.where(key_ok, col([m.kv_off for m in members]) + ell, 0)
-    kv_idx = torch.where(key_ok, view.indices[slot_pos], 0).reshape(-1)
-    visible = key_ok[:, None, :] & (k_pos[:, None, :] <= q_pos[:, :, None])
+    q_len = _col([m.q_len for m in members], dev)
+    q_pos = _col([m.prefix for m in members], dev) + j  # [G, Q]
+    k_pos = _col([m.kv_start for m in members], dev) + ell  # [G, L]
+    visible = k_pos[:, None, :] <= q_pos[:, :, None]
+    if key_ok is not None:
+        visible &= key_ok[:, None, :]
     if window is not None:
         visible &= k_pos[:, None, :] >= q_pos[:, :, None] - window
     q_ok = j < q_len  # [G, Q]
     # NOTE: a padded query sees key 0 only, so its softmax stays finite (its row is dropped).
     visible |= (~q_ok)[:, :, None] & (ell == 0)[:, None, :]
     bias = torch.zeros(G, Q, L, device=dev).masked_fill_(~visible, float("-inf"))
-    rows = (col([m.q_off for m in members]) + torch.minimum(j, q_len - 1)).reshape(-1)
     if G * Q == total and all(m.q_len == Q for m in members) and _in_order(members):
         return _Group(G, Q, L, None, kv_idx, bias, None, None)
-    keep = q_ok.reshape(-1).nonzero().squeeze(1) if Q > 1 else None
-    out_rows = rows if keep is None else rows[keep]
-    return _Group(G, Q, L, rows, kv_idx, bias, keep, out_rows)
+    rows = (_col([m.q_off for m in members], dev) + torch.minimum(j, q_len - 1)).reshape(-1)
+    keep = q_ok.reshape(-1).nonzero().squeeze(1)
+    return _Group(G, Q, L, rows, kv_idx, bias, keep, rows[keep])
 
 
 def _in_order(members: list[_Member]) -> bool:
@@ -129,8 +162,8 @@ def _plan_kind(batch: AttnBatch, view: KVView, window: int | None) -> tuple[_Gro
     total = sum(batch.q_lens)
     decodes = [m for m in members if m.q_len == 1]
     extends = _buckets([m for m in members if m.q_len > 1])
-    groups = [decodes] if decodes else []
-    return tuple(_group(g, view, window, total) for g in groups + extends)
+    groups = [_decode_group(decodes, view, window, total)] if decodes else []
+    return tuple(groups + [_extend_group(g, view, window, total) for g in extends])
 
 
 def _gather(buf: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
@@ -162,7 +195,9 @@ def group_attention(
     scores = (torch.bmm(q3, k.transpose(1, 2)) * layer.scaling).float()
     if layer.softcap is not None:
         scores = torch.tanh(scores / layer.softcap) * layer.softcap
-    scores = scores.view(hkv, G, g, Q, L) + grp.bias[None, :, None]
+    scores = scores.view(hkv, G, g, Q, L)
+    if grp.bias is not None:
+        scores = scores + grp.bias[None, :, None]
     if sinks is not None:
         sink = sinks.float().view(hkv, 1, g, 1, 1).expand(hkv, G, g, Q, 1)
         scores = torch.cat([scores, sink], dim=-1)
