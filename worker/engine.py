@@ -96,6 +96,8 @@ class Engine:
         on_delta: DeltaSink | None = None,
     ) -> str:
         """Queue a request (thread-safe). Raises ValueError if it can never run."""
+        if request_id is not None and request_id in self._reqs:
+            raise ValueError(f"duplicate request id {request_id!r}: it is still running")
         req = self._new_req(token_ids, params, request_id)
         self._inbox.put(("add", (req, on_delta)))
         return req.rid
@@ -213,7 +215,11 @@ class Engine:
             if op == "add":
                 req, sink = arg  # type: ignore[misc]
                 if req.rid in self._reqs:
-                    raise ValueError(f"duplicate request id {req.rid!r}")
+                    # NOTE: two adds raced past add_request's check. Raising here would fail the
+                    # step every request shares; refuse only the newcomer, through its own sink.
+                    # (Not in the step's deltas: they would "finish" the running request.)
+                    self._refuse(req, sink, f"duplicate request id {req.rid!r}")
+                    continue
                 self._reqs[req.rid] = req
                 if sink is not None:
                     self._sinks[req.rid] = sink
@@ -225,6 +231,12 @@ class Engine:
                     self.counters["aborts"] += 1
                     deltas.append(self._delta(req))
         return deltas
+
+    @staticmethod
+    def _refuse(req: Req, sink: DeltaSink | None, error: str) -> None:
+        req.state, req.finish_reason, req.error = ReqState.FINISHED, "abort", error
+        if sink is not None:
+            sink(StreamDelta(req.rid, [], True, "abort", len(req.prompt), 0, 0, error=error))
 
     # ---- offline --------------------------------------------------------------------------------
     def generate(

@@ -203,3 +203,24 @@ def test_largest_request_that_fits_runs(oracle: Oracle) -> None:
     run_checked(engine)
     assert got == oracle.greedy(prompt, max_tokens)
     assert_all_free(engine)
+
+
+def test_duplicate_request_ids_are_refused_without_failing_the_step(oracle: Oracle) -> None:
+    """A duplicate id is refused at add time; two adds racing into the same step refuse only the
+    second (through its own stream), and the first runs to an exact result."""
+    engine = oracle.engine()
+    prompt, params = tokens(20, seed=10), SamplingParams(max_tokens=6, **GREEDY)
+    first: list[StreamDelta] = []
+    second: list[StreamDelta] = []
+    engine.add_request(prompt, params, request_id="x", on_delta=first.append)
+    engine.add_request(prompt, params, request_id="x", on_delta=second.append)  # both in the inbox
+    engine.step()
+    with pytest.raises(ValueError, match="duplicate request id 'x'"):
+        engine.add_request(prompt, params, request_id="x")
+    run_checked(engine)
+    assert [(d.finished, d.finish_reason, d.error) for d in second] == [
+        (True, "abort", "duplicate request id 'x'")
+    ]
+    assert [t for d in first for t in d.token_ids] == oracle.greedy(prompt, 6)
+    assert first[-1].finish_reason == "length"
+    assert_all_free(engine)

@@ -12,13 +12,20 @@ from worker.sampling_params import SamplingParams
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
 
-def _run(engine: Engine, prompts: list[list[int]], max_tokens: int) -> dict[str, list[int]]:
+def _run(
+    engine: Engine,
+    prompts: list[list[int]],
+    max_tokens: int,
+    params: list[SamplingParams] | None = None,
+) -> dict[str, list[int]]:
     got: dict[str, list[int]] = {}
+    params = params or [SamplingParams(max_tokens=max_tokens, **GREEDY)] * len(prompts)
     rids = [
-        engine.add_request(p, SamplingParams(max_tokens=max_tokens, **GREEDY),
-                           on_delta=lambda d: got.setdefault(d.request_id, []).extend(d.token_ids))
-        for p in prompts
-    ]  # fmt: skip
+        engine.add_request(
+            p, sp, on_delta=lambda d: got.setdefault(d.request_id, []).extend(d.token_ids)
+        )
+        for p, sp in zip(prompts, params)
+    ]
     run_checked(engine)
     return {rid: got[rid] for rid in rids}
 
@@ -33,6 +40,23 @@ def test_decode_out_of_room_retracts_and_stays_exact(oracle: Oracle, radix: bool
     assert engine.stats().retractions > 0
     for i, (out, prompt) in enumerate(zip(got.values(), prompts)):
         assert out == oracle.greedy(prompt, 24), f"request {i}"
+    assert_all_free(engine)
+
+
+def test_seeded_sampling_is_unchanged_by_retraction(oracle: Oracle) -> None:
+    """A retracted request re-prefills but draws no extra noise: seeded samples equal a run alone."""
+    engine = oracle.engine(max_total_tokens=256, swa_full_tokens_ratio=48 / 256, chunked_prefill_size=64,
+                           swa_eviction_interval=4)  # fmt: skip
+    prompts = [tokens(5 + i, seed=70 + i) for i in range(8)]
+    params = [
+        SamplingParams(max_tokens=24, temperature=0.8, top_k=40, seed=i, ignore_eos=True)
+        for i in range(8)
+    ]
+    got = _run(engine, prompts, 24, params)
+    assert engine.stats().retractions > 0
+    alone = oracle.engine()
+    for i, (out, prompt, sp) in enumerate(zip(got.values(), prompts, params)):
+        assert out == alone.generate([prompt], sp)[0].token_ids, f"request {i}"
     assert_all_free(engine)
 
 
