@@ -138,6 +138,12 @@ def write_summary(r: RoutingBenchResult) -> str:
             ["policy", "workers", "decisions", "p50 us", "p99 us", "p50 < 1 ms"], latency_rows(r)
         ),  # fmt: skip
     ]
+    lines.append(
+        f"Decision latency is wall-clock `RouterCore.decide` time on this machine (prompts of "
+        f"the {LATENCY_WORKLOAD} workload: 1-2k tokens, index fed by the run's cache events). "
+        f"The {s.workers}-worker rows come from the main runs, which share the cores with "
+        f"{s.jobs - 1} sibling simulation(s); the {s.latency_workers}-worker runs go alone."
+    )
     for w in s.workloads:
         lines += [f"## {w}", workload_table(r, w)]
     if r.real is not None:

@@ -95,7 +95,8 @@ class _Worker:
     runner: SimRunner
     seq: int = 0
     busy: bool = False
-    inflight: tuple[list[StreamDelta], list] = ([], [])  # the running step's deltas and events
+    # the running step's deltas and cache events, delivered at its end
+    inflight: tuple[list[StreamDelta], list] = field(default_factory=lambda: ([], []))
     load: WorkerLoad | None = None
     tombstone_pages: int = 0
 
