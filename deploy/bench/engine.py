@@ -40,7 +40,7 @@ class EngineSettings:
     batch_sizes: tuple[int, ...] = (1, 8, 32)
     prompt_len: int = 64
     max_new_tokens: int = 32
-    runs: int = 2
+    runs: int = 3
     hf_attn: str = "auto"  # auto: sdpa where the architecture supports it, else eager
     threads: int | None = None  # None: torch's default
     device: str = "cpu"

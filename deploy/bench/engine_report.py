@@ -52,7 +52,7 @@ def write_summary(r: EngineBenchResult) -> str:
         f"{m.parameters / 1e6:.2f} M parameters), float32 on {s.device}; transformers attention: "
         f"{r.hf_attn_implementation}. Prompts: random ids, {s.prompt_len // 2}-{s.prompt_len} tokens; "
         f"greedy, {s.max_new_tokens} new tokens each; best of {s.runs} run(s) after a warm-up.",
-        f"Machine: {r.machine.describe()} (after: {r.load_avg_after:.2f}).",
+        f"Machine: {r.machine.describe()} (after: {r.load_avg_after:.2f}).{_load_warning(r)}",
         f"Command: `{command_line(r)}`",
         results_table(r),
         "*tok/s* = batch x new tokens / wall seconds of the whole generate call (prefill "
@@ -60,6 +60,19 @@ def write_summary(r: EngineBenchResult) -> str:
         "requests (engine `stats()`), next to the pool sizes.",
     ]
     return "\n\n".join(lines)
+
+
+def _load_warning(r: EngineBenchResult) -> str:
+    m = r.machine
+    if max(m.load_avg_1m, r.load_avg_after) < m.cpus or m.torch_threads == 1:
+        return ""
+    # NOTE: each torch op waits for all its OpenMP threads; when other processes hold the cores,
+    # those waits (not the work) dominate and the two sides' figures become noise.
+    return (
+        f" **The machine was busy** (load above its {m.cpus} CPUs) and torch ran "
+        f"{m.torch_threads} threads: timings mostly measure waiting for descheduled threads; "
+        "rerun when idle or with `--threads 1`."
+    )
 
 
 def write_plot(r: EngineBenchResult, path: Path) -> Path:
