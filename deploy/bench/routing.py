@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from deploy.bench.harness import add_output_arguments, prepare_output_dir, write_json, write_text
 from deploy.bench.machine import MachineInfo
 from deploy.bench.routing_figures import RunFigures
+from deploy.bench.routing_sim import SimCluster
 from deploy.bench.routing_workloads import WORKLOADS
 from router.policies import POLICIES
 
@@ -96,9 +97,7 @@ class RoutingBenchResult:
 # ---------------------------------------------------------------- the simulations
 
 
-def cluster_for(s: RoutingSettings, pool: str, workers: int):  # -> SimCluster
-    from deploy.bench.routing_sim import SimCluster
-
+def cluster_for(s: RoutingSettings, pool: str, workers: int) -> SimCluster:
     ratio = s.swa_ratio if pool == "swa_pressure" else 1.0
     return SimCluster(
         workers=workers, page_size=s.page_size, window=s.window, full_tokens=s.full_tokens,

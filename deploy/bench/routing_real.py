@@ -14,10 +14,14 @@ import time
 import urllib.request
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from deploy.bench.harness import markdown_table
 from deploy.bench.routing_figures import quantile
 from deploy.bench.routing_real_traffic import Sample, Traffic, run_traffic
+
+if TYPE_CHECKING:
+    from deploy.config import ServeConfig
 
 
 @dataclass(frozen=True)
@@ -108,7 +112,7 @@ def _one_policy(s: RealSettings, policy: str, url: str) -> RealPolicyResult:
     return _figures(policy, samples, deploy_s, traffic_s)
 
 
-def _config(s: RealSettings, policy: str):  # -> ServeConfig
+def _config(s: RealSettings, policy: str) -> ServeConfig:
     from deploy.config import ServeConfig
 
     share = round((s.num_cpus - 0.25) / s.workers - 0.005, 2)  # the ingress takes 0.25 CPU

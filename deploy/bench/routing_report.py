@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from deploy.bench.harness import markdown_table, new_figure, save_figure
 from deploy.bench.routing import LATENCY_WORKLOAD, RoutingBenchResult, RoutingSettings
 from deploy.bench.routing_figures import RunFigures
 from deploy.bench.routing_figures import __doc__ as FIGURES_DOC
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
 
 POLICY_COLORS = {"swa_prefix": "#1f77b4", "prefix": "#ff7f0e", "least_loaded": "#2ca02c",
                  "round_robin": "#9467bd"}  # fmt: skip
@@ -157,7 +161,13 @@ def write_summary(r: RoutingBenchResult) -> str:
 # ---------------------------------------------------------------- plots
 
 
-def _grouped(ax, r: RoutingBenchResult, workload: str, value, ylabel: str) -> None:  # noqa: ANN001
+def _grouped(
+    ax: Axes,
+    r: RoutingBenchResult,
+    workload: str,
+    value: Callable[[RunFigures], float],
+    ylabel: str,
+) -> None:
     pools, policies = r.settings.pools, r.settings.policies
     width = 0.8 / len(policies)
     for i, pol in enumerate(policies):
@@ -189,7 +199,7 @@ def write_plots(r: RoutingBenchResult, out: Path) -> list[Path]:
     return paths
 
 
-def _p99_marks(ax, r: RoutingBenchResult, workload: str) -> None:  # noqa: ANN001
+def _p99_marks(ax: Axes, r: RoutingBenchResult, workload: str) -> None:
     pools, policies = r.settings.pools, r.settings.policies
     width = 0.8 / len(policies)
     for i, pol in enumerate(policies):
