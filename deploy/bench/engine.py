@@ -5,7 +5,9 @@ Same weights, same prompts (random ids, lengths `prompt_len // 2 … prompt_len`
 unless ``--threads`` says otherwise. Per batch size:
 
 - both sides are warmed up on that batch (2 new tokens), then each is run `runs` times,
-  alternating ours / transformers so that load changes hit both alike; the best run counts;
+  alternating ours / transformers so that load changes hit both alike; the best run counts.
+  Runs after the first are skipped once the batch size has used its share of
+  `time_budget_s` (a busy machine can make each run minutes long);
 - *tokens/s* = batch × max_new_tokens / wall seconds of the whole `generate` call (prefill
   included); *prefill* = the best wall time of the same call with one new token (TTFT-ish);
 - *agree* = prompts whose greedy tokens are identical on both sides (batch 1 must agree; in a
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,6 +44,7 @@ class EngineSettings:
     prompt_len: int = 64
     max_new_tokens: int = 32
     runs: int = 3
+    time_budget_s: float = 200.0  # extra runs stop when a batch size exceeds its share
     hf_attn: str = "auto"  # auto: sdpa where the architecture supports it, else eager
     threads: int | None = None  # None: torch's default
     device: str = "cpu"
@@ -99,7 +103,9 @@ def _agreement(a: list[list[int]], b: list[list[int]]) -> tuple[int, int | None]
     return agree, first
 
 
-def measure_batch(prompts: list[list[int]], model_dir: Path, hf, s: EngineSettings) -> BatchResult:
+def measure_batch(
+    prompts: list[list[int]], model_dir: Path, hf, s: EngineSettings, deadline: float
+) -> BatchResult:
     from deploy.bench.engine_sides import EngineSide
 
     ours = EngineSide(model_dir, len(prompts), {"device": s.device})
@@ -107,7 +113,9 @@ def measure_batch(prompts: list[list[int]], model_dir: Path, hf, s: EngineSettin
         side.generate(prompts, 2)  # warm-up: lazy setup, allocator paths, first-call caches
     timings: dict[str, list[float]] = {"ours": [], "hf": [], "ours_pf": [], "hf_pf": []}
     last = {}
-    for _ in range(s.runs):
+    for i in range(s.runs):
+        if i and time.monotonic() > deadline:
+            break
         for key, side in (("ours", ours), ("hf", hf)):
             run = side.generate(prompts, s.max_new_tokens)
             timings[key].append(run.seconds)
@@ -143,9 +151,10 @@ def run_bench(s: EngineSettings, work_dir: Path) -> EngineBenchResult:
     machine = machine_info()
     hf = TransformersSide(model_dir, s.hf_attn, s.device)
     prompts = make_prompts(max(s.batch_sizes), s.prompt_len, info.vocab_size)
+    start, share = time.monotonic(), s.time_budget_s / len(s.batch_sizes)
     batches = tuple(
-        measure_batch(prompts[:b], model_dir, hf, s)
-        for b in progress(s.batch_sizes, desc="engine vs transformers")
+        measure_batch(prompts[:b], model_dir, hf, s, start + share * (i + 1))
+        for i, b in enumerate(progress(s.batch_sizes, desc="engine vs transformers"))
     )
     return EngineBenchResult(s, machine, info, hf.attn, batches, load_average())
 
@@ -186,6 +195,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--threads", type=int, help="torch threads for both sides (default: torch's default)"
     )
     parser.add_argument("--device", default=d.device, help="cpu (default) or cuda")
+    parser.add_argument(
+        "--time-budget", type=float, default=d.time_budget_s,
+        help="seconds after which extra runs are skipped (each batch size gets its share; "
+        "at least one timed run always happens)",
+    )  # fmt: skip
     add_output_arguments(parser, "bench_results/engine")  # fmt: skip
 
 
@@ -199,7 +213,7 @@ def settings_from_args(args: argparse.Namespace) -> EngineSettings:
         model=args.model, hidden=args.hidden, layers=args.layers,
         batch_sizes=tuple(args.batch_sizes), prompt_len=args.prompt_len,
         max_new_tokens=args.max_new_tokens, runs=args.runs, hf_attn=args.hf_attn,
-        threads=args.threads, device=args.device,
+        threads=args.threads, device=args.device, time_budget_s=args.time_budget,
     )  # fmt: skip
 
 

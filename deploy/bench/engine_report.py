@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from deploy.bench.engine import BatchResult, EngineBenchResult
+from deploy.bench.engine import BatchResult, EngineBenchResult, EngineSettings
 from deploy.bench.harness import markdown_table, new_figure, save_figure
 
 
@@ -22,11 +22,13 @@ def command_line(r: EngineBenchResult) -> str:
               "--max-new-tokens", str(s.max_new_tokens), "--runs", str(s.runs)]  # fmt: skip
     if s.threads is not None:
         parts += ["--threads", str(s.threads)]
+    if s.time_budget_s != EngineSettings().time_budget_s:
+        parts += ["--time-budget", f"{s.time_budget_s:g}"]
     return " ".join(parts)
 
 
 def results_table(r: EngineBenchResult) -> str:
-    headers = ["batch", "ours tok/s", "transformers tok/s", "ours / transformers", "ours s",
+    headers = ["batch", "runs", "ours tok/s", "transformers tok/s", "ours / transformers", "ours s",
                "transformers s", "prefill ours ms", "prefill transformers ms", "full peak / total",
                "SWA peak / total", "greedy agree"]  # fmt: skip
     return markdown_table(headers, [_row(b) for b in r.batches])
@@ -37,7 +39,7 @@ def _row(b: BatchResult) -> list[str]:
     if b.first_mismatch is not None:
         agree += f" (first diff at token {b.first_mismatch})"
     return [
-        str(b.batch_size), f"{b.ours.tokens_per_s:.1f}", f"{b.transformers.tokens_per_s:.1f}",
+        str(b.batch_size), str(len(b.ours.all_wall_s)), f"{b.ours.tokens_per_s:.1f}", f"{b.transformers.tokens_per_s:.1f}",
         f"{b.speedup:.2f}x", f"{b.ours.wall_s:.2f}", f"{b.transformers.wall_s:.2f}",
         f"{b.ours.prefill_s * 1e3:.0f}", f"{b.transformers.prefill_s * 1e3:.0f}",
         f"{b.full_peak_used:,} / {b.full_total:,}", f"{b.swa_peak_used:,} / {b.swa_total:,}", agree,
@@ -51,7 +53,8 @@ def write_summary(r: EngineBenchResult) -> str:
         f"Model: {m.name} ({m.model_type}, hidden {m.hidden_size}, {m.num_layers} layers, "
         f"{m.parameters / 1e6:.2f} M parameters), float32 on {s.device}; transformers attention: "
         f"{r.hf_attn_implementation}. Prompts: random ids, {s.prompt_len // 2}-{s.prompt_len} tokens; "
-        f"greedy, {s.max_new_tokens} new tokens each; best of {s.runs} run(s) after a warm-up.",
+        f"greedy, {s.max_new_tokens} new tokens each; best of up to {s.runs} run(s) after a "
+        "warm-up (column *runs*).",
         f"Machine: {r.machine.describe()} (after: {r.load_avg_after:.2f}).{_load_warning(r)}",
         f"Command: `{command_line(r)}`",
         results_table(r),

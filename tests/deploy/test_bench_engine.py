@@ -27,7 +27,7 @@ def _run(out: Path, *extra: str) -> int:
 def result(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, Path]:
     out = tmp_path_factory.mktemp("bench") / "engine"
     code = _run(out, "--batch-sizes", "1", "2", "--prompt-len", "12", "--max-new-tokens",
-                str(MAX_NEW), "--runs", "1", "--threads", "1")  # fmt: skip
+                str(MAX_NEW), "--runs", "2", "--time-budget", "0", "--threads", "1")  # fmt: skip
     return code, out
 
 
@@ -56,6 +56,7 @@ def test_numbers_are_sane(result: tuple[int, Path]) -> None:
         for side in ("ours", "transformers"):
             s = b[side]
             assert 0 < s["prefill_s"] and 0 < s["wall_s"] == min(s["all_wall_s"])
+            assert len(s["all_wall_s"]) == 1  # --time-budget 0: no run after the first
             assert s["tokens_per_s"] == pytest.approx(b["generated_tokens"] / s["wall_s"])
         assert b["speedup"] == pytest.approx(
             b["ours"]["tokens_per_s"] / b["transformers"]["tokens_per_s"]
