@@ -100,8 +100,8 @@ class PrefixCache(abc.ABC):
     @abc.abstractmethod
     def release_window_lock(self, receipt: LockReceipt) -> LockReceipt:
         """Early release: a decoding request past the window no longer needs its prefix's SWA.
-        Drops the SWA part of `receipt` (a leaf whose SWA lock reaches 0 is tombstoned at once,
-        internal nodes become SWA-evictable) and returns the FULL-only receipt to unlock later.
+        Drops the SWA part of `receipt` (nodes whose SWA lock reaches 0 become SWA-evictable;
+        nothing is freed until SWA eviction picks them) and returns the FULL-only receipt.
         Call at most once per lock."""
 
     @abc.abstractmethod

@@ -116,9 +116,7 @@ class RadixCache(PrefixCache):
         self.tree.unlock(receipt, skip_swa)
 
     def release_window_lock(self, receipt: LockReceipt) -> LockReceipt:
-        new, tombstoned = self.tree.release_window(receipt)
-        self._apply(AllocOps(free_swa=[n.full for n in tombstoned]))
-        return new
+        return self.tree.release_window(receipt)
 
     # ---- request hooks --------------------------------------------------------------------
     def cache_unfinished_req(self, req: ReqKV) -> None:

@@ -202,20 +202,19 @@ class RadixTree:
         if node.is_leaf and node.full_lock == 0 and node.attached:
             self.leaves.add(node)
 
-    def release_window(self, receipt: LockReceipt) -> tuple[LockReceipt, list[Node]]:
-        """Drop the SWA part of a lock; leaves whose SWA lock hits 0 are tombstoned at once
-        (returned: the caller frees their SWA), internal nodes become SWA-evictable."""
+    def release_window(self, receipt: LockReceipt) -> LockReceipt:
+        """Drop the SWA part of a lock: the nodes whose SWA lock hits 0 become SWA-evictable.
+
+        NOTE: nothing is tombstoned here (the unified tree's lazy reclaim, not the legacy
+        tree's immediate free of a leaf). Evictable SWA already counts as free in admission
+        budgets, so freeing it now buys no capacity; keeping it keeps the prompt's tail window
+        live, which is what lets another request reuse the whole prompt. The SWA LRU
+        reclaims it under pressure.
+        """
         if not receipt.holds_swa:
-            return receipt, []
-        freed: list[Node] = []
-
-        def on_zero(n: Node) -> None:
-            if n.is_leaf:
-                self.tombstone(n)
-                freed.append(n)
-
-        self._swa_release(receipt, on_zero)
-        return LockReceipt(receipt.node, None), freed
+            return receipt
+        self._swa_release(receipt, None)
+        return LockReceipt(receipt.node, None)
 
     def _swa_inc(self, n: Node) -> None:
         if n.swa_lock == 0:

@@ -24,8 +24,9 @@ def locked_leaf_without_swa_lock(cache: RadixCache, toks: list[int]):
     return leaf, receipt
 
 
-def test_early_release_tombstones_a_leaf_and_frees_its_swa() -> None:
-    """Test 17: the leaf's SWA goes back at once; its full KV stays locked."""
+def test_early_release_makes_a_leaf_swa_evictable_without_freeing() -> None:
+    """Test 17, unified semantics: the leaf's SWA becomes evictable (lazy reclaim), its full KV
+    stays locked; SWA eviction then tombstones it in place."""
     cache = make_cache(1, 4, 128, 64)
     toks = list(range(1, 9))  # capped: [1..4] + leaf [5..8]
     put(cache, toks)
@@ -34,13 +35,17 @@ def test_early_release_tombstones_a_leaf_and_frees_its_swa() -> None:
     assert receipt.swa_boundary is not None and receipt.swa_boundary == leaf.boundary_id
     assert leaf.full_lock == leaf.swa_lock == 1 and leaf.in_lru
     a = cache.allocator
-    full0, swa0 = a.full_available_size(), a.swa_available_size()
+    full0, swa0, ev0 = a.full_available_size(), a.swa_available_size(), cache.swa_evictable
     cache.drain_events()
     after = cache.release_window_lock(receipt)
     assert not after.holds_swa
-    assert leaf.is_tombstone and not leaf.in_lru and leaf.swa_lock == 0 and leaf.full_lock == 1
-    assert a.swa_available_size() == swa0 + 4 and a.full_available_size() == full0
-    assert [e.kind for e in cache.drain_events()] == [EventKind.SWA_REMOVED]
+    assert not leaf.is_tombstone and leaf.in_lru and leaf.swa_lock == 0 and leaf.full_lock == 1
+    assert a.swa_available_size() == swa0 and a.full_available_size() == full0
+    assert cache.swa_evictable == ev0 + 4 and cache.swa_protected == 0
+    assert cache.drain_events() == []
+    cache.check_integrity()
+    assert cache.evict(0, 8).swa >= 4  # reclaimable: the full-locked leaf is tombstoned in place
+    assert leaf.is_tombstone and leaf.full_lock == 1 and a.swa_available_size() >= swa0 + 4
     cache.unlock(after)
     assert cache.full_protected == cache.swa_protected == 0
     cache.check_integrity()
@@ -60,9 +65,9 @@ def test_early_release_keeps_internal_nodes_for_lazy_reclaim() -> None:
     swa0 = cache.allocator.swa_available_size()
     receipt = cache.release_window_lock(receipt)
     assert not internal.is_tombstone and internal.in_lru and internal.swa_lock == 0
-    assert leaf.is_tombstone
-    assert cache.swa_protected == prot0 - 4 and cache.swa_evictable == ev0 + 3
-    assert cache.allocator.swa_available_size() == swa0 + 1
+    assert not leaf.is_tombstone and leaf.in_lru
+    assert cache.swa_protected == prot0 - 4 and cache.swa_evictable == ev0 + 4
+    assert cache.allocator.swa_available_size() == swa0
     cache.unlock(receipt)
     cache.check_integrity()
 
@@ -137,7 +142,7 @@ def test_deleting_a_tombstone_leaf_keeps_swa_counters() -> None:
 
 @pytest.mark.parametrize("page,window", [(2, 4), (8, 4), (4, 6)])
 def test_early_release_page_variants(page: int, window: int) -> None:
-    """Test 23: release frees exactly the (capped) leaf's SWA, full untouched."""
+    """Test 23: release makes exactly the (capped) leaf's SWA evictable, full untouched."""
     cache = make_cache(page, window, 64 * page, 64 * page)
     n = -(-max(window, 2 * page) // page) * page
     toks = list(range(1, n + 1))
@@ -145,9 +150,10 @@ def test_early_release_page_variants(page: int, window: int) -> None:
     leaf = cache.match_prefix(toks).node
     receipt = cache.lock(leaf)
     a = cache.allocator
-    full0, swa0 = a.full_available_size(), a.swa_available_size()
+    full0, swa0, ev0 = a.full_available_size(), a.swa_available_size(), cache.swa_evictable
     cache.unlock(cache.release_window_lock(receipt))
-    assert a.swa_available_size() == swa0 + len(leaf) and a.full_available_size() == full0
+    assert cache.swa_evictable == ev0 + len(leaf) and a.swa_available_size() == swa0
+    assert a.full_available_size() == full0
     assert len(leaf) == -(-window // page) * page
     cache.check_integrity()
 
@@ -163,8 +169,8 @@ def test_boundary_on_internal_node_with_pages() -> None:
     assert receipt.swa_boundary == internal.boundary_id and cache.swa_protected == 6
     swa0, ev0 = cache.allocator.swa_available_size(), cache.swa_evictable
     receipt = cache.release_window_lock(receipt)
-    assert leaf.is_tombstone and cache.allocator.swa_available_size() == swa0 + 2
-    assert cache.swa_evictable == ev0 + 4 and cache.swa_protected == 0
+    assert not leaf.is_tombstone and cache.allocator.swa_available_size() == swa0
+    assert cache.swa_evictable == ev0 + 6 and cache.swa_protected == 0
     cache.unlock(receipt)
     cache.check_integrity()
 

@@ -129,6 +129,7 @@ class CacheMachine(RuleBasedStateMachine):
             decode(self.cache, req, [t % 3 for t in range(decoded)])
             if self.window is not None:
                 move_frontier(self.cache, req)
+            self.absorb()  # decode may have evicted (its events come before the insert's)
             aligned = req.kv_committed_len - req.kv_committed_len % self.page_size
             self.cache.cache_finished_req(req)
             self.model.insert(req.tokens[:aligned], req.cache_protected_len, req.swa_evicted_seqlen)
