@@ -188,8 +188,8 @@ class WorkerDeployment:
             worker_id=self.replica_id,
             timestamp_s=time.time(),
             queue_len=s.waiting,
-            queued_prefill_tokens=int(s.extra.get("queued_prefill_tokens", 0)),
-            running_decodes=s.running,
+            queued_prefill_tokens=s.queued_prefill_tokens,
+            running_decodes=s.running_decodes,
             full=PoolHeadroom(s.full.free, s.full.evictable, s.full.total),
             swa=PoolHeadroom(s.swa.free, s.swa.evictable, s.swa.total),
         )

@@ -142,7 +142,10 @@ class Engine:
             kv = w.req.kv
             assert kv is not None
             kv.kv_committed_len = w.start + w.n
-            if not w.samples and self.config.enable_radix_cache:
+            if not w.decode and self.config.enable_radix_cache:
+                # Every prefill chunk, the last one too, goes into the tree now: the prompt
+                # becomes tree-owned, so decode never frees its SWA and another request can
+                # still reuse all of it (under SWA pressure the tree tombstones it instead).
                 self.cache.cache_unfinished_req(kv)
         deltas = []
         for i, req in enumerate(samplers):
@@ -268,6 +271,10 @@ class Engine:
     # ---- introspection --------------------------------------------------------------------------
     def stats(self) -> EngineStats:
         s = self.scheduler
+        self.counters["queued_prefill_tokens"] = sum(r.remaining for r in s.waiting) + sum(
+            r.remaining for r in s.running if not r.is_decoding
+        )
+        self.counters["running_decodes"] = sum(1 for r in s.running if r.is_decoding)
         self.counters["retractions"] = s.retractions
         self.counters["full_evicted_tokens"] = s.evicted["full"]
         self.counters["swa_evicted_tokens"] = s.evicted["swa"]

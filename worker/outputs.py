@@ -69,4 +69,6 @@ class EngineStats:
     aborts: int
     steps: int
     last_step_seconds: float
+    queued_prefill_tokens: int = 0  # prompt tokens still to compute (waiting + prefilling)
+    running_decodes: int = 0  # running requests in their decode phase
     extra: dict[str, float] = field(default_factory=dict)

@@ -46,6 +46,7 @@ class StepWork:
     req: Req
     start: int
     n: int
+    decode: bool = False  # a decoding request's one token (else a prefill chunk)
 
     @property
     def samples(self) -> bool:
@@ -149,7 +150,7 @@ class Scheduler:
             while decoding and not self._alloc_decodes(decoding):
                 victim = decoding.pop()  # the most recently admitted decoding request
                 self.retract(victim)
-        return [StepWork(r, r.computed, 1) for r in decoding]
+        return [StepWork(r, r.computed, 1, decode=True) for r in decoding]
 
     def _free_out_of_window(self, req: Req, force: bool = False) -> None:
         window, kv = self.limits.window, req.kv

@@ -73,4 +73,6 @@ def engine_stats(
         aborts=c["aborts"],
         steps=c["steps"],
         last_step_seconds=last_step_seconds,
+        queued_prefill_tokens=c.get("queued_prefill_tokens", 0),
+        running_decodes=c.get("running_decodes", 0),
     )

@@ -86,7 +86,7 @@ def test_quantile_nearest_rank() -> None:
 def test_index_mirrors_every_worker_cache_after_a_run() -> None:
     """Events drained per step and applied per worker rebuild each engine's cache exactly."""
     size = WorkloadSize(workers=3, requests_per_worker=6)
-    sim = Simulation(SimCluster(workers=3), "swa_prefix", make_workload("agent_branching", size))
+    sim = Simulation(SimCluster(workers=3, swa_ratio=0.06), "swa_prefix", make_workload("agent_branching", size))
     outcome = sim.run()
     assert outcome.tombstone_pages > 0, "the SWA pool was meant to be under pressure"
     for w in sim.workers.values():

@@ -97,3 +97,30 @@ def _valid_match_from_snapshot(engine, prompt: list[int]) -> int:
         if not seen_tomb or run >= window:
             best = (i + 1) * P
     return best
+
+
+def test_a_prompt_in_one_chunk_stays_reusable_after_its_request_decodes(oracle: Oracle) -> None:
+    """The prompt goes into the tree when its prefill ends, so decoding (which frees the
+    request's own out-of-window SWA) never tombstones it: a second request sharing it reuses
+    all its pages."""
+    engine = oracle.engine(chunked_prefill_size=256, swa_eviction_interval=4)
+    system = tokens(96, seed=21)
+    engine.generate([system + tokens(8, seed=22)], SamplingParams(max_tokens=40, **GREEDY))
+    second = system + tokens(8, seed=23)
+    out = engine.generate([second], SamplingParams(max_tokens=8, **GREEDY))[0]
+    assert out.cached_tokens == 96  # the whole shared prompt
+    assert out.token_ids == oracle.greedy(second, 8)
+    engine.check_integrity()
+
+
+def test_stats_report_queued_prefill_and_decodes(oracle: Oracle) -> None:
+    engine = oracle.engine(chunked_prefill_size=16, max_running_requests=1)
+    for i in range(3):
+        engine.add_request(tokens(40, seed=30 + i), SamplingParams(max_tokens=4, **GREEDY))
+    engine.step()  # one request admitted with a 16-token chunk, two waiting
+    s = engine.stats()
+    assert (s.waiting, s.running, s.running_decodes) == (2, 1, 0)
+    assert s.queued_prefill_tokens == 40 - 16 + 2 * 40
+    while engine.stats().running_decodes == 0:
+        engine.step()
+    assert engine.stats().running_decodes == 1

@@ -30,7 +30,7 @@ def test_eviction_counters_account_for_every_cached_token(oracle: Oracle) -> Non
 def test_tombstone_tokens_equal_a_recount_of_the_tree(oracle: Oracle) -> None:
     """The tombstone gauge counts exactly the cached tokens whose SWA KV is gone."""
     engine = oracle.engine(swa_eviction_interval=4)
-    engine.generate([tokens(120, seed=510)], SamplingParams(max_tokens=20, **GREEDY))
+    engine.generate([tokens(120, seed=510)], SamplingParams(max_tokens=48, **GREEDY))
     recount = sum(len(n) for n in engine.cache.tree.iter_nodes() if n.swa is None)
     assert engine.stats().tombstone_tokens == recount > 0
     assert_all_free(engine)
