@@ -25,7 +25,15 @@ _EXPORTS = {
     "StreamDelta": "worker.outputs",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = [
+    "AsyncEngine",
+    "Engine",
+    "EngineConfig",
+    "EngineStats",
+    "Output",
+    "SamplingParams",
+    "StreamDelta",
+]
 
 
 def __getattr__(name: str) -> Any:

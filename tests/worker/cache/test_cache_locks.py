@@ -8,7 +8,6 @@ from cache_helpers import make_cache, node_at, put
 
 from worker.cache.base import EvictResult
 from worker.cache.radix_cache import RadixCache
-from worker.protocol import EventKind
 
 
 def locked_leaf_without_swa_lock(cache: RadixCache, toks: list[int]):
