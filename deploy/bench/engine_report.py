@@ -97,6 +97,10 @@ def write_plot(r: EngineBenchResult, path: Path) -> Path:
         )
     ax.set_xticks(list(xs), [f"batch {b.batch_size}" for b in r.batches])
     ax.set_ylabel("generated tokens / s")
-    ax.set_title(f"{r.model.name}: greedy, {r.settings.max_new_tokens} new tokens", fontsize=10)
+    ax.set_title(
+        f"{r.model.name}: greedy, {r.settings.max_new_tokens} new tokens, "
+        f"{r.machine.torch_threads} torch thread(s)",
+        fontsize=10,
+    )
     ax.legend(fontsize=9)
     return save_figure(fig, path)

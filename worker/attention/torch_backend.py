@@ -20,7 +20,7 @@ Layout inside a group (G requests, Q queries and L keys each, padded)::
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -56,9 +56,10 @@ class TorchMetadata:
     num_tokens: int
 
 
-@dataclass(frozen=True)
-class _Member:
-    """One request's part of a group, from host values only (planning never syncs a device)."""
+class _Member(NamedTuple):
+    """One request's part of a group, from host values only (planning never syncs a device).
+
+    A NamedTuple: built for every request of every step, twice (once per layer kind)."""
 
     q_off: int  # first query row
     q_len: int
