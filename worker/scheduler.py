@@ -12,9 +12,8 @@ Policy (mixed batches, decode first):
    SWA = free + evictable − the decode headroom running requests keep. An extend is charged
    max(min(e, chunk), W) + P SWA tokens; one too large for the SWA budget starts with a capped
    chunk instead of blocking the queue; a continuing chunk with no SWA room is deferred;
-3. a step that would schedule nothing while requests wait or run is a livelock (without a
-   forward nothing frees memory): deferred prefills are retracted and the oldest request
-   restarts alone with the chunk the pools physically hold.
+   with nothing running, the queue head gets at least the chunk the SWA pool physically
+   holds (nothing would ever free more).
 
 The scheduler decides and allocates; the engine runs the batch and finishes requests.
 """
@@ -28,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from worker.budget import ceil_page, chunk_cap, floor_page, full_admits, swa_admission_charge
-from worker.cache.base import MatchResult, PrefixCache
+from worker.cache.base import PrefixCache
 from worker.cache.req_kv import ReqKV
 from worker.mem.allocator import HybridAllocator
 from worker.mem.frontier import free_out_of_window
@@ -118,24 +117,7 @@ class Scheduler:
             self.waiting.popleft()
             work.append(item)
             budget -= item.n
-        if not work and (self.running or self.waiting):
-            work = self._unstick()
         return work
-
-    def _unstick(self) -> list[StepWork]:
-        """Nothing was scheduled although requests wait or run, and without a forward nothing
-        frees memory: a livelock. Decoders always get work or are retracted, so every running
-        request is a prefill deferred for SWA room (e.g. several locked windows filling a small
-        pool). Retract them all and restart the oldest alone, with the chunk the pools hold."""
-        for req in reversed(list(self.running)):
-            self.retract(req)
-        if not self.waiting:
-            return []
-        item = self._admit(self.waiting[0], self.limits.chunked_prefill_size, alone=True)
-        if item is None:
-            return []
-        self.waiting.popleft()
-        return [item]
 
     # ---- decode ---------------------------------------------------------------------------------
     def _schedule_decodes(self) -> list[StepWork]:
@@ -228,30 +210,15 @@ class Scheduler:
             chunk_cache=True, floor=kv.swa_evict_floor,
         )  # fmt: skip
 
-    def _admit(self, req: Req, budget: int, alone: bool = False) -> StepWork | None:
+    def _admit(self, req: Req, budget: int) -> StepWork | None:
         tokens = req.all_tokens()
         match = self.cache.match_prefix(tokens[: len(tokens) - 1])
-        item = self._admit_with(req, tokens, match, budget, alone)
-        if item is None and alone and match.length:
-            # NOTE: locks cover whole nodes, so a matched prefix can lock most of a small SWA
-            # pool by itself; start from scratch then (inserts re-find the cached KV anyway).
-            item = self._admit_with(req, tokens, self.cache.match_prefix(()), budget, alone)
-        return item
-
-    def _admit_with(
-        self, req: Req, tokens: list[int], match: MatchResult, budget: int, alone: bool
-    ) -> StepWork | None:
         receipt = self.cache.lock(match.node)
         kv = ReqKV(tokens=tokens, table=torch.zeros(req.max_len + self.limits.page_size, dtype=torch.int64))
         kv.table[: match.length] = match.indices
         kv.cache_protected_len = kv.kv_committed_len = kv.kv_allocated_len = match.length
         kv.lock = receipt
-        extend = len(tokens) - match.length
-        if alone:  # the whole pool is this request's: no headroom for others to keep
-            room = self.rem_swa() - self.limits.page_size if self.swa_budgeted else extend
-            n = min(extend, budget, room)
-        else:
-            n = self._admissible_chunk(req, extend, budget)
+        n = self._admissible_chunk(req, len(tokens) - match.length, budget)
         if n <= 0:
             self.cache.unlock(receipt)
             return None
@@ -283,6 +250,12 @@ class Scheduler:
             return n
         # Escape hatch (no head-of-line livelock): start with a chunk the SWA budget can hold.
         cap = chunk_cap(rem_swa, window, P)
+        if cap <= 0 and not self.running:
+            # NOTE: alone, nothing will ever free more (unlocked tree KV already counts as
+            # evictable), and the matched prefix's SWA lock covers whole nodes: reserving W of
+            # headroom on top would stall the queue forever. Take what the pool physically holds
+            # (one page kept for the allocation, as for a continuing chunk).
+            cap = rem_swa - P
         return min(n, cap) if cap > 0 else 0
 
     def _alloc_extend(self, req: Req, n: int) -> StepWork | None:
