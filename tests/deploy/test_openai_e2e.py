@@ -147,6 +147,30 @@ def test_repeated_long_prompt_reports_cached_tokens(server: Server) -> None:
     assert raw.headers["x-swaserve-replica"] and "x-swaserve-predicted-cached-tokens" in raw.headers
 
 
+def test_router_predictions_equal_cached_tokens(server: Server) -> None:
+    """Sequential mixed shared-prefix requests over 2 real workers: the router's prediction
+    (header) equals the worker's reported cached_tokens for every one, and shared prefixes
+    are found (the tiny model's window is 32 tokens, pages 16)."""
+    import random
+
+    rng = random.Random(7)
+    heads = [[rng.randrange(5, 1000) for _ in range(96)] for _ in range(3)]
+    prompts = []
+    for turn in range(3):
+        for h, head in enumerate(heads):
+            prompts.append(head + [rng.randrange(5, 1000) for _ in range(8 + 13 * turn + h)])
+    prompts.append(heads[0][:40] + [7] * 30)  # branches inside a cached prefix
+    cached = []
+    with httpx.Client(base_url=server.url, timeout=120) as http:
+        for prompt in prompts:
+            r = http.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 4, "temperature": 0})
+            assert r.status_code == 200, r.text
+            got = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+            assert int(r.headers["x-swaserve-predicted-cached-tokens"]) == got, (len(prompt), got)
+            cached.append(got)
+    assert sum(c > 0 for c in cached) >= 6, cached
+
+
 def test_fifty_concurrent_streams(server: Server) -> None:
     """50 concurrent streaming requests all complete without error."""
     import openai
