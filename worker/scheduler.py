@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from worker.budget import ceil_page, chunk_cap, floor_page, full_admits, swa_admission_charge
+from worker.budget import ceil_page, chunk_cap, full_admits, swa_admission_charge
 from worker.cache.base import PrefixCache
 from worker.cache.req_kv import ReqKV
 from worker.mem.allocator import HybridAllocator
@@ -263,7 +263,9 @@ class Scheduler:
         assert kv is not None
         P = self.limits.page_size
         start = kv.kv_committed_len
-        need = ceil_page(start + n, P) - floor_page(start, P) + P
+        # Exactly the fresh pages alloc_extend takes (the partial page at `start` is already
+        # ours): an over-estimate here defers a chunk the pools can hold, forever when alone.
+        need = ceil_page(start + n, P) - ceil_page(start, P)
         if not self._make_room(need, need):
             return None
         last = int(kv.table[start - 1]) if start > 0 else -1

@@ -129,3 +129,15 @@ def test_a_prefix_lock_filling_the_swa_pool_does_not_stall_the_queue(oracle: Ora
     assert list(got.values()) == [oracle.greedy(second, 24)]
     assert engine.stats().cache_hit_tokens == 28
     assert_all_free(engine)
+
+
+def test_a_chunk_starting_mid_page_is_not_deferred_forever(oracle: Oracle) -> None:
+    """The first request leaves one token of the step's prefill budget, so the second one's
+    later chunks start mid-page. The room asked for such a chunk must be the fresh pages it
+    takes, not two pages more: alone in a 64-token SWA pool it would otherwise never run."""
+    engine = oracle.engine(page_size=8, max_total_tokens=256, swa_full_tokens_ratio=64 / 256,
+                           chunked_prefill_size=32, swa_eviction_interval=4, eager_swa_free=True)  # fmt: skip
+    prompts = [tokens(31, seed=95), tokens(61, seed=96)]
+    got = _run(engine, prompts, 0, [SamplingParams(max_tokens=m, **GREEDY) for m in (16, 12)])
+    assert list(got.values()) == [oracle.greedy(prompts[0], 16), oracle.greedy(prompts[1], 12)]
+    assert_all_free(engine)
