@@ -57,6 +57,7 @@ class Engine:
             ("cache_hit_tokens", "prompt_tokens", "generated_tokens", "aborts", "steps"), 0
         )
         self.last_step_seconds = 0.0
+        self._idle_steps = 0  # consecutive steps that scheduled nothing while requests existed
         self._inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
         self._reqs: dict[str, Req] = {}
         self._sinks: dict[str, DeltaSink] = {}
@@ -125,8 +126,32 @@ class Engine:
         if work:
             deltas += self._run(work)
             self.counters["steps"] += 1
+        deltas += self._refuse_if_stalled(bool(work) or bool(deltas))
         self.last_step_seconds = time.perf_counter() - t0
         return deltas
+
+    def _refuse_if_stalled(self, progressed: bool) -> list[StreamDelta]:
+        """Scheduling is deterministic and only a forward or an abort frees memory: two steps in
+        a row that schedule nothing while requests exist will repeat forever. Refuse the newest
+        request with a clear error instead of hanging (e.g. an SWA pool barely above W + P whose
+        window locks leave a lone request no room)."""
+        s = self.scheduler
+        if progressed or not (s.running or s.waiting):
+            self._idle_steps = 0
+            return []
+        self._idle_steps += 1
+        if self._idle_steps < 2:
+            return []
+        self._idle_steps = 0
+        victim = s.running[-1] if s.running else s.waiting[0]
+        a = self.allocator
+        self._finish(victim, "abort", error=(
+            f"the KV pools cannot hold this request's next step (full pool {a.full_size} tokens, "
+            f"SWA pool {a.swa_size} tokens, window {self.spec.window}, page {self.config.page_size}); "
+            "raise swa_full_tokens_ratio or the KV budget, or lower chunked_prefill_size"
+        ))  # fmt: skip
+        self.counters["aborts"] += 1
+        return [self._delta(victim)]
 
     def _run(self, work: list[StepWork]) -> list[StreamDelta]:
         from worker.forward_batch import ForwardBatch, ForwardReq

@@ -141,3 +141,16 @@ def test_a_chunk_starting_mid_page_is_not_deferred_forever(oracle: Oracle) -> No
     got = _run(engine, prompts, 0, [SamplingParams(max_tokens=m, **GREEDY) for m in (16, 12)])
     assert list(got.values()) == [oracle.greedy(prompts[0], 16), oracle.greedy(prompts[1], 12)]
     assert_all_free(engine)
+
+
+def test_a_request_the_pools_can_never_step_is_refused_not_hung(oracle: Oracle) -> None:
+    """An SWA pool barely above W + P: whole-node window locks leave a lone radix request no
+    room for its last tokens. The engine refuses it with a clear error instead of spinning."""
+    engine = oracle.engine(page_size=4, max_total_tokens=256, swa_full_tokens_ratio=32 / 256,
+                           chunked_prefill_size=16)  # fmt: skip
+    out = engine.generate([tokens(30, seed=77)], SamplingParams(max_tokens=4, temperature=0.0))[0]
+    assert out.finish_reason == "abort" and "SWA pool 32 tokens" in (out.error or ""), out
+    engine.check_integrity()
+    assert engine.flush_cache()
+    s = engine.stats()
+    assert (s.full.free, s.swa.free) == (s.full.total, s.swa.total)
