@@ -187,7 +187,7 @@ def _deploy(p: Plan, progress: Progress, timeout_s: float) -> None:
     progress.say(f"deploying {_workers(p.config)}; each loads the model ...")
     serve._run(build_app_from_config(p.config), _blocking=False, name=APP_NAME, route_prefix="/")
     _wait_running(progress, timeout_s)
-    _wait_healthy(f"http://{_probe_host(p.host)}:{p.port}/health", progress, timeout_s)
+    wait_healthy(f"http://{_probe_host(p.host)}:{p.port}/health", timeout_s)
 
 
 def _wait_running(progress: Progress, timeout_s: float) -> None:
@@ -209,7 +209,8 @@ def _wait_running(progress: Progress, timeout_s: float) -> None:
     raise RuntimeError(f"workers not ready after {timeout_s:.0f}s; raise --startup-timeout")
 
 
-def _wait_healthy(url: str, progress: Progress, timeout_s: float) -> None:
+def wait_healthy(url: str, timeout_s: float) -> None:
+    """Poll `url` until it answers 200 (the endpoint is ready only when the workers are)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import socket
 import time
-import urllib.request
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -19,6 +18,7 @@ from typing import TYPE_CHECKING
 from deploy.bench.harness import markdown_table
 from deploy.bench.routing_figures import quantile
 from deploy.bench.routing_real_traffic import Sample, Traffic, run_traffic
+from deploy.serve_local import wait_healthy
 
 if TYPE_CHECKING:
     from deploy.config import ServeConfig
@@ -99,7 +99,7 @@ def _one_policy(s: RealSettings, policy: str, url: str) -> RealPolicyResult:
     cfg = _config(s, policy)
     t0 = time.perf_counter()
     serve.run(build_app_from_config(cfg), name=APP_NAME, route_prefix="/")
-    _wait_healthy(f"{url}/health", s.startup_timeout_s)
+    wait_healthy(f"{url}/health", s.startup_timeout_s)
     deploy_s = time.perf_counter() - t0
     headers = {"authorization": f"Bearer {cfg.api_key.get_secret_value()}"} if cfg.api_key else {}
     try:
@@ -141,19 +141,6 @@ def _figures(
         per_replica=dict(Counter(x.replica for x in samples)), deploy_s=deploy_s,
         traffic_s=traffic_s, samples=tuple(samples),
     )  # fmt: skip
-
-
-def _wait_healthy(url: str, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(url, timeout=5) as r:  # noqa: S310 - our own loopback URL
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError(f"{url} did not answer 200 within {timeout_s:.0f}s")
 
 
 def _free_port() -> int:
