@@ -184,7 +184,9 @@ class Engine:
         assert req.kv is not None
         req.kv.tokens.append(token)
         if logprob is not None:
-            req.logprobs = (req.logprobs or []) + [logprob]
+            if req.logprobs is None:
+                req.logprobs = []
+            req.logprobs.append(logprob)
         self.counters["generated_tokens"] += 1
         reason = self.stopper.check(req)
         if reason is not None:
