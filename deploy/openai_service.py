@@ -38,6 +38,7 @@ from deploy.responses import ResponseBuilder
 from deploy.streaming import RequestTimer, from_model, sse, translate_worker_error
 from deploy.worker_client import ReplicaSnapshot, WorkerClient
 from deploy.worker_protocol import StreamStart
+from router import ingress_signal
 from router.metrics import default_metrics as routing_metrics
 from router.request import PREDICTED_CACHED_TOKENS_HEADER, RoutedRequest
 
@@ -266,6 +267,9 @@ class OpenAIService:
     def _count_tokens(self, choices: list[ChoiceState]) -> None:
         """Token counters, and the router's prediction against what the worker really reused."""
         for c in choices:
+            # Before the client has its answer: tells the routers in this process that the
+            # request is done and its cache events published (router/ingress_signal.py).
+            ingress_signal.note_finished(c.request.request_id)
             if c.start and c.start.predicted_cached_tokens is not None and c.start.routing_policy:
                 routing_metrics().observe_outcome(
                     c.start.routing_policy, c.start.predicted_cached_tokens, c.cached_tokens

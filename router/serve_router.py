@@ -37,6 +37,7 @@ from cluster import transport
 from cluster.index import ClusterIndex, IndexLimits
 from cluster.load import WorkerLoad
 from cluster.messages import WorkerRemoved
+from router import ingress_signal
 from router import metrics as router_metrics
 from router.core import Candidate, RouterCore
 from router.cost import CostWeights
@@ -45,6 +46,7 @@ from router.request import RoutedRequest
 
 logger = logging.getLogger(__name__)
 
+_MAX_TRACKED_KEYS = 4096  # request ids remembered for early completions
 _LOOKUP_INTERVAL_S = 1.0  # how often a router without an index actor looks for one
 
 
@@ -93,6 +95,10 @@ class SwaPrefixRequestRouter(RequestRouter):
         self._synced = 0
         self._sync_task: asyncio.Task[None] | None = None
         self._counted: OrderedDict[str, None] = OrderedDict()  # requests already counted
+        # RoutedRequest.request_id -> the in-flight key, for completions the ingress notes
+        # before Serve reports them (router/ingress_signal.py).
+        self._keys: OrderedDict[str, str] = OrderedDict()
+        self._signal_cursor = ingress_signal.cursor()
         # worker id → (the routing_stats dict last parsed, its parse); Serve replaces the dict
         # when a new sample arrives, so identity tells whether to parse again.
         self._loads: dict[str, tuple[object, WorkerLoad | None]] = {}
@@ -123,6 +129,10 @@ class SwaPrefixRequestRouter(RequestRouter):
             # argument resolution; copied defensively in case a caller left a tuple).
             pending_request.args = [request.with_routing(decision), *pending_request.args[1:]]
             self._count_once(key, elapsed)
+            if request.request_id and key is not None:
+                self._keys[request.request_id] = key
+                while len(self._keys) > _MAX_TRACKED_KEYS:
+                    self._keys.popitem(last=False)
         return [[by_id[r.worker_id]] for r in decision.ranked]
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
@@ -156,8 +166,20 @@ class SwaPrefixRequestRouter(RequestRouter):
             self._actor.remove.remote(WorkerRemoved(worker_id))
 
     # ---- helpers ---------------------------------------------------------------------------
+    def _take_ingress_completions(self) -> None:
+        """Completions the ingress already saw count now, before Serve reports them."""
+        ids, self._signal_cursor = ingress_signal.finished_since(self._signal_cursor)
+        if not ids:
+            return
+        for request_id in ids:
+            key = self._keys.pop(request_id, None)
+            if key is not None:
+                self.core.complete(key)
+        self._completions += 1  # their cache events are at the actor: pull before deciding
+
     async def _ensure_fresh(self) -> None:
         """Follow the index actor: start (or restart) the subscriber, or pull once if asked."""
+        self._take_ingress_completions()
         if not self._subscribe:
             return
         sub = self._subscriber

@@ -220,3 +220,34 @@ def test_completion_triggers_one_shared_catch_up_pull() -> None:
         assert sub.pulls == 1
 
     asyncio.run(run())
+
+
+def test_a_completion_the_ingress_noted_stops_counting_as_load_at_once() -> None:
+    """The ingress notes a finished request before Serve reports it: the next decision no
+    longer counts it as in-flight load on its worker (a sequential client keeps its cache hit)."""
+    from router import ingress_signal
+
+    tokens = prompt(4)
+
+    async def run() -> None:
+        router = _router()
+        router.core.index = index_with(tokens, {"a": "LLLL", "b": ""})
+        replicas = [FakeReplica("a", _stats("a")), FakeReplica("b", _stats("b"))]
+        await router.choose_replicas(replicas, _pending(tokens, "first"))
+        assert router.core.inflight.pending("a", None)[1] == 1
+        ingress_signal.note_finished("first")
+        await router.choose_replicas(replicas, _pending(tokens, "second"))
+        assert router.core.inflight.pending("a", None)[1] == 1  # only "second" is in flight now
+
+    asyncio.run(run())
+
+
+def test_ingress_signal_cursor_returns_each_id_once() -> None:
+    from router import ingress_signal
+
+    start = ingress_signal.cursor()
+    ingress_signal.note_finished("x1")
+    ingress_signal.note_finished("x2")
+    ids, end = ingress_signal.finished_since(start)
+    assert ids == ["x1", "x2"] and end == start + 2
+    assert ingress_signal.finished_since(end) == ([], end)
