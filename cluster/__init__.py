@@ -5,7 +5,7 @@ Ray-free here; the Ray side is `cluster.transport` (index actor, publisher, subs
 """
 
 from cluster.index import ApplyOutcome, ClusterIndex, IndexLimits
-from cluster.load import PoolHeadroom, WorkerLoad, make_routing_stats
+from cluster.messages import PoolHeadroom, WorkerLoad, make_routing_stats
 
 __all__ = [
     "ApplyOutcome",

@@ -35,9 +35,16 @@ from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from cluster.messages import IndexUpdate, WorkerRemoved, WorkerResync
+from cluster.messages import (
+    CacheSnapshot,
+    EventBatch,
+    IndexUpdate,
+    WorkerMeta,
+    WorkerRemoved,
+    WorkerResync,
+)
 from cluster.page_map import PageMap
-from worker.protocol import CacheEvent, CacheSnapshot, EventBatch, EventKind, PageState, WorkerMeta
+from worker.cache.events import CacheEvent, EventKind, PageState
 
 
 @dataclass(frozen=True)

@@ -16,8 +16,7 @@ import uuid
 from collections import deque
 
 from cluster.index import ClusterIndex, IndexLimits
-from cluster.messages import Delta, IndexUpdate, PushAck, WorkerRemoved, WorkerResync
-from worker.protocol import EventBatch
+from cluster.messages import Delta, EventBatch, IndexUpdate, PushAck, WorkerRemoved, WorkerResync
 
 
 class IndexHub:

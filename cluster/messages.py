@@ -1,14 +1,65 @@
-"""What the transport carries besides the worker's `EventBatch` (plain, picklable dataclasses).
+"""Every type that crosses a process boundary (plain, picklable dataclasses; no torch).
 
-Every change to a `ClusterIndex` is one `IndexUpdate`; the index actor logs the updates it
-accepted in order and routers replay them, so each router's index is a deterministic copy.
+Who sends what:
+
+| message | from → to | carries |
+|---|---|---|
+| `EventBatch` | worker replica → index actor → routers | the cache events of one drain, numbered |
+| `CacheSnapshot`, `WorkerMeta`, `WorkerResync` | worker replica → index actor | a resync after a gap or restart |
+| `WorkerRemoved` | router / replica → index actor | a replica left |
+| `PushAck`, `Delta` | index actor → worker / router | push answer; a router's pull |
+| routing stats (`make_routing_stats`, `WorkerLoad`) | worker replica → Serve → routers | load and both pools' headroom |
+| `RoutedRequest`, `RoutingDecision` | ingress → router → worker replica | the prompt and the decision |
+| `StreamStart`, `WorkerInfo` | worker replica → ingress | who serves, or why refused; model facts |
+
+The cache events themselves (`CacheEvent`, `EventKind`, `PageState`, page hashes) are the
+worker's vocabulary and live in `worker.cache.events`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal, NamedTuple
 
-from worker.protocol import CacheSnapshot, EventBatch, WorkerMeta
+from worker.cache.events import CacheEvent, PageState
+
+# ---- cache events between worker, index actor and routers ----------------------------------
+
+
+@dataclass(frozen=True)
+class EventBatch:
+    """Events of one drain, stamped with the worker's sequence number (1, 2, 3, …)."""
+
+    worker_id: str
+    incarnation: str
+    seq: int
+    events: tuple[CacheEvent, ...]
+
+
+@dataclass(frozen=True)
+class CacheSnapshot:
+    """Every cached page of one worker at sequence number `seq` (for resync after a gap)."""
+
+    worker_id: str
+    incarnation: str
+    seq: int
+    pages: dict[int, PageState] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class WorkerMeta:
+    """Sent once when a worker replica starts."""
+
+    worker_id: str
+    incarnation: str
+    page_size: int
+    window: int | None  # None: no SWA layer (every prefix with full KV is valid)
+    full_tokens: int
+    swa_tokens: int
+    hybrid: bool
 
 
 @dataclass(frozen=True)
@@ -24,14 +75,14 @@ class WorkerResync:
     snapshot: CacheSnapshot | None
 
     def __post_init__(self) -> None:
-        snap = self.snapshot
+        snap, meta = self.snapshot, self.meta
         if snap is not None and (snap.worker_id, snap.incarnation) != (
-            self.meta.worker_id,
-            self.meta.incarnation,
+            meta.worker_id,
+            meta.incarnation,
         ):
             raise ValueError(
                 f"snapshot of {snap.worker_id}/{snap.incarnation} sent with metadata of "
-                f"{self.meta.worker_id}/{self.meta.incarnation}; take both from the same engine"
+                f"{meta.worker_id}/{meta.incarnation}; take both from the same engine"
             )
 
 
@@ -43,6 +94,8 @@ class WorkerRemoved:
     incarnation: str | None = None
 
 
+# Every change to a `ClusterIndex` is one update; the index actor logs the updates it accepted
+# in order and routers replay them, so each router's index is a deterministic copy.
 IndexUpdate = EventBatch | WorkerResync | WorkerRemoved
 
 
@@ -67,3 +120,209 @@ class Delta:
     cursor: int  # pass back on the next pull
     reset: bool
     updates: tuple[IndexUpdate, ...]
+
+
+# ---- routing stats: worker replica → Serve → routers ---------------------------------------
+# A replica returns `make_routing_stats(...)` from its Serve `record_routing_stats()`; Serve
+# polls it every `request_routing_stats_period_s` and hands the dict to every router as
+# `RunningReplica.routing_stats`, where `WorkerLoad.from_routing_stats` reads it back. The keys
+# are the whole contract; counts are tokens unless the name says otherwise:
+#   worker_id            the id the replica stamps on its cache events (Serve replica unique id)
+#   timestamp_s          time.time() of the sample (routers add their own later decisions)
+#   queue_len            requests waiting for admission (not prefilled at all yet)
+#   queued_prefill_tokens  prompt tokens still to compute: waiting requests (after their cache
+#                        hit) plus the unfinished rest of chunked prefills
+#   running_decodes      requests in the decode phase
+#   {full,swa}_{free,evictable,total}_tokens  each pool's free slots, slots held only by the
+#                        radix cache (reclaimable), allocatable slots; one pool: both prefixes
+
+STAT_WORKER_ID = "worker_id"
+STAT_TIMESTAMP_S = "timestamp_s"
+STAT_QUEUE_LEN = "queue_len"
+STAT_QUEUED_PREFILL_TOKENS = "queued_prefill_tokens"
+STAT_RUNNING_DECODES = "running_decodes"
+STAT_FULL_FREE_TOKENS = "full_free_tokens"
+STAT_FULL_EVICTABLE_TOKENS = "full_evictable_tokens"
+STAT_FULL_TOTAL_TOKENS = "full_total_tokens"
+STAT_SWA_FREE_TOKENS = "swa_free_tokens"
+STAT_SWA_EVICTABLE_TOKENS = "swa_evictable_tokens"
+STAT_SWA_TOTAL_TOKENS = "swa_total_tokens"
+
+_INT_KEYS = (
+    STAT_QUEUE_LEN,
+    STAT_QUEUED_PREFILL_TOKENS,
+    STAT_RUNNING_DECODES,
+    STAT_FULL_FREE_TOKENS,
+    STAT_FULL_EVICTABLE_TOKENS,
+    STAT_FULL_TOTAL_TOKENS,
+    STAT_SWA_FREE_TOKENS,
+    STAT_SWA_EVICTABLE_TOKENS,
+    STAT_SWA_TOTAL_TOKENS,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class PoolHeadroom:
+    """Capacity of one pool as the worker last reported it (tokens)."""
+
+    free: int
+    evictable: int
+    total: int
+
+    @property
+    def allocatable(self) -> int:
+        """Slots a new request can get now, evicting cached prefixes if needed."""
+        return self.free + self.evictable
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerLoad:
+    """One `record_routing_stats` sample, parsed."""
+
+    worker_id: str
+    timestamp_s: float
+    queue_len: int
+    queued_prefill_tokens: int
+    running_decodes: int
+    full: PoolHeadroom
+    swa: PoolHeadroom
+
+    @classmethod
+    def from_routing_stats(cls, stats: Mapping[str, Any] | None) -> WorkerLoad | None:
+        """Parse a routing-stats dict; None when the replica has not reported yet.
+
+        Raises:
+            ValueError: a key is missing or not a non-negative number (the message names it).
+        """
+        if not stats:
+            return None
+        missing = [k for k in (STAT_WORKER_ID, STAT_TIMESTAMP_S, *_INT_KEYS) if k not in stats]
+        if missing:
+            raise ValueError(
+                f"routing stats lack {missing}; build them with cluster.messages.make_routing_stats"
+            )
+        n = {k: _non_negative_int(k, stats[k]) for k in _INT_KEYS}
+        return cls(
+            worker_id=str(stats[STAT_WORKER_ID]),
+            timestamp_s=float(stats[STAT_TIMESTAMP_S]),
+            queue_len=n[STAT_QUEUE_LEN],
+            queued_prefill_tokens=n[STAT_QUEUED_PREFILL_TOKENS],
+            running_decodes=n[STAT_RUNNING_DECODES],
+            full=PoolHeadroom(
+                n[STAT_FULL_FREE_TOKENS], n[STAT_FULL_EVICTABLE_TOKENS], n[STAT_FULL_TOTAL_TOKENS]
+            ),
+            swa=PoolHeadroom(
+                n[STAT_SWA_FREE_TOKENS], n[STAT_SWA_EVICTABLE_TOKENS], n[STAT_SWA_TOTAL_TOKENS]
+            ),
+        )
+
+
+def make_routing_stats(
+    *,
+    worker_id: str,
+    timestamp_s: float,
+    queue_len: int,
+    queued_prefill_tokens: int,
+    running_decodes: int,
+    full: PoolHeadroom,
+    swa: PoolHeadroom,
+) -> dict[str, float | int | str]:
+    """The dict a worker replica returns from `record_routing_stats()`."""
+    return {
+        STAT_WORKER_ID: worker_id,
+        STAT_TIMESTAMP_S: timestamp_s,
+        STAT_QUEUE_LEN: queue_len,
+        STAT_QUEUED_PREFILL_TOKENS: queued_prefill_tokens,
+        STAT_RUNNING_DECODES: running_decodes,
+        STAT_FULL_FREE_TOKENS: full.free,
+        STAT_FULL_EVICTABLE_TOKENS: full.evictable,
+        STAT_FULL_TOTAL_TOKENS: full.total,
+        STAT_SWA_FREE_TOKENS: swa.free,
+        STAT_SWA_EVICTABLE_TOKENS: swa.evictable,
+        STAT_SWA_TOTAL_TOKENS: swa.total,
+    }
+
+
+def _non_negative_int(key: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+        raise ValueError(f"routing stat {key!r} must be a number, got {value!r}")
+    if value < 0:
+        raise ValueError(f"routing stat {key!r} must be >= 0, got {value}")
+    return int(value)
+
+
+# ---- a request: ingress → router → worker replica → ingress --------------------------------
+
+
+class RankedWorker(NamedTuple):  # one per candidate per request: a NamedTuple is cheap to build
+    worker_id: str
+    predicted_cached_tokens: int  # what the policy believes this worker will reuse
+    cost: float  # the policy's score (lower is better); comparable only within one decision
+
+
+@dataclass(frozen=True)
+class RoutingDecision:
+    """One decision: every candidate, best first, with its predicted cached tokens."""
+
+    policy: str
+    ranked: tuple[RankedWorker, ...]
+
+    @property
+    def best(self) -> RankedWorker | None:
+        return self.ranked[0] if self.ranked else None
+
+    def predicted_for(self, worker_id: str) -> int | None:
+        """The prediction for the replica that actually serves (it may not be the first rank
+        when that one was full); None when the worker was not a candidate."""
+        for ranked in self.ranked:
+            if ranked.worker_id == worker_id:
+                return ranked.predicted_cached_tokens
+        return None
+
+
+@dataclass(frozen=True)
+class RoutedRequest:
+    """The first positional argument of every worker handle call.
+
+    The router reads `token_ids`, decides, and replaces the argument with a copy whose `routing`
+    holds the decision; the serving replica echoes its own prediction (`predicted_for`) in its
+    `StreamStart`, and the ingress puts it in a response header.
+    """
+
+    token_ids: list[int]  # the whole prompt (the router hashes token_ids[:-1], as the worker matches)
+    request_id: str = ""
+    max_new_tokens: int = 0  # for the capacity estimate; 0 when unknown
+    params: object | None = None  # opaque to the router (the engine's sampling parameters)
+    routing: RoutingDecision | None = None  # filled in by the router
+
+    def with_routing(self, decision: RoutingDecision) -> RoutedRequest:
+        return dataclasses.replace(self, routing=decision)
+
+
+RefusalKind = Literal["invalid", "unavailable"]  # -> HTTP 400 / 503
+
+
+@dataclass(frozen=True)
+class StreamStart:
+    """The first item of every worker `generate` stream: which replica took the request and
+    whether it refused it, before the ingress commits to an HTTP status."""
+
+    replica_id: str
+    refusal: RefusalKind | None = None
+    message: str | None = None  # why it was refused; says what to change
+    predicted_cached_tokens: int | None = None  # the router's prediction for this replica
+    routing_policy: str | None = None
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """Static facts about the served model, fetched once by the ingress."""
+
+    replica_id: str
+    max_model_len: int
+    model_dir: str
+    page_size: int
+
+
+class WorkerUnavailableError(RuntimeError):
+    """The worker cannot finish this request (shutting down, engine gone); the ingress answers 503."""

@@ -33,8 +33,15 @@ from ray.exceptions import ActorDiedError, RayError
 
 from cluster.index import ClusterIndex, IndexLimits
 from cluster.index_hub import IndexHub, apply_delta
-from cluster.messages import Delta, PushAck, WorkerRemoved, WorkerResync
-from worker.protocol import CacheSnapshot, EventBatch, WorkerMeta
+from cluster.messages import (
+    CacheSnapshot,
+    Delta,
+    EventBatch,
+    PushAck,
+    WorkerMeta,
+    WorkerRemoved,
+    WorkerResync,
+)
 
 logger = logging.getLogger(__name__)
 

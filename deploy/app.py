@@ -22,9 +22,9 @@ from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
 from deploy.config import INGRESS_DEPLOYMENT, WORKER_DEPLOYMENT, ServeConfig
-from deploy.ingress import IngressDeployment, IngressOptions
-from deploy.openai_service import ServiceOptions
-from deploy.worker_deployment import EngineFactory, WorkerDeployment, WorkerOptions
+from deploy.openai.ingress import IngressDeployment, IngressOptions
+from deploy.openai.service import ServiceOptions
+from deploy.replica.worker import EngineFactory, WorkerDeployment, WorkerOptions
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@
     swaserve bench {memory,engine,cache,routing} [benchmark options]
 
 `serve` starts a local Ray cluster on loopback and serves in the foreground until Ctrl-C
-(`deploy.serve_local`). `bench NAME` imports `deploy.bench.NAME` only when asked, so a missing or
+(`deploy.serve_local`). `bench NAME` imports `bench.NAME` only when asked, so a missing or
 broken benchmark never breaks `serve`.
 """
 
@@ -64,7 +64,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def run_bench(name: str, argv: Sequence[str]) -> int:
-    """Import `deploy.bench.<name>` and run it with its own argument parser."""
+    """Import `bench.<name>` and run it with its own argument parser."""
     if name not in BENCHMARKS:
         print(f"swaserve bench: unknown benchmark {name!r}; choose one of: {', '.join(BENCHMARKS)}", file=sys.stderr)
         return 2
@@ -78,16 +78,16 @@ def run_bench(name: str, argv: Sequence[str]) -> int:
 
 def _load_bench(name: str) -> Any:
     try:
-        module = importlib.import_module(f"deploy.bench.{name}")
+        module = importlib.import_module(f"bench.{name}")
     except ModuleNotFoundError as e:
-        if e.name not in (f"deploy.bench.{name}", "deploy.bench"):
+        if e.name not in (f"bench.{name}", "bench"):
             raise  # the benchmark exists but one of its own imports is missing: show that
         print(f"swaserve bench: benchmark {name!r} is not available in this install "
-              f"(no module deploy.bench.{name})", file=sys.stderr)  # fmt: skip
+              f"(no module bench.{name})", file=sys.stderr)  # fmt: skip
         return None
     missing = [f for f in ("add_arguments", "run") if not callable(getattr(module, f, None))]
     if missing:
-        print(f"swaserve bench: deploy.bench.{name} lacks {', '.join(missing)}()", file=sys.stderr)
+        print(f"swaserve bench: bench.{name} lacks {', '.join(missing)}()", file=sys.stderr)
         return None
     return module
 

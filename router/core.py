@@ -11,13 +11,12 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 from cluster.index import ClusterIndex, WorkerEntry
-from cluster.load import WorkerLoad
+from cluster.messages import RankedWorker, RoutingDecision, WorkerLoad
 from router.cost import WorkerView
 from router.hashing import PageHasher
 from router.inflight import InflightTracker
 from router.match import WorkerMatch, match_chain
 from router.policies import Policy, RequestView
-from router.request import RankedWorker, RoutingDecision
 
 
 class Candidate(NamedTuple):  # one per replica per request: a NamedTuple is cheap to build

@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from cluster.load import PoolHeadroom, WorkerLoad
+from cluster.messages import PoolHeadroom, WorkerLoad
 
 
 @dataclass(frozen=True)

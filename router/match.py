@@ -23,7 +23,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import NamedTuple
 
 from cluster.page_map import PageMap
-from worker.protocol import PageState
+from worker.cache.events import PageState
 
 
 class WorkerMatch(NamedTuple):

@@ -35,14 +35,12 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 
 from cluster import transport
 from cluster.index import ClusterIndex, IndexLimits
-from cluster.load import WorkerLoad
-from cluster.messages import WorkerRemoved
+from cluster.messages import RoutedRequest, WorkerLoad, WorkerRemoved
 from router import ingress_signal
 from router import metrics as router_metrics
 from router.core import Candidate, RouterCore
 from router.cost import CostWeights
 from router.policies import DEFAULT_POLICY, make_policy
-from router.request import RoutedRequest
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """The engine on one device. Never imports ray or HTTP code (DESIGN §3).
 
 `from worker import Engine, EngineConfig, SamplingParams` is the public entry (DESIGN §4.1).
-The names load lazily, so `worker.protocol` (read by the router) stays light: no torch import.
+The names load lazily, so `worker.cache.events` (read by the router) stays light: no torch import.
 """
 
 from __future__ import annotations
@@ -9,15 +9,15 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from worker.async_engine import AsyncEngine
     from worker.config import EngineConfig
-    from worker.engine import Engine
+    from worker.engine.async_engine import AsyncEngine
+    from worker.engine.engine import Engine
     from worker.outputs import EngineStats, Output, StreamDelta
     from worker.sampling_params import SamplingParams
 
 _EXPORTS = {
-    "AsyncEngine": "worker.async_engine",
-    "Engine": "worker.engine",
+    "AsyncEngine": "worker.engine.async_engine",
+    "Engine": "worker.engine.engine",
     "EngineConfig": "worker.config",
     "EngineStats": "worker.outputs",
     "Output": "worker.outputs",

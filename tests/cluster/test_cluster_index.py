@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from cluster.index import ApplyOutcome, ClusterIndex, IndexLimits
-from cluster.messages import WorkerRemoved, WorkerResync
-from worker.protocol import CacheEvent, CacheSnapshot, EventBatch, EventKind, PageState, WorkerMeta
+from cluster.messages import CacheSnapshot, EventBatch, WorkerMeta, WorkerRemoved, WorkerResync
+from worker.cache.events import CacheEvent, EventKind, PageState
 
 K = EventKind
 

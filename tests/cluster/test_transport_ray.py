@@ -21,8 +21,15 @@ from ray import cloudpickle, serve
 from ray.serve.config import RequestRouterConfig
 
 from cluster.index import ClusterIndex
-from cluster.load import PoolHeadroom, make_routing_stats
-from cluster.messages import WorkerRemoved
+from cluster.messages import (
+    CacheSnapshot,
+    EventBatch,
+    PoolHeadroom,
+    RoutedRequest,
+    WorkerMeta,
+    WorkerRemoved,
+    make_routing_stats,
+)
 from cluster.ray_local import LocalRayConfig, start_local_ray, stop_local_ray
 from cluster.transport import (
     EventPublisher,
@@ -33,16 +40,7 @@ from cluster.transport import (
     kill_index_actor,
 )
 from router.match import valid_match_reference
-from router.request import RoutedRequest
-from worker.protocol import (
-    CacheEvent,
-    CacheSnapshot,
-    EventBatch,
-    EventKind,
-    PageState,
-    WorkerMeta,
-    page_hashes,
-)
+from worker.cache.events import CacheEvent, EventKind, PageState, page_hashes
 
 pytestmark = pytest.mark.ray
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.load import (
+from cluster.messages import (
     STAT_QUEUE_LEN,
     STAT_SWA_FREE_TOKENS,
     PoolHeadroom,

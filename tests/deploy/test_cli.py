@@ -32,9 +32,9 @@ def test_serve_rejects_bad_flags(bad: list[str]) -> None:
 
 
 def test_bench_dispatches_lazily(monkeypatch: pytest.MonkeyPatch) -> None:
-    """`swaserve bench NAME ARGS` imports deploy.bench.NAME and runs it with its own options."""
+    """`swaserve bench NAME ARGS` imports bench.NAME and runs it with its own options."""
     seen: dict[str, object] = {}
-    fake = types.ModuleType("deploy.bench.routing")
+    fake = types.ModuleType("bench.routing")
 
     def add_arguments(parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--requests", type=int, default=1)
@@ -44,7 +44,7 @@ def test_bench_dispatches_lazily(monkeypatch: pytest.MonkeyPatch) -> None:
         return 3
 
     fake.add_arguments, fake.run = add_arguments, run  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "deploy.bench.routing", fake)
+    monkeypatch.setitem(sys.modules, "bench.routing", fake)
     assert cli.main(["bench", "routing", "--requests", "7"]) == 3
     assert seen == {"requests": 7}
 
@@ -53,7 +53,7 @@ def test_bench_missing_or_unknown_is_a_clear_error(monkeypatch: pytest.MonkeyPat
     """An unknown benchmark or a missing module exits 2 with a message naming it."""
     assert cli.main(["bench", "nonsense"]) == 2
     assert "unknown benchmark 'nonsense'" in capsys.readouterr().err
-    monkeypatch.setitem(sys.modules, "deploy.bench.cache", None)  # import now fails like a missing file
+    monkeypatch.setitem(sys.modules, "bench.cache", None)  # import now fails like a missing file
     assert cli.main(["bench", "cache"]) == 2
     assert "not available" in capsys.readouterr().err
 

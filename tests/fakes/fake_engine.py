@@ -1,4 +1,4 @@
-"""A small stand-in for `worker.async_engine.AsyncEngine` (same public interface), for tests only.
+"""A small stand-in for `worker.engine.async_engine.AsyncEngine` (same public interface), for tests only.
 
 It "generates" deterministic tokens (greedy: a function of the previous token; sampled: a seeded
 RNG), keeps a token-granular KV budget per request so tests can watch KV being freed on abort,
@@ -14,9 +14,9 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+from worker.cache.events import CacheEvent, PageState
 from worker.config import EngineConfig
 from worker.outputs import EngineStats, PoolStats, StreamDelta, TokenLogprob
-from worker.protocol import CacheEvent, PageState
 
 
 class FakeEngine:

@@ -7,8 +7,8 @@ import itertools
 from collections.abc import AsyncIterator
 from typing import Any
 
-from deploy.worker_deployment import WorkerDeployment
-from deploy.worker_protocol import StreamStart, WorkerInfo
+from cluster.messages import StreamStart, WorkerInfo
+from deploy.replica.worker import WorkerDeployment
 from worker.outputs import StreamDelta
 
 

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 from cluster.index import ClusterIndex
-from cluster.load import PoolHeadroom, WorkerLoad
-from cluster.messages import WorkerResync
-from worker.protocol import CacheSnapshot, PageState, WorkerMeta, page_hashes
+from cluster.messages import CacheSnapshot, PoolHeadroom, WorkerLoad, WorkerMeta, WorkerResync
+from worker.cache.events import PageState, page_hashes
 
 PAGE = 4
 WINDOW = 8  # two LIVE pages must end a match that crosses a tombstone

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.load import PoolHeadroom, WorkerLoad
+from cluster.messages import PoolHeadroom, WorkerLoad
 from router.cost import (
     CostWeights,
     WorkerView,

@@ -1,4 +1,4 @@
-"""PageHasher reproduces worker.protocol.page_hashes exactly, memoised or not."""
+"""PageHasher reproduces worker.cache.events.page_hashes exactly, memoised or not."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from router.hashing import PageHasher
-from worker.protocol import page_hashes
+from worker.cache.events import page_hashes
 
 
 @settings(max_examples=200, deadline=None)

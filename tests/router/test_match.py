@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from cluster.page_map import PageMap
 from router.match import deepest_valid, match_chain, valid_match_reference
-from worker.protocol import PageState
+from worker.cache.events import PageState
 
 L, T = PageState.LIVE, PageState.TOMBSTONE
 

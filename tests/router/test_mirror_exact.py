@@ -11,12 +11,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cluster.index import ClusterIndex
-from cluster.messages import WorkerResync
+from cluster.messages import CacheSnapshot, EventBatch, WorkerMeta, WorkerResync
 from router.core import RouterCore
 from router.policies import make_policy
 from worker.cache.radix_cache import RadixCache
-from worker.mem.allocator import HybridAllocator
-from worker.protocol import CacheSnapshot, EventBatch, WorkerMeta
+from worker.kv.hybrid_allocator import HybridAllocator
 
 PAGE = 2
 

@@ -6,11 +6,11 @@ import pytest
 from routing_builders import PAGE, index_with, load, prompt
 
 from cluster.index import ClusterIndex
-from cluster.messages import WorkerRemoved
+from cluster.messages import EventBatch, WorkerRemoved
 from router.core import Candidate, RouterCore
 from router.cost import CostWeights
 from router.policies import POLICIES, make_policy
-from worker.protocol import CacheEvent, EventBatch, EventKind, page_hashes
+from worker.cache.events import CacheEvent, EventKind, page_hashes
 
 
 def _core(index: ClusterIndex, policy: str = "swa_prefix", **weights: float) -> RouterCore:

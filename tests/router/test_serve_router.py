@@ -15,9 +15,8 @@ from ray.serve._private.common import (
 from ray.serve.request_router import PendingRequest
 from routing_builders import PAGE, index_with, prompt
 
-from cluster.load import PoolHeadroom, make_routing_stats
+from cluster.messages import PoolHeadroom, RoutedRequest, make_routing_stats
 from router.metrics import RoutingMetrics
-from router.request import RoutedRequest
 from router.serve_router import SwaPrefixRequestRouter
 
 DEP = DeploymentID(name="Worker", app_name="app")

@@ -9,8 +9,8 @@ from worker.attention.base import AttentionBackend, AttentionLayer, AttnBatch, K
 if TYPE_CHECKING:
     import torch
 
-    from worker.mem.pool import HybridKVPool
-    from worker.spec import ModelSpec
+    from worker.kv.pool import HybridKVPool
+    from worker.models.spec import ModelSpec
 
 BACKENDS = ("torch", "flashinfer")
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from worker.spec import LayerKind
+from worker.models.spec import LayerKind
 
 
 @dataclass(frozen=True)

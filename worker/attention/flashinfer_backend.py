@@ -25,10 +25,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from worker.attention.base import AttentionBackend, AttentionLayer, AttnBatch
-from worker.spec import LayerKind, ModelSpec
+from worker.models.spec import LayerKind, ModelSpec
 
 if TYPE_CHECKING:
-    from worker.mem.pool import HybridKVPool
+    from worker.kv.pool import HybridKVPool
 
 WORKSPACE_BYTES = 256 * 1024 * 1024
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)

@@ -25,10 +25,10 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 from worker.attention.base import AttentionBackend, AttentionLayer, AttnBatch, KVView
-from worker.spec import LayerKind
+from worker.models.spec import LayerKind
 
 if TYPE_CHECKING:
-    from worker.mem.pool import HybridKVPool
+    from worker.kv.pool import HybridKVPool
 
 # A prefill group is padded to its longest query and key range; start another group when the
 # padding would exceed this multiple of the real work (scores computed / scores needed).

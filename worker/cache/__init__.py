@@ -1,14 +1,16 @@
-"""Prefix caches over the hybrid allocator: the unified radix cache and the chunk cache."""
+"""Prefix caches over the hybrid allocator: the unified radix cache and the chunk cache.
+
+Importing this package imports no torch: `worker.cache.events` (the event vocabulary the router
+and the cluster index share) must stay light. The implementations load in `create_cache`.
+"""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from worker.cache.base import EvictResult, LockReceipt, MatchResult, PrefixCache
-from worker.cache.req_kv import ReqKV
-
 if TYPE_CHECKING:
-    from worker.mem.allocator import HybridAllocator
+    from worker.cache.base import PrefixCache
+    from worker.kv.hybrid_allocator import HybridAllocator
 
 
 def create_cache(
@@ -28,4 +30,4 @@ def create_cache(
     return ChunkCache(allocator, window)
 
 
-__all__ = ["EvictResult", "LockReceipt", "MatchResult", "PrefixCache", "ReqKV", "create_cache"]
+__all__ = ["create_cache"]

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from worker.protocol import CacheEvent, PageState
+from worker.cache.events import CacheEvent, PageState
 
 if TYPE_CHECKING:
     from worker.cache.node import Node

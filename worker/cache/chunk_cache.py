@@ -14,7 +14,7 @@ import torch
 from worker.cache.base import EvictResult, LockReceipt, MatchResult, PrefixCache
 from worker.cache.node import Node
 from worker.cache.req_kv import ReqKV
-from worker.mem.allocator import HybridAllocator
+from worker.kv.hybrid_allocator import HybridAllocator
 
 
 class ChunkCache(PrefixCache):

@@ -1,6 +1,6 @@
 """Cache events out of the tree (DESIGN §4.3): a buffer the engine drains.
 
-Events name pages by chained page hash (`worker.protocol.page_hashes`); each node keeps its
+Events name pages by chained page hash (`worker.cache.events.page_hashes`); each node keeps its
 pages' hashes, so the tree emits an event per node state change:
 
 | tree change                              | event              | page state after |
@@ -17,9 +17,52 @@ Splits emit nothing (the pages do not change). The engine stamps sequence number
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import enum
+import hashlib
+import struct
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
-from worker.protocol import CacheEvent, EventKind, PageState
+# Pages are named by *chained* hashes: h_i = H(h_{i-1}, tokens of page i), h_{-1} = ROOT_HASH,
+# so one hash names a whole page-aligned prefix. The router computes the same chain.
+ROOT_HASH = 0
+
+
+def _page_hash(parent: int, tokens: Sequence[int]) -> int:
+    h = hashlib.blake2b(digest_size=8)
+    h.update(struct.pack("<Q", parent))
+    h.update(struct.pack(f"<{len(tokens)}q", *tokens))
+    return int.from_bytes(h.digest(), "little") & 0x7FFF_FFFF_FFFF_FFFF
+
+
+def page_hashes(tokens: Sequence[int], page_size: int, parent: int = ROOT_HASH) -> list[int]:
+    """Chained hashes of every *complete* page of `tokens` (a trailing partial page is ignored)."""
+    out: list[int] = []
+    for start in range(0, len(tokens) - page_size + 1, page_size):
+        parent = _page_hash(parent, tokens[start : start + page_size])
+        out.append(parent)
+    return out
+
+
+class EventKind(str, enum.Enum):
+    STORED = "stored"  # full and SWA KV now present for these pages
+    REMOVED = "removed"  # full eviction: the pages are gone
+    SWA_REMOVED = "swa_removed"  # became tombstones: full KV kept, SWA KV freed
+    SWA_RESTORED = "swa_restored"  # tombstones revived with fresh SWA KV
+    STORED_FULL_ONLY = "stored_full_only"  # stored as tombstones (SWA already out of window)
+    CLEARED = "cleared"  # the whole cache was emptied
+
+
+@dataclass(frozen=True, slots=True)
+class CacheEvent:
+    kind: EventKind
+    page_hashes: tuple[int, ...] = ()
+
+
+class PageState(str, enum.Enum):
+    LIVE = "live"  # full + SWA KV present
+    TOMBSTONE = "tombstone"  # full KV present, SWA KV freed
+
 
 _STATE_AFTER: dict[EventKind, PageState | None] = {
     EventKind.STORED: PageState.LIVE,

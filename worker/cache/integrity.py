@@ -10,13 +10,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from worker.protocol import page_hashes
+from worker.cache.events import page_hashes
 
 if TYPE_CHECKING:
     from worker.cache.node import Node
     from worker.cache.req_kv import ReqKV
     from worker.cache.tree import RadixTree
-    from worker.mem.allocator import HybridAllocator
+    from worker.kv.hybrid_allocator import HybridAllocator
 
 
 def _fail(msg: str) -> None:

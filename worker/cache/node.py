@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from worker.protocol import ROOT_HASH
+from worker.cache.events import ROOT_HASH
 
 Key = tuple[int, ...]
 

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import torch
 
 from worker.cache.base import EvictResult, LockReceipt, MatchResult, PrefixCache
-from worker.cache.events import EventLog
+from worker.cache.events import CacheEvent, EventKind, EventLog, PageState
 from worker.cache.evict import evict as evict_tree
 from worker.cache.insert import InsertOutcome, insert
 from worker.cache.integrity import check_tree
@@ -20,9 +20,8 @@ from worker.cache.match import match_path
 from worker.cache.node import Node, path_to_root
 from worker.cache.req_kv import ReqKV
 from worker.cache.tree import AllocOps, RadixTree
-from worker.mem.allocator import HybridAllocator
-from worker.mem.frontier import free_out_of_window
-from worker.protocol import CacheEvent, EventKind, PageState
+from worker.kv.frontier import free_out_of_window
+from worker.kv.hybrid_allocator import HybridAllocator
 
 _I64 = torch.int64
 

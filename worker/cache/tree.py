@@ -17,10 +17,9 @@ from dataclasses import dataclass, field
 import torch
 
 from worker.cache.base import LockReceipt
-from worker.cache.events import EventLog
+from worker.cache.events import EventKind, EventLog, page_hashes
 from worker.cache.lru import LeafHeap, LRUList
 from worker.cache.node import Key, Node, split_off_head
-from worker.protocol import EventKind, page_hashes
 
 
 @dataclass(slots=True)

@@ -16,10 +16,10 @@ from torch import nn
 
 from worker.attention.base import AttentionLayer
 from worker.models.rope import CosSin, Rotary
-from worker.spec import LayerKind, ModelSpec
+from worker.models.spec import LayerKind, ModelSpec
 
 if TYPE_CHECKING:
-    from worker.forward_batch import ForwardContext
+    from worker.runner.forward_batch import ForwardContext
 
 
 class DecoderModel(nn.Module):

@@ -14,10 +14,10 @@ from worker.models.layers import RMSNorm
 from worker.models.moe import GptOssMoE
 from worker.models.rope import CosSin, Rotary, rope_inv_freq
 from worker.models.self_attention import AttnOptions, SelfAttention
-from worker.spec import LayerKind, ModelSpec
+from worker.models.spec import LayerKind, ModelSpec
 
 if TYPE_CHECKING:
-    from worker.forward_batch import ForwardContext
+    from worker.runner.forward_batch import ForwardContext
 
 
 class GptOssDecoderLayer(nn.Module):

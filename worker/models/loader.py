@@ -16,7 +16,7 @@ from safetensors import safe_open
 
 from worker.models.causal_lm import CausalLM
 from worker.models.registry import model_class
-from worker.spec import ModelSpec
+from worker.models.spec import ModelSpec
 
 # Checkpoint tensors the HF classes ignore too (MiMo's multi-token-prediction head).
 _IGNORED_PREFIXES = ("model.mtp.",)
@@ -122,7 +122,7 @@ def load_model(
 
     Args:
         model_dir: a local HF directory (config.json + model.safetensors[.index.json]).
-        spec: the model spec built from the same config (`worker.hf_config`).
+        spec: the model spec built from the same config (`worker.models.hf_config`).
         dtype / device: where and how the weights live.
         config: an already loaded HF config (else read from `model_dir`).
     """

@@ -16,10 +16,10 @@ from worker.models.causal_lm import CausalLM, DecoderModel, attention_layer
 from worker.models.layers import GatedMLP, RMSNorm
 from worker.models.rope import CosSin, Rotary, rope_inv_freq
 from worker.models.self_attention import AttnOptions, SelfAttention
-from worker.spec import LayerKind, ModelSpec
+from worker.models.spec import LayerKind, ModelSpec
 
 if TYPE_CHECKING:
-    from worker.forward_batch import ForwardContext
+    from worker.runner.forward_batch import ForwardContext
 
 
 def _head_dim(config) -> int:

@@ -19,7 +19,7 @@ from worker.models.layers import NormStyle, PagedAttention, RMSNorm
 from worker.models.rope import CosSin, apply_rope
 
 if TYPE_CHECKING:
-    from worker.forward_batch import ForwardContext
+    from worker.runner.forward_batch import ForwardContext
 
 
 @dataclass(frozen=True)

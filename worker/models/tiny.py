@@ -165,7 +165,7 @@ def _config(vocab: int, tok):
 def _save_weights(config, out_dir: Path) -> None:
     from safetensors.torch import save_file
 
-    from worker.hf_config import spec_from_hf_config
+    from worker.models.hf_config import spec_from_hf_config
     from worker.models.loader import build_model
 
     model = build_model(config, spec_from_hf_config(config), dtype=torch.float32, device="cpu")

@@ -14,7 +14,7 @@ import torch
 from worker import attention
 from worker.attention.base import AttentionLayer, AttnBatch, KVView
 from worker.attention.torch_backend import TorchBackend
-from worker.spec import KindShape, LayerKind, ModelSpec
+from worker.models.spec import KindShape, LayerKind, ModelSpec
 
 CUDA = torch.cuda.is_available()
 gpu = pytest.mark.skipif(not CUDA, reason="needs CUDA")
@@ -103,7 +103,7 @@ def test_tiny_model_end_to_end_on_both_backends(tmp_path) -> None:
     _flashinfer()
     from tests.worker.models.driver import Driver
     from worker.attention.flashinfer_backend import FlashInferBackend
-    from worker.hf_config import load_spec
+    from worker.models.hf_config import load_spec
     from worker.models.loader import load_model
     from worker.models.tiny import ensure_tiny_model
 

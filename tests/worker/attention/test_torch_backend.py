@@ -10,7 +10,7 @@ import torch
 
 from worker.attention.base import AttentionLayer, AttnBatch, KVView, check_views
 from worker.attention.torch_backend import TorchBackend
-from worker.spec import LayerKind
+from worker.models.spec import LayerKind
 
 HQ, HKV, D, DV = 4, 2, 8, 6
 

@@ -9,7 +9,7 @@ import torch
 
 from worker.attention.base import AttentionLayer, AttnBatch, KVView
 from worker.attention.torch_backend import TorchBackend
-from worker.spec import LayerKind
+from worker.models.spec import LayerKind
 
 HQ, HKV, D, DV = 6, 3, 8, 5
 

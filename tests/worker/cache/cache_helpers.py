@@ -11,8 +11,8 @@ from worker.cache.match import match_path
 from worker.cache.node import Node
 from worker.cache.radix_cache import RadixCache
 from worker.cache.req_kv import ReqKV
-from worker.mem.allocator import HybridAllocator
-from worker.mem.frontier import free_out_of_window
+from worker.kv.frontier import free_out_of_window
+from worker.kv.hybrid_allocator import HybridAllocator
 
 
 def make_cache(

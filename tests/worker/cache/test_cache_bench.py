@@ -6,7 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
-from deploy.bench import cache as bench
+from bench import cache as bench
 
 
 def test_bench_cache_writes_rates(tmp_path: Path) -> None:

@@ -7,7 +7,7 @@ import torch
 from cache_helpers import decode, make_cache, move_frontier, node_at, start_req
 
 from worker.cache.req_kv import ReqKV
-from worker.mem.frontier import floor_page
+from worker.kv.frontier import floor_page
 
 
 def finish(cache, req: ReqKV, running: list[ReqKV] = (), insert: bool = True) -> None:

@@ -7,7 +7,7 @@ import torch
 from cache_helpers import make_cache, node_at, put
 
 from worker.cache.base import EvictResult
-from worker.protocol import EventKind, page_hashes
+from worker.cache.events import EventKind, page_hashes
 
 SWA_CONFIGS = [(1, 4), (4, 4), (4, 2), (16, 16), (64, 64), (128, 128), (128, 4), (1, 128)]
 

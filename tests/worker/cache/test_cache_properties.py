@@ -26,10 +26,9 @@ from hypothesis.stateful import (
 )
 
 from worker.cache.base import LockReceipt
-from worker.cache.events import replay
+from worker.cache.events import EventKind, PageState, page_hashes, replay
 from worker.cache.match import match_path
 from worker.cache.req_kv import ReqKV
-from worker.protocol import EventKind, PageState, page_hashes
 
 LIVE, TOMB = PageState.LIVE, PageState.TOMBSTONE
 tokens_st = st.lists(st.integers(0, 2), min_size=2, max_size=14)

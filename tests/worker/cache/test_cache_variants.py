@@ -6,11 +6,10 @@ from cache_helpers import decode, make_cache, move_frontier, node_at, put, start
 
 from worker.cache import create_cache
 from worker.cache.chunk_cache import ChunkCache
-from worker.cache.events import replay
+from worker.cache.events import EventKind, PageState, page_hashes, replay
 from worker.cache.req_kv import ReqKV
-from worker.mem.allocator import HybridAllocator
-from worker.mem.frontier import free_out_of_window
-from worker.protocol import EventKind, PageState, page_hashes
+from worker.kv.frontier import free_out_of_window
+from worker.kv.hybrid_allocator import HybridAllocator
 
 
 def test_chunk_cache_hooks_free_everything_at_finish() -> None:

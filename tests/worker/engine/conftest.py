@@ -12,7 +12,7 @@ import torch
 
 from tests.worker.models.hf_tiny import CONFIGS, hf_greedy, randomize
 from worker.config import EngineConfig
-from worker.engine import Engine
+from worker.engine.engine import Engine
 
 WINDOW = 16  # HF sliding_window 17
 

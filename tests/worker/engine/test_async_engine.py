@@ -3,8 +3,8 @@ from __future__ import annotations
 import asyncio
 
 from tests.worker.engine.conftest import Oracle, tokens
-from worker.async_engine import AsyncEngine
 from worker.config import EngineConfig
+from worker.engine.async_engine import AsyncEngine
 from worker.sampling_params import SamplingParams
 
 

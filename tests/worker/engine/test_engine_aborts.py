@@ -9,10 +9,10 @@ from dataclasses import dataclass, field
 import pytest
 
 from tests.worker.engine.conftest import Oracle, assert_all_free, run_checked, tokens
-from worker.engine import Engine
+from worker.engine.engine import Engine
 from worker.outputs import StreamDelta
-from worker.request import Req, ReqState
 from worker.sampling_params import SamplingParams
+from worker.scheduler.request import Req, ReqState
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 CHUNK = 16

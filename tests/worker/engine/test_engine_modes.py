@@ -13,7 +13,7 @@ import torch
 from tests.worker.engine.conftest import Oracle, assert_all_free, run_checked, tokens
 from tests.worker.models.hf_tiny import CONFIGS, hf_greedy, randomize
 from worker.config import EngineConfig
-from worker.engine import Engine
+from worker.engine.engine import Engine
 from worker.sampling_params import SamplingParams
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)

@@ -81,7 +81,7 @@ def test_shared_prefix_reports_the_valid_match(oracle: Oracle) -> None:
 def _valid_match_from_snapshot(engine, prompt: list[int]) -> int:
     """The window rule applied page by page to the cache's published state (independent of
     the tree's own match code)."""
-    from worker.protocol import PageState, page_hashes
+    from worker.cache.events import PageState, page_hashes
 
     P, window = engine.config.page_size, engine.spec.window
     pages = engine.cache_snapshot()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from tests.worker.engine.conftest import WINDOW, Oracle, assert_all_free, run_checked, tokens
-from worker.engine import Engine
+from worker.engine.engine import Engine
 from worker.sampling_params import SamplingParams
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)

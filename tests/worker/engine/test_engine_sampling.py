@@ -12,7 +12,7 @@ import torch
 
 from tests.worker.engine.conftest import Oracle, assert_all_free, run_checked, tokens
 from tests.worker.models.hf_tiny import hf_greedy
-from worker.engine import Engine
+from worker.engine.engine import Engine
 from worker.sampling_params import SamplingParams
 
 PROMPT = tokens(30, seed=300)

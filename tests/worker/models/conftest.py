@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tests.worker.models.hf_tiny import ARCHS, TinyHF, hf_greedy, make_tiny
-from worker.hf_config import spec_from_hf_config
+from worker.models.hf_config import spec_from_hf_config
 from worker.models.loader import load_model
 
 

@@ -15,10 +15,10 @@ import torch
 
 from worker.attention.base import AttentionBackend
 from worker.attention.torch_backend import TorchBackend
-from worker.forward_batch import ForwardBatch, ForwardReq
-from worker.mem import HybridAllocator, HybridKVPool, free_out_of_window
-from worker.runner import ModelRunner
-from worker.spec import ModelSpec
+from worker.kv import HybridAllocator, HybridKVPool, free_out_of_window
+from worker.models.spec import ModelSpec
+from worker.runner.forward_batch import ForwardBatch, ForwardReq
+from worker.runner.model_runner import ModelRunner
 
 
 @dataclass

@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tests.worker.models.conftest import Archs
-from worker.hf_config import spec_from_hf_config
+from worker.models.hf_config import spec_from_hf_config
 from worker.models.loader import load_model
 from worker.models.registry import model_class, supported_model_types
 from worker.models.rope import rope_inv_freq

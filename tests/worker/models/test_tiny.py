@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from tests.worker.models.driver import Driver
-from worker.hf_config import load_spec
+from worker.models.hf_config import load_spec
 from worker.models.loader import load_model
+from worker.models.spec import LayerKind
 from worker.models.tiny import CACHE_ENV, TINY_VERSION, ensure_tiny_model
-from worker.spec import LayerKind
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,202 @@
+"""The HTTP surface: a FastAPI app over `OpenAIService`, and the Serve ingress deployment class.
+
+`create_app(service, options)` is plain FastAPI (tests drive it with httpx's ASGI transport);
+`IngressDeployment` builds the service inside the replica (tokenizer from the model directory,
+a `ServeWorkerClient` around the worker handle) and hands Serve the app through
+`__serve_build_asgi_app__`, so the same app object serves in and out of Ray.
+
+| concern | where | answer |
+|---|---|---|
+| auth | `GuardMiddleware`, `/v1/*` only | 401 without `Authorization: Bearer <key>` |
+| body size | `GuardMiddleware` (Content-Length) and `_read_body` (actual bytes) | 413 |
+| overload | `OpenAIService._admit` (in-flight bound) / worker backpressure | 429 / 503 + `Retry-After` |
+| any error | `APIError` handler, plus 404/405/500 mapped to the same shape | `{"error": {...}}` |
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from deploy.metrics import CONTENT_TYPE, IngressMetrics
+from deploy.openai.schema import APIError
+from deploy.openai.service import OpenAIService, Reply, ServiceOptions
+
+log = logging.getLogger("swaserve.ingress")
+
+
+@dataclass(frozen=True)
+class IngressOptions:
+    service: ServiceOptions
+    api_key: str | None = None
+    max_request_bytes: int = 4 * 1024 * 1024
+    model: str = "tiny"  # 'tiny' or a local HF directory: where the tokenizer comes from
+
+
+def error_response(e: APIError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+def to_response(reply: Reply) -> Response:
+    if reply.events is not None:
+        headers = {**reply.headers, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        return StreamingResponse(reply.events, media_type="text/event-stream", headers=headers)
+    assert reply.body is not None
+    content = reply.body.model_dump_json(exclude_none=True)
+    return Response(content, media_type="application/json", headers=reply.headers)
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise APIError(413, f"request body exceeds {limit} bytes", code="request_too_large")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def create_app(service: OpenAIService, options: IngressOptions) -> FastAPI:
+    app = FastAPI(title="swaserve", docs_url=None, redoc_url=None, openapi_url=None)
+    metrics = service.metrics
+
+    app.add_middleware(GuardMiddleware, options=options, metrics=metrics)
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, e: APIError) -> JSONResponse:
+        return error_response(e)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        message = str(e.detail)
+        if e.status_code in (404, 405):  # OpenAI's wording for routes it does not serve
+            message = f"Invalid URL ({request.method} {request.url.path}): {e.detail}"
+        return error_response(APIError(e.status_code, message))
+
+    @app.exception_handler(Exception)
+    async def _internal(_: Request, e: Exception) -> JSONResponse:
+        log.exception("unhandled error")
+        return error_response(APIError(500, f"internal error: {type(e).__name__}: {e}", type="server_error"))
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        raw = await _read_body(request, options.max_request_bytes)
+        return to_response(await service.completions(raw))
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        raw = await _read_body(request, options.max_request_bytes)
+        return to_response(await service.chat(raw))
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        return Response((await service.models()).model_dump_json(), media_type="application/json")
+
+    @app.get("/health")
+    async def health() -> Response:
+        snapshot = await service.replica_stats()
+        up = sorted(r for r, s in snapshot.items() if s is not None)
+        ready = bool(up) and len(up) == len(snapshot)
+        body = {"status": "ok" if ready else "unavailable", "workers_ready": len(up), "workers": len(snapshot)}
+        return JSONResponse(body, status_code=200 if ready else 503)
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        t0 = time.monotonic()
+        snapshot = await service.replica_stats()
+        log.debug("metrics scrape of %d replicas took %.3fs", len(snapshot), time.monotonic() - t0)
+        return Response(metrics.render(snapshot), media_type=CONTENT_TYPE)
+
+    return app
+
+
+class GuardMiddleware:
+    """Pure ASGI (no BaseHTTPMiddleware, which gets in the way of streaming and cancellation):
+    auth and the Content-Length limit on `/v1/*`, and a status counter on every response."""
+
+    def __init__(self, app: Any, options: IngressOptions, metrics: IngressMetrics) -> None:
+        self._app, self._options, self._metrics = app, options, metrics
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self._app(scope, receive, send)
+            return
+        path = scope["path"]
+        status = {"code": 500}
+
+        async def counting_send(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        try:
+            if path.startswith("/v1/"):
+                headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+                _check_auth(headers, self._options.api_key)
+                _check_length(headers, self._options.max_request_bytes)
+        except APIError as e:
+            await error_response(e)(scope, receive, counting_send)
+        else:
+            await self._app(scope, receive, counting_send)
+        finally:
+            self._metrics.requests.labels(_endpoint(path), str(status["code"])).inc()
+
+
+def _check_auth(headers: dict[str, str], api_key: str | None) -> None:
+    if not api_key:
+        return
+    scheme, _, token = headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
+        raise APIError(
+            401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
+            type="authentication_error", code="invalid_api_key",
+        )  # fmt: skip
+
+
+def _check_length(headers: dict[str, str], limit: int) -> None:
+    length = headers.get("content-length", "")
+    if length.isdigit() and int(length) > limit:
+        raise APIError(413, f"request body of {length} bytes exceeds {limit} bytes", code="request_too_large")
+
+
+def _endpoint(path: str) -> str:
+    known = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+    return path if path in known else "other"
+
+
+def load_tokenizer(model: str) -> Any:
+    """The served model's tokenizer, from its local HF directory (built for 'tiny')."""
+    from transformers import AutoTokenizer
+
+    if model == "tiny":
+        from worker.models.tiny import ensure_tiny_model
+
+        model_dir = ensure_tiny_model()
+    else:
+        model_dir = Path(model)
+    return AutoTokenizer.from_pretrained(str(model_dir))
+
+
+@serve.ingress()
+class IngressDeployment:
+    """The Serve ingress replica: tokenizer + worker client + service; the app comes from
+    `__serve_build_asgi_app__` (Serve calls it after `__init__`)."""
+
+    def __init__(self, worker: DeploymentHandle, options: IngressOptions) -> None:
+        from deploy.replica.client import ServeWorkerClient
+
+        self._options = options
+        self._service = OpenAIService(load_tokenizer(options.model), ServeWorkerClient(worker), options.service)
+
+    def __serve_build_asgi_app__(self) -> FastAPI:
+        return create_app(self._service, self._options)

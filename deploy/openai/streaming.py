@@ -1,0 +1,66 @@
+"""Streaming helpers of the ingress: SSE framing, request timing metrics, worker error mapping."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+from pydantic import BaseModel
+
+from cluster.messages import WorkerUnavailableError
+from deploy.metrics import IngressMetrics
+from deploy.openai.schema import APIError, overloaded
+
+
+class RequestTimer:
+    """TTFT, inter-token latency and end-to-end latency of one HTTP request."""
+
+    def __init__(self, metrics: IngressMetrics, endpoint: str, t0: float) -> None:
+        self._m, self._endpoint, self._t0 = metrics, endpoint, t0
+        self._last: float | None = None
+        self._closed = False
+
+    def tokens(self, n: int) -> None:
+        if n <= 0:
+            return
+        now = time.monotonic()
+        if self._last is None:
+            self._m.ttft.labels(self._endpoint).observe(now - self._t0)
+        else:
+            gap = (now - self._last) / n  # a coalesced delta carries n tokens
+            for _ in range(n):
+                self._m.itl.labels(self._endpoint).observe(gap)
+        self._last = now
+
+    def done(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._m.latency.labels(self._endpoint).observe(time.monotonic() - self._t0)
+
+
+def translate_worker_error(e: BaseException, retry_after_s: int) -> APIError:
+    """Map what a worker call can raise to an HTTP status (overload/unavailable -> 503)."""
+    from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
+
+    if isinstance(e, BackPressureError):
+        # Serve's backpressure_config may ask for 429 and its own Retry-After; honour both.
+        status = 429 if getattr(e, "status_code", 503) == 429 else 503
+        retry = getattr(e, "retry_after_s", None)
+        return overloaded(status, "worker queues are full; retry later", int(retry) if retry else retry_after_s)
+    if isinstance(e, WorkerUnavailableError):
+        return overloaded(503, str(e), retry_after_s)
+    if isinstance(e, DeploymentUnavailableError):
+        return overloaded(503, "no worker replica is available; retry later", retry_after_s)
+    name = type(e).__name__
+    if "ActorDied" in name or "ActorUnavailable" in name or "ReplicaUnavailable" in name:
+        return overloaded(503, f"a worker replica went away ({name}); retry", retry_after_s)
+    return APIError(500, f"internal error while generating: {name}: {e}", type="server_error")
+
+
+def sse(obj: dict[str, Any]) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+
+def from_model(m: BaseModel) -> str:
+    return f"data: {m.model_dump_json(exclude_none=True)}\n\n"

@@ -1,0 +1,122 @@
+"""A worker replica's cache events -> the deployment's index actor (`cluster.transport`).
+
+The engine queues `CacheEvent`s as its radix cache changes; this pump drains them, stamps each
+non-empty drain with the next sequence number (1, 2, 3, … per incarnation) and publishes it.
+It flushes after every finished request (before the final delta goes back, so the next routing
+decision sees the cache that request left) and every `interval_s` in the background (evictions
+and SWA frees happen between requests too).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import uuid
+from typing import Any
+
+from cluster.messages import CacheSnapshot, EventBatch, WorkerMeta, WorkerRemoved
+from cluster.transport import (
+    INDEX_NAMESPACE,
+    EventPublisher,
+    get_or_create_index_actor,
+    index_actor_name,
+)
+
+log = logging.getLogger("swaserve.worker.events")
+
+
+class CacheEventPump:
+    def __init__(self, engine: Any, worker_id: str, app_name: str, deployment_name: str, interval_s: float = 0.25) -> None:
+        self._engine = engine
+        self._incarnation = uuid.uuid4().hex[:12]
+        self._worker_id = worker_id
+        self._actor_name = index_actor_name(app_name, deployment_name)
+        self._interval_s = interval_s
+        self._seq = 0
+        self._seq_lock = threading.Lock()  # snapshots run on the loop thread, drains in a worker thread
+        self._flush_lock = asyncio.Lock()
+        self._start_lock = asyncio.Lock()
+        self._publisher: EventPublisher | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    def _meta(self) -> WorkerMeta:
+        stats = self._engine.stats()
+        spec = self._engine.spec
+        return WorkerMeta(
+            worker_id=self._worker_id,
+            incarnation=self._incarnation,
+            page_size=int(self._engine.config.page_size),
+            window=getattr(spec, "window", None) if getattr(spec, "has_swa", False) else None,
+            full_tokens=stats.full.total,
+            swa_tokens=stats.swa.total,
+            hybrid=stats.hybrid,
+        )
+
+    async def ensure_started(self) -> None:
+        """Register with the index actor (once) and start the background flush loop."""
+        if self._publisher is not None:
+            return
+        async with self._start_lock:
+            if self._publisher is not None:
+                return
+            actor = get_or_create_index_actor(self._actor_name)
+            publisher = EventPublisher(actor, self._meta(), self._snapshot)
+            await publisher.start()
+            self._publisher = publisher
+            self._task = asyncio.get_running_loop().create_task(self._loop())
+
+    def _snapshot(self) -> CacheSnapshot:
+        # Runs on the caller's thread (EventPublisher's contract). Events still queued are folded
+        # into the snapshot, so its seq covers them; the engine takes both between two steps.
+        with self._seq_lock:
+            events, pages = self._drain_and_snapshot()
+            if events:
+                self._seq += 1
+            return CacheSnapshot(self._worker_id, self._incarnation, self._seq, dict(pages))
+
+    def _drain_and_snapshot(self) -> tuple[list[Any], dict[int, Any]]:
+        both = getattr(self._engine, "drain_and_snapshot", None)
+        if both is not None:
+            return both()
+        return self._engine.drain_cache_events(), self._engine.cache_snapshot()
+
+    def _drain_batch(self) -> EventBatch | None:
+        with self._seq_lock:
+            events = self._engine.drain_cache_events()
+            if not events:
+                return None
+            self._seq += 1
+            return EventBatch(self._worker_id, self._incarnation, self._seq, tuple(events))
+
+    async def flush(self) -> None:
+        """Drain and publish whatever the engine queued since the last flush."""
+        if self._publisher is None:
+            return
+        async with self._flush_lock:  # drains and publishes stay in seq order
+            # NOTE: draining waits for the engine's current step to end; off the event loop, so
+            # other requests' deltas keep flowing meanwhile.
+            batch = await asyncio.to_thread(self._drain_batch)
+            if batch is not None:
+                await self._publisher.publish(batch)
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self._interval_s)
+            try:
+                await self.flush()
+            except Exception:  # noqa: BLE001 - keep publishing; the index resyncs on gaps
+                log.exception("publishing cache events failed")
+
+    def close(self) -> None:
+        """Stop the loop and tell the index this incarnation is gone (best effort, no waiting)."""
+        if self._task is not None:
+            self._task.cancel()
+        if self._publisher is not None:
+            try:
+                import ray
+
+                actor = ray.get_actor(self._actor_name, namespace=INDEX_NAMESPACE)
+                actor.remove.remote(WorkerRemoved(self._worker_id, self._incarnation))
+            except Exception:  # noqa: BLE001 - the index also drops dead replicas on its own
+                log.warning("could not deregister %s from the cache index", self._worker_id)

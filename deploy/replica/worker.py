@@ -1,0 +1,262 @@
+"""The worker deployment: one `AsyncEngine` per Ray Serve replica.
+
+The class is plain Python (no Serve decorator) so tests drive it in-process with a fake engine;
+`deploy.app` wraps it with `serve.deployment(...)`. Serve calls, besides `generate`:
+
+- `record_routing_stats()` every `request_routing_stats_period_s` (the controller) and at every
+  `/metrics` scrape (the ingress, see `deploy.replicas`): queue sizes and both pools' numbers;
+- `check_health()` every `health_check_period_s`: raises when the engine is stuck or shut down;
+- `__del__` after Serve's graceful drain (no new requests are routed here and ongoing requests
+  had up to `graceful_shutdown_timeout_s` to finish): aborts stragglers, stops the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import os
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from cluster.messages import (
+    PoolHeadroom,
+    RoutedRequest,
+    StreamStart,
+    WorkerInfo,
+    WorkerUnavailableError,
+    make_routing_stats,
+)
+from deploy.metrics import flatten_stats
+from worker.config import EngineConfig
+from worker.outputs import StreamDelta
+
+if TYPE_CHECKING:
+    from deploy.replica.events import CacheEventPump
+
+log = logging.getLogger("swaserve.worker")
+
+EngineFactory = Callable[[EngineConfig], Any]
+
+
+@dataclass(frozen=True)
+class WorkerOptions:
+    stall_timeout_s: float = 120.0  # pending work but no engine step for this long -> unhealthy
+    publish_events: bool = True  # cache events to the index actor (only inside a Serve replica)
+    event_interval_s: float = 0.25  # background flush period of cache events
+
+
+def _default_engine(config: EngineConfig) -> Any:
+    from worker.engine.async_engine import AsyncEngine  # heavy (torch); only inside the replica
+
+    return AsyncEngine(config)
+
+
+def _replica_context() -> Any:
+    try:
+        from ray import serve
+
+        return serve.get_replica_context()
+    except Exception:  # noqa: BLE001 - not inside a Serve replica
+        return None
+
+
+def current_replica_id() -> str:
+    """Serve's short replica id inside a replica; `local-<pid>` outside Serve (tests)."""
+    ctx = _replica_context()
+    return ctx.replica_id.unique_id if ctx is not None else f"local-{os.getpid()}"
+
+
+class WorkerDeployment:
+    def __init__(
+        self,
+        engine_config: EngineConfig,
+        options: WorkerOptions | None = None,
+        engine_factory: EngineFactory | None = None,
+        replica_id: str | None = None,
+    ) -> None:
+        self.replica_id = replica_id or current_replica_id()
+        self._options = options or WorkerOptions()
+        self._engine = (engine_factory or _default_engine)(engine_config)
+        self._events = self._event_pump()
+        self._inflight: set[str] = set()
+        self._draining = False
+        self._stopped = False
+        self._progress = (0, time.monotonic())  # (engine steps, when they last changed)
+
+    def _event_pump(self) -> CacheEventPump | None:
+        ctx = _replica_context()
+        if not self._options.publish_events or ctx is None:
+            return None
+        from deploy.replica.events import CacheEventPump
+
+        return CacheEventPump(
+            self._engine, self.replica_id, ctx.app_name, ctx.deployment, self._options.event_interval_s
+        )
+
+    # -- requests --------------------------------------------------------------------------
+
+    async def generate(self, request: RoutedRequest) -> AsyncIterator[StreamStart | StreamDelta]:
+        """Stream one request: a `StreamStart`, then coalesced `StreamDelta`s until finished.
+
+        Cancelling the caller (client disconnect, stop string at the ingress) cancels this
+        generator; the pump task is cancelled with it and the engine aborts the request.
+        """
+        token_ids, params, rid = list(request.token_ids), request.params, request.request_id
+        refusal = self._refusal(token_ids, params)
+        if refusal is not None:
+            yield refusal
+            return
+        if self._events is not None:
+            await self._events.ensure_started()
+        routing = getattr(request, "routing", None)
+        yield StreamStart(
+            self.replica_id,
+            predicted_cached_tokens=routing.predicted_for(self.replica_id) if routing else None,
+            routing_policy=routing.policy if routing else None,
+        )
+        queue: asyncio.Queue[StreamDelta | BaseException | None] = asyncio.Queue()  # None: ended
+        pump = asyncio.create_task(self._pump(token_ids, params, rid, queue))
+        self._inflight.add(rid)
+        try:
+            while True:
+                delta = await self._next_delta(queue, rid)
+                if delta.finished and self._events is not None:
+                    # The cache this request leaves behind reaches the index before the
+                    # client hears back, so its follow-up is routed with it.
+                    await self._events.flush()
+                yield delta
+                if delta.finished:
+                    return
+        finally:
+            self._inflight.discard(rid)
+            if not pump.done():
+                pump.cancel()
+                await asyncio.gather(pump, return_exceptions=True)
+
+    async def _next_delta(self, queue: asyncio.Queue, rid: str) -> StreamDelta:
+        """Everything queued since the last call, merged into one delta (fewer Ray stream items
+        when the consumer is slower than the engine). Raises what the engine raised, or
+        `WorkerUnavailableError` when the request was aborted here rather than by the caller
+        (a caller that cancels is gone and never sees this): that is shutdown."""
+        batch = [await queue.get()]
+        while not queue.empty():
+            batch.append(queue.get_nowait())
+        errors = [b for b in batch if isinstance(b, BaseException)]
+        if errors:
+            raise errors[0]
+        deltas = [b for b in batch if isinstance(b, StreamDelta)]
+        delta = merge_deltas(deltas) if deltas else None
+        ended_early = len(deltas) < len(batch) and not (delta and delta.finished)
+        if delta is None or ended_early or (delta.finish_reason == "abort" and not delta.error):
+            raise WorkerUnavailableError(f"request {rid} was aborted on worker {self.replica_id}; retry")
+        return delta
+
+    async def _pump(self, token_ids: list[int], params: Any, rid: str, queue: asyncio.Queue) -> None:
+        gen = self._engine.generate(token_ids, params, rid)
+        try:
+            async for delta in gen:
+                queue.put_nowait(delta)
+        except Exception as e:  # noqa: BLE001 - forwarded to the consumer, raised there
+            queue.put_nowait(e)
+        finally:
+            queue.put_nowait(None)
+            await gen.aclose()
+
+    def _refusal(self, token_ids: list[int], params: Any) -> StreamStart | None:
+        if self._draining:
+            return StreamStart(self.replica_id, "unavailable", "worker replica is shutting down; retry")
+        if getattr(self._engine, "error", None) is not None:  # Serve replaces us at the next health check
+            return StreamStart(self.replica_id, "unavailable", "worker engine failed; retry")
+        try:
+            self._engine.validate(token_ids, params)
+        except ValueError as e:
+            return StreamStart(self.replica_id, "invalid", str(e))
+        return None
+
+    # -- control plane ---------------------------------------------------------------------
+
+    def info(self) -> WorkerInfo:
+        return WorkerInfo(
+            replica_id=self.replica_id,
+            max_model_len=int(self._engine.max_model_len),
+            model_dir=str(self._engine.model_dir),
+            page_size=int(self._engine.config.page_size),
+        )
+
+    def record_routing_stats(self) -> dict[str, Any]:
+        """`cluster.load`'s routing stats (the router's contract) plus every engine number for
+        `/metrics`; all values are flat numbers except `worker_id`."""
+        s = self._engine.stats()
+        out: dict[str, Any] = make_routing_stats(
+            worker_id=self.replica_id,
+            timestamp_s=time.time(),
+            queue_len=s.waiting,
+            queued_prefill_tokens=s.queued_prefill_tokens,
+            running_decodes=s.running_decodes,
+            full=PoolHeadroom(s.full.free, s.full.evictable, s.full.total),
+            swa=PoolHeadroom(s.swa.free, s.swa.evictable, s.swa.total),
+        )
+        out.update(flatten_stats(s))
+        out["inflight"] = float(len(self._inflight))
+        out["draining"] = 1.0 if self._draining else 0.0
+        return out
+
+    def check_health(self) -> None:
+        if self._draining:
+            return  # Serve is stopping us; do not get replaced mid-drain
+        error = getattr(self._engine, "error", None)
+        if error is not None:
+            raise RuntimeError(f"engine step thread died: {error!r}")
+        s = self._engine.stats()
+        steps, since = self._progress
+        now = time.monotonic()
+        if s.steps != steps or (s.waiting + s.running) == 0:
+            self._progress = (s.steps, now)
+        elif now - since > self._options.stall_timeout_s:
+            raise RuntimeError(
+                f"engine made no step in {now - since:.0f}s with {s.waiting} waiting and "
+                f"{s.running} running requests (stall_timeout_s={self._options.stall_timeout_s})"
+            )
+
+    async def flush_cache(self) -> bool:
+        """Empty the radix cache when idle (False while requests run); for tests and benches."""
+        flushed = bool(await asyncio.to_thread(self._engine.flush_cache))
+        if self._events is not None:
+            await self._events.flush()
+        return flushed
+
+    async def check_integrity(self) -> None:
+        # Both run on the engine's step thread between steps; wait for them off the event loop.
+        await asyncio.to_thread(self._engine.check_integrity)
+
+    def shutdown(self) -> None:
+        """Stop taking requests, abort what is left, stop the engine (idempotent)."""
+        if self._stopped:
+            return
+        self._draining = self._stopped = True
+        for rid in list(self._inflight):
+            self._engine.abort(rid)
+        log.info("worker %s shutting down (%d aborted)", self.replica_id, len(self._inflight))
+        if self._events is not None:
+            self._events.close()
+        self._engine.shutdown()
+
+    def __del__(self) -> None:
+        # Serve calls this after its graceful drain; also runs when a test drops the object.
+        if getattr(self, "_engine", None) is not None:
+            self.shutdown()
+
+
+def merge_deltas(deltas: list[StreamDelta]) -> StreamDelta:
+    """Coalesce consecutive deltas of one request into one (fewer Ray stream items under load)."""
+    if len(deltas) == 1:
+        return deltas[0]
+    last = deltas[-1]
+    tokens = [t for d in deltas for t in d.token_ids]
+    logprobs = None
+    if any(d.logprobs is not None for d in deltas):
+        logprobs = [lp for d in deltas for lp in (d.logprobs or [])]
+    return dataclasses.replace(last, token_ids=tokens, logprobs=logprobs)

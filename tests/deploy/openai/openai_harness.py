@@ -1,0 +1,78 @@
+"""Builds the ingress app over in-process worker deployments with fake engines (no Ray)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from deploy.openai.ingress import IngressOptions, create_app
+from deploy.openai.service import OpenAIService, ServiceOptions
+from deploy.replica.worker import WorkerDeployment
+from tests.fakes.fake_engine import FakeEngine
+from tests.fakes.inprocess import InProcessWorkerClient
+from worker.config import EngineConfig
+
+MODEL = "tiny-fake"
+MAX_MODEL_LEN = 96
+
+
+@dataclass
+class Harness:
+    app: Any
+    service: OpenAIService
+    workers: list[WorkerDeployment]
+    engines: list[FakeEngine]
+    tokenizer: Any
+
+    def client(self, **kwargs: Any) -> httpx.AsyncClient:
+        transport = httpx.ASGITransport(app=self.app)
+        return httpx.AsyncClient(transport=transport, base_url="http://ingress", **kwargs)
+
+
+def make_harness(
+    tokenizer: Any,
+    *,
+    workers: int = 1,
+    max_inflight: int = 64,
+    api_key: str | None = None,
+    max_request_bytes: int = 64 * 1024,
+    step_s: float = 0.001,
+) -> Harness:
+    engines: list[FakeEngine] = []
+
+    def factory(cfg: EngineConfig) -> FakeEngine:
+        engines.append(FakeEngine(cfg, vocab_size=len(tokenizer), step_s=step_s, model_dir=Path(".")))
+        return engines[-1]
+
+    cfg = EngineConfig(page_size=4, max_model_len=MAX_MODEL_LEN)
+    deployments = [WorkerDeployment(cfg, engine_factory=factory, replica_id=f"w{i}") for i in range(workers)]
+    options = ServiceOptions(model_name=MODEL, max_inflight=max_inflight)
+    service = OpenAIService(tokenizer, InProcessWorkerClient(deployments), options)
+    app = create_app(service, IngressOptions(service=options, api_key=api_key, max_request_bytes=max_request_bytes))
+    return Harness(app, service, deployments, engines, tokenizer)
+
+
+def sse_events(text: str) -> list[Any]:
+    """Parse an SSE body into JSON objects; the final `[DONE]` becomes the string "[DONE]"."""
+    import json
+
+    out: list[Any] = []
+    for block in text.split("\n\n"):
+        if not block.strip():
+            continue
+        assert block.startswith("data: "), block
+        payload = block[len("data: ") :]
+        out.append(payload if payload == "[DONE]" else json.loads(payload))
+    return out
+
+
+def expected_greedy(prompt_ids: list[int], n: int, vocab: int) -> list[int]:
+    """The fake engine's greedy continuation."""
+    out, last = [], prompt_ids[-1]
+    for _ in range(n):
+        last = (last * 31 + 7) % vocab
+        out.append(last)
+    return out

@@ -1,0 +1,275 @@
+"""End to end over HTTP: the README's serve command (`swaserve serve`, tiny model, 2 workers) on
+a loopback Ray cluster, driven by the `openai` package and raw HTTP. One server for the module;
+the last test stops it with Ctrl-C (SIGINT) and checks the shutdown is clean."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.deploy.openai.bad_inputs import bad_inputs, check_error
+
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
+
+REPO = Path(__file__).resolve().parents[3]
+MODEL = "tiny"
+# Router index updates are asynchronous (a long poll, plus a pull after each completion the
+# ingress notes); the prediction contract is "exact when quiescent".
+QUIESCE_S = 0.5
+WORKERS = 2
+STARTUP_S = 300
+
+
+@dataclass
+class Server:
+    url: str
+    proc: subprocess.Popen
+    log: Path
+
+    def text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _command(port: int) -> list[str]:
+    script = Path(sys.executable).parent / "swaserve"  # the console script `make serve` runs
+    head = [str(script)] if script.exists() else [sys.executable, "-m", "deploy"]
+    return [*head, "serve", "--model", MODEL, "--workers", str(WORKERS), "--port", str(port), "--num-cpus", "2"]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    port = _free_port()
+    log = tmp_path_factory.mktemp("serve") / "serve.log"
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0", "SWASERVE_API_KEY": ""}
+    with log.open("w") as out:
+        proc = subprocess.Popen(_command(port), cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)  # fmt: skip
+    srv = Server(f"http://127.0.0.1:{port}", proc, log)
+    try:
+        deadline = time.monotonic() + STARTUP_S
+        while "swaserve is ready" not in srv.text():
+            assert proc.poll() is None, f"swaserve serve exited early:\n{srv.text()[-4000:]}"
+            assert time.monotonic() < deadline, f"not ready after {STARTUP_S}s:\n{srv.text()[-4000:]}"
+            time.sleep(0.5)
+        yield srv
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(90)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(10)
+
+
+def _openai(server: Server, **kw: Any) -> Any:
+    import openai
+
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120, **kw)
+
+
+def _metrics(server: Server) -> dict[str, Any]:
+    text = httpx.get(f"{server.url}/metrics", timeout=30).text
+    return {f.name: f for f in text_string_to_metric_families(text)}
+
+
+def _per_replica(families: dict[str, Any], name: str, pool: str | None = None) -> dict[str, float]:
+    return {s.labels["replica"]: s.value for s in families[name].samples
+            if pool is None or s.labels.get("pool") == pool}  # fmt: skip
+
+
+def test_openai_client_completions_and_chat(server: Server) -> None:
+    """The openai package gets completions and chat completions, streamed and not."""
+    client = _openai(server)
+    done = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=8, temperature=0)
+    assert done.choices[0].finish_reason in ("length", "stop") and done.usage.completion_tokens >= 1
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi!"}], max_tokens=8)
+    assert chat.choices[0].message.role == "assistant" and chat.usage.prompt_tokens > 0
+    chunks = list(client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=8, temperature=0, stream=True))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == done.choices[0].text
+    stream = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hi!"}], max_tokens=8, stream=True,
+        stream_options={"include_usage": True},
+    )  # fmt: skip
+    parts = list(stream)
+    assert parts[-1].usage is not None and parts[-1].usage.completion_tokens >= 1
+    assert any(p.choices and p.choices[0].finish_reason for p in parts)
+
+
+def test_greedy_matches_offline_engine(server: Server) -> None:
+    """A greedy HTTP request returns the text of the offline engine's tokens for the same config."""
+    from deploy.config import ServeConfig
+    from worker.engine.engine import Engine
+    from worker.sampling_params import SamplingParams
+
+    prompt = [5, 17, 42, 99, 7, 3, 250, 11, 64, 8]
+    engine = Engine(ServeConfig(model=MODEL).to_engine_config())
+    try:
+        want = engine.generate([prompt], SamplingParams(max_tokens=16, temperature=0.0))[0]
+    finally:
+        getattr(engine, "shutdown", lambda: None)()
+    got = _openai(server).completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0)
+    from transformers import AutoTokenizer
+
+    from worker.models.tiny import ensure_tiny_model
+
+    tok = AutoTokenizer.from_pretrained(str(ensure_tiny_model()))
+    assert got.usage.completion_tokens == len(want.token_ids)
+    assert got.choices[0].text == tok.decode(want.token_ids, skip_special_tokens=True)
+    assert got.choices[0].finish_reason == want.finish_reason
+
+
+def test_repeated_long_prompt_reports_cached_tokens(server: Server) -> None:
+    """The same long prompt again is served from a prefix cache (usage.cached_tokens > 0)."""
+    prompt = " ".join(f"word{i}" for i in range(150))
+    client = _openai(server)
+    first = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2)
+    time.sleep(QUIESCE_S)
+    raw = client.completions.with_raw_response.create(model=MODEL, prompt=prompt, max_tokens=2)
+    again = raw.parse()
+    assert first.usage.prompt_tokens > 64
+    assert again.usage.prompt_tokens_details.cached_tokens > 0, (
+        raw.headers.get("x-swaserve-replica"), raw.headers.get("x-swaserve-predicted-cached-tokens")
+    )
+    assert raw.headers["x-swaserve-replica"] and "x-swaserve-predicted-cached-tokens" in raw.headers
+
+
+def test_router_predictions_equal_cached_tokens(server: Server) -> None:
+    """Sequential mixed shared-prefix requests over 2 real workers: the router's prediction
+    (header) equals the worker's reported cached_tokens for every one, and shared prefixes
+    are found (the tiny model's window is 32 tokens, pages 16)."""
+    import random
+
+    rng = random.Random(7)
+    heads = [[rng.randrange(5, 1000) for _ in range(96)] for _ in range(3)]
+    prompts = []
+    for turn in range(3):
+        for h, head in enumerate(heads):
+            prompts.append(head + [rng.randrange(5, 1000) for _ in range(8 + 13 * turn + h)])
+    prompts.append(heads[0][:40] + [7] * 30)  # branches inside a cached prefix
+    cached = []
+    with httpx.Client(base_url=server.url, timeout=120) as http:
+        for prompt in prompts:
+            time.sleep(QUIESCE_S)  # "exact when quiescent": let the last events reach the router
+            r = http.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 4, "temperature": 0})
+            assert r.status_code == 200, r.text
+            got = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+            assert int(r.headers["x-swaserve-predicted-cached-tokens"]) == got, (len(prompt), got)
+            cached.append(got)
+    assert sum(c > 0 for c in cached) >= 6, cached
+
+
+def test_fifty_concurrent_streams(server: Server) -> None:
+    """50 concurrent streaming requests all complete without error."""
+    import openai
+
+    async def go() -> list[Any]:
+        client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=180)
+
+        async def one(i: int) -> tuple[str | None, int]:
+            stream = await client.completions.create(model=MODEL, prompt=f"Request {i}: tell a story", max_tokens=12, stream=True)
+            finish, chunks = None, 0
+            async for chunk in stream:
+                chunks += 1
+                if chunk.choices and chunk.choices[0].finish_reason:
+                    finish = chunk.choices[0].finish_reason
+            return finish, chunks
+
+        return await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(50)), return_exceptions=True), 240)
+
+    results = asyncio.run(go())
+    errors = [r for r in results if isinstance(r, BaseException)]
+    assert not errors, errors[:3]
+    assert all(finish in ("length", "stop") and chunks >= 1 for finish, chunks in results)
+
+
+def test_client_disconnect_frees_kv(server: Server) -> None:
+    """Closing a stream mid-way aborts the request: the replicas' used KV drops back to zero."""
+    body = {"model": MODEL, "prompt": "Count to one thousand:", "max_tokens": 400, "stream": True, "ignore_eos": True}
+    aborts_before = sum(_per_replica(_metrics(server), "swaserve_engine_aborts").values())
+    with httpx.Client(timeout=60) as c, c.stream("POST", f"{server.url}/v1/completions", json=body) as r:
+        lines = r.iter_lines()
+        got = [next(lines) for _ in range(6)]
+        assert all(g.startswith("data: ") or not g for g in got)
+        used = sum(_per_replica(_metrics(server), "swaserve_kv_used_tokens", "full").values())
+        assert used > 0
+    deadline = time.monotonic() + 30
+    while True:
+        fam = _metrics(server)
+        used = sum(_per_replica(fam, "swaserve_kv_used_tokens", "full").values())
+        aborts = sum(_per_replica(fam, "swaserve_engine_aborts").values())
+        if used == 0 and aborts > aborts_before:
+            break
+        assert time.monotonic() < deadline, f"KV still used ({used}) or no abort ({aborts}) after 30s"
+        time.sleep(0.5)
+
+
+def test_bad_inputs_table_then_still_serving(server: Server) -> None:
+    """Every bad input is answered with its documented status and OpenAI error body; serving goes on."""
+    models = httpx.get(f"{server.url}/v1/models", timeout=30).json()
+    max_model_len = models["data"][0]["max_model_len"]
+    cases = bad_inputs(MODEL, max_model_len)
+    assert len(cases) >= 15
+    with httpx.Client(base_url=server.url, timeout=60) as c:
+        for case in cases:
+            r = c.request(case.method, case.path, content=case.body, headers={"content-type": "application/json"})
+            check_error(r.status_code, r.json(), case)
+        big = c.post("/v1/completions", content=b"{" + b" " * (5 * 1024 * 1024) + b"}")
+        assert big.status_code == 413 and big.json()["error"]["code"] == "request_too_large"
+        ok = c.post("/v1/completions", json={"model": MODEL, "prompt": "still there?", "max_tokens": 3})
+        assert ok.status_code == 200, ok.text
+
+
+def test_metrics_have_both_pools_for_every_replica(server: Server) -> None:
+    """/metrics parses with prometheus_client; every worker replica has full and swa gauges."""
+    fam = _metrics(server)
+    up = _per_replica(fam, "swaserve_replica_up")
+    assert len(up) == WORKERS and all(v == 1.0 for v in up.values())
+    for gauge in ("swaserve_kv_total_tokens", "swaserve_kv_free_tokens", "swaserve_kv_evictable_tokens", "swaserve_kv_used_tokens"):
+        pairs = {(s.labels["replica"], s.labels["pool"]) for s in fam[gauge].samples}
+        assert pairs == {(r, p) for r in up for p in ("full", "swa")}, gauge
+    for hist in ("swaserve_request_latency_seconds", "swaserve_time_to_first_token_seconds", "swaserve_inter_token_latency_seconds"):
+        assert any(s.name.endswith("_count") and s.value > 0 for s in fam[hist].samples), hist
+    assert httpx.get(f"{server.url}/health", timeout=30).json()["workers_ready"] == WORKERS
+
+
+def test_ctrl_c_shuts_down_cleanly(server: Server) -> None:
+    """SIGINT stops the server: exit status 0, 'stopped' logged, the port free again."""
+    server.proc.send_signal(signal.SIGINT)
+    assert server.proc.wait(90) == 0, server.text()[-3000:]
+    assert "stopped" in server.text()
+    deadline = time.monotonic() + 30
+    while _group_alive(server.proc.pid):  # raylet, GCS, proxy, replicas: all gone
+        assert time.monotonic() < deadline, "Ray processes of the server outlived it by 30s"
+        time.sleep(0.5)
+    port = int(server.url.rsplit(":", 1)[1])
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT is fine, a listener is not
+        s.bind(("127.0.0.1", port))
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True

@@ -1,0 +1,83 @@
+"""The worker deployment class in-process (no Ray): refusals, streams, stats, health, drain."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import pytest
+
+from cluster.messages import RoutedRequest, StreamStart, WorkerUnavailableError
+from deploy.replica.worker import WorkerDeployment, WorkerOptions
+from tests.fakes.fake_engine import FakeEngine
+from worker.config import EngineConfig
+from worker.sampling_params import SamplingParams
+
+
+def _worker(**kw: Any) -> tuple[WorkerDeployment, FakeEngine]:
+    engines: list[FakeEngine] = []
+
+    def factory(cfg: EngineConfig) -> FakeEngine:
+        engines.append(FakeEngine(cfg, step_s=0.002))
+        return engines[-1]
+
+    w = WorkerDeployment(EngineConfig(page_size=4, max_model_len=64), engine_factory=factory, replica_id="r1", **kw)
+    return w, engines[0]
+
+
+async def _collect(w: WorkerDeployment, req: RoutedRequest) -> list[Any]:
+    return [item async for item in w.generate(req)]
+
+
+def test_worker_refuses_invalid_and_draining() -> None:
+    """Invalid requests and requests during drain get a refusing StreamStart and nothing else."""
+    w, _ = _worker()
+    too_long = asyncio.run(_collect(w, RoutedRequest([1] * 60, "a", params=SamplingParams(max_tokens=10))))
+    assert too_long == [StreamStart("r1", "invalid", too_long[0].message)] and "max_model_len" in too_long[0].message
+    w.shutdown()
+    drained = asyncio.run(_collect(w, RoutedRequest([1, 2], "b", params=SamplingParams(max_tokens=2))))
+    assert drained[0].refusal == "unavailable" and len(drained) == 1
+
+
+def test_worker_stream_and_routing_stats() -> None:
+    """A stream is StreamStart then deltas summing to max_tokens; routing stats follow cluster.load."""
+    from cluster.messages import WorkerLoad
+
+    w, engine = _worker()
+    items = asyncio.run(_collect(w, RoutedRequest([1, 2, 3], "a", params=SamplingParams(max_tokens=7, temperature=0))))
+    assert items[0] == StreamStart("r1")
+    assert sum(len(d.token_ids) for d in items[1:]) == 7 and items[-1].finished
+    stats = w.record_routing_stats()
+    load = WorkerLoad.from_routing_stats(stats)
+    assert load is not None and load.worker_id == "r1" and load.full.total == engine.stats().full.total
+    assert stats["full_peak_used_tokens"] > 0 and stats["swa_total_tokens"] > 0
+
+
+def test_health_check_flags_a_stalled_engine() -> None:
+    """check_health raises when work is pending but the engine step counter stops moving."""
+    w, engine = _worker(options=WorkerOptions(stall_timeout_s=0.05))
+    w.check_health()  # idle: healthy
+    engine._held["stuck"] = 3  # a running request that never advances
+    w.check_health()
+    time.sleep(0.1)
+    with pytest.raises(RuntimeError, match="no step"):
+        w.check_health()
+
+
+def test_shutdown_aborts_inflight_and_stops_engine() -> None:
+    """After Serve's drain, shutdown aborts what still runs (its KV freed) and stops the engine."""
+    w, engine = _worker()
+
+    async def go() -> tuple[int, list[Any]]:
+        gen = w.generate(RoutedRequest([1, 2, 3], "long", params=SamplingParams(max_tokens=50)))
+        items = [await gen.__anext__(), await gen.__anext__()]
+        held = engine.stats().full.used
+        w.shutdown()
+        with pytest.raises(WorkerUnavailableError, match="aborted"):
+            items.extend([item async for item in gen])
+        return held, items
+
+    held, items = asyncio.run(asyncio.wait_for(go(), 10))
+    assert held > 0 and engine.stats().full.used == 0 and engine.shut_down
+    assert isinstance(items[0], StreamStart) and not items[1].finished

@@ -1,0 +1,151 @@
+"""`AsyncEngine`: an `Engine` stepped on a background thread, streaming to asyncio consumers.
+
+One per worker replica. Requests enter through the engine's thread-safe inbox; the step thread
+pushes each `StreamDelta` into the consumer's asyncio queue with `call_soon_threadsafe`.
+Operations that touch engine state (integrity checks, flush, cache events, snapshots) run on
+the step thread between steps, so they never race a step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+from worker.cache.events import CacheEvent, PageState
+from worker.config import EngineConfig
+from worker.engine.engine import Engine
+from worker.engine.setup import EngineParts
+from worker.outputs import EngineStats, StreamDelta
+from worker.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+IDLE_WAIT_S = 0.05  # how long the idle step thread sleeps before looking at the inbox again
+
+
+class AsyncEngine:
+    def __init__(self, config: EngineConfig, parts: EngineParts | None = None) -> None:
+        self.engine = Engine(config, parts)
+        self.config = config
+        self.spec = self.engine.spec
+        self.max_model_len = self.engine.max_model_len
+        self.model_dir: Path | None = self.engine.parts.model_dir
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._calls: list[tuple[Callable[[], Any], concurrent.futures.Future]] = []
+        self._calls_lock = threading.Lock()
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._loop, name="swaserve-engine", daemon=True)
+        self._thread.start()
+
+    # ---- requests -------------------------------------------------------------------------------
+    def validate(self, token_ids: list[int], params: SamplingParams) -> None:
+        self.engine.validate(token_ids, params)
+
+    async def generate(
+        self, token_ids: list[int], params: SamplingParams, request_id: str
+    ) -> AsyncIterator[StreamDelta]:
+        """Stream the request's deltas; stopping the iteration (or cancelling) aborts it."""
+        self._check_alive()
+        loop = asyncio.get_running_loop()
+        deltas: asyncio.Queue[StreamDelta] = asyncio.Queue()
+
+        def sink(delta: StreamDelta) -> None:
+            loop.call_soon_threadsafe(deltas.put_nowait, delta)
+
+        self.engine.add_request(token_ids, params, request_id=request_id, on_delta=sink)
+        self._wake.set()
+        finished = False
+        try:
+            while not finished:
+                delta = await deltas.get()
+                finished = delta.finished
+                yield delta
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        self.engine.abort(request_id)
+        self._wake.set()
+
+    # ---- state, run on the step thread ----------------------------------------------------------
+    def stats(self) -> EngineStats:
+        return self.engine.stats()  # plain reads of ints: safe from any thread
+
+    def check_integrity(self) -> None:
+        self.call(self.engine.check_integrity)
+
+    def flush_cache(self) -> bool:
+        return self.call(self.engine.flush_cache)
+
+    def drain_cache_events(self) -> list[CacheEvent]:
+        return self.call(self.engine.drain_cache_events)
+
+    def cache_snapshot(self) -> dict[int, PageState]:
+        return self.call(self.engine.cache_snapshot)
+
+    def drain_and_snapshot(self) -> tuple[list[CacheEvent], dict[int, PageState]]:
+        """Pending events and the snapshot they lead to, taken atomically."""
+        return self.call(lambda: (self.engine.drain_cache_events(), self.engine.cache_snapshot()))
+
+    def call(self, fn: Callable[[], T], timeout: float | None = 60.0) -> T:
+        """Run `fn` on the step thread between steps and return its result."""
+        self._check_alive()
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        with self._calls_lock:
+            self._calls.append((fn, fut))
+        self._wake.set()
+        return fut.result(timeout=timeout)
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout=10)
+
+    # ---- the step thread ------------------------------------------------------------------------
+    def _loop(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._run_calls()
+                if self.engine.has_work():
+                    self.engine.step()
+                else:
+                    self._wake.wait(IDLE_WAIT_S)
+                    self._wake.clear()
+        except BaseException as exc:  # noqa: BLE001 - surfaced to every caller
+            logger.exception("engine step thread died")
+            self.error = exc
+            self._fail_pending(exc)
+
+    def _run_calls(self) -> None:
+        with self._calls_lock:
+            calls, self._calls = self._calls, []
+        for fn, fut in calls:
+            try:
+                fut.set_result(fn())
+            except Exception as exc:  # noqa: BLE001 - handed to the caller
+                fut.set_exception(exc)
+
+    def _fail_pending(self, exc: BaseException) -> None:
+        with self._calls_lock:
+            calls, self._calls = self._calls, []
+        for _, fut in calls:
+            fut.set_exception(RuntimeError(f"engine stopped: {exc!r}"))
+        for rid in list(self.engine._reqs):
+            sink = self.engine._sinks.get(rid)
+            if sink is not None:
+                req = self.engine._reqs[rid]
+                sink(StreamDelta(rid, [], True, "abort", len(req.prompt), 0, len(req.output),
+                                 error=f"engine failure: {exc!r}"))  # fmt: skip
+
+    def _check_alive(self) -> None:
+        if self.error is not None:
+            raise RuntimeError(f"the engine stopped after an internal error: {self.error!r}")
+        if not self._thread.is_alive():
+            raise RuntimeError("the engine is shut down")

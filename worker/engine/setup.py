@@ -1,0 +1,154 @@
+"""Build an engine's parts from an `EngineConfig`: spec, pool plan, allocator, pools, cache,
+model, attention backend, runner. Kept apart from `Engine` so tests can inject fakes
+(`EngineParts` is what the engine needs; build it by hand with a fake runner)."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from worker.cache import create_cache
+from worker.cache.base import PrefixCache
+from worker.config import EngineConfig
+from worker.errors import ConfigError
+from worker.kv.hybrid_allocator import HybridAllocator
+from worker.kv.memory_plan import PoolPlan, plan_pools
+from worker.models.spec import ModelSpec
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DEFAULT_CPU_KV_BYTES = 256 << 20  # a CPU worker's KV budget unless the config says otherwise
+GPU_KV_FRACTION = 0.85  # of the memory free after the weights are loaded
+ALL_SWA_VIRTUAL_FULL = 4  # all-SWA: full slots are addresses without buffers (see below)
+
+
+@dataclass
+class EngineParts:
+    spec: ModelSpec
+    allocator: HybridAllocator
+    cache: PrefixCache
+    runner: Any  # worker.runner.model_runner.ModelRunner or a test fake with forward()/sample()
+    max_model_len: int
+    eos_token_ids: tuple[int, ...] = ()
+    tokenizer_loader: Callable[[], Any] | None = None
+    model_dir: Path | None = None
+    plan: PoolPlan | None = None
+
+    @property
+    def cache_window(self) -> int | None:
+        """The window the cache and scheduler budget with: None without a separate SWA pool."""
+        return self.spec.window if self.allocator.hybrid else None
+
+
+def resolve_model_dir(model: str) -> Path:
+    if model == "tiny":
+        from worker.models.tiny import ensure_tiny_model
+
+        return ensure_tiny_model()
+    path = Path(model).expanduser()
+    if not (path / "config.json").is_file():
+        raise ConfigError(
+            f"model {model!r} is neither the built-in 'tiny' nor a local directory with a "
+            "config.json (weights are loaded from disk only, never from a hub)"
+        )
+    return path
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    if name not in DTYPES:
+        raise ConfigError(f"dtype {name!r} is not one of {sorted(DTYPES)}")
+    return DTYPES[name]
+
+
+def build_engine_parts(config: EngineConfig) -> EngineParts:
+    from worker.attention import create_backend
+    from worker.kv.pool import HybridKVPool
+    from worker.models.hf_config import load_spec
+    from worker.models.loader import load_model
+    from worker.runner.model_runner import ModelRunner
+
+    model_dir = resolve_model_dir(config.model)
+    spec = load_spec(model_dir)
+    dtype = torch_dtype(config.dtype)
+    device = torch.device(config.device)
+    model = load_model(model_dir, spec, dtype=dtype, device=device)
+    plan = _plan(config, spec, dtype, device)
+    logger.info("KV pools: %s", plan.describe())
+    full_size, swa_size = _allocator_sizes(plan, spec)
+    hybrid = plan.hybrid
+    allocator = HybridAllocator(full_size, swa_size, config.page_size, hybrid=hybrid)
+    pool = HybridKVPool(spec, full_size, swa_size, config.page_size, dtype, device, hybrid=hybrid)
+    cache = create_cache(
+        allocator,
+        spec.window if hybrid else None,
+        enable_radix_cache=config.enable_radix_cache,
+        eager_swa_free=config.eager_swa_free,
+    )
+    if config.attention_backend == "flashinfer" and device.type != "cuda":
+        raise ConfigError("attention_backend 'flashinfer' needs a CUDA device; use 'torch' on CPU")
+    backend = create_backend(config.attention_backend, pool, spec, device)
+    runner = ModelRunner(spec, model, pool, allocator, backend, device=device)
+    max_len = min(config.max_model_len or spec.max_position_embeddings, spec.max_position_embeddings)
+    return EngineParts(
+        spec=spec,
+        allocator=allocator,
+        cache=cache,
+        runner=runner,
+        max_model_len=max_len,
+        eos_token_ids=eos_token_ids(model_dir),
+        tokenizer_loader=lambda: _load_tokenizer(model_dir),
+        model_dir=model_dir,
+        plan=plan,
+    )
+
+
+def _plan(config: EngineConfig, spec: ModelSpec, dtype: torch.dtype, device: torch.device) -> PoolPlan:
+    budget = config.kv_cache_bytes
+    if budget is None and config.max_total_tokens is None:
+        if device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(device)
+            budget = int(free * GPU_KV_FRACTION)
+        else:
+            budget = DEFAULT_CPU_KV_BYTES
+    return plan_pools(
+        spec,
+        page_size=config.page_size,
+        dtype_bytes=torch.tensor([], dtype=dtype).element_size(),
+        swa_full_tokens_ratio=config.swa_full_tokens_ratio,
+        kv_cache_bytes=budget if config.max_total_tokens is None else None,
+        max_total_tokens=config.max_total_tokens,
+        disable_hybrid_swa_memory=config.disable_hybrid_swa_memory,
+    )
+
+
+def _allocator_sizes(plan: PoolPlan, spec: ModelSpec) -> tuple[int, int]:
+    if plan.full_tokens > 0:
+        return plan.full_tokens, plan.swa_tokens
+    # NOTE: all-SWA model: no layer lives in the full pool, so full slots are plain addresses
+    # with no buffer behind them. Giving the allocator several times the SWA pool in them lets
+    # the same tree keep tombstoned prefixes (free) and apply the window rule unchanged.
+    return plan.swa_tokens * ALL_SWA_VIRTUAL_FULL, plan.swa_tokens
+
+
+def eos_token_ids(model_dir: Path) -> tuple[int, ...]:
+    """EOS ids from generation_config.json, else config.json (an int or a list in HF files)."""
+    for name in ("generation_config.json", "config.json"):
+        path = model_dir / name
+        if path.is_file():
+            value = json.loads(path.read_text()).get("eos_token_id")
+            if value is not None:
+                return tuple(value) if isinstance(value, list) else (int(value),)
+    return ()
+
+
+def _load_tokenizer(model_dir: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)

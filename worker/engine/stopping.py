@@ -1,0 +1,59 @@
+"""When a request stops: max_tokens, EOS, stop token ids, stop strings."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from worker.outputs import FinishReason
+from worker.scheduler.request import Req
+
+
+class StopChecker:
+    def __init__(self, eos_token_ids: tuple[int, ...], tokenizer_loader: Callable[[], Any] | None) -> None:
+        self.eos = frozenset(eos_token_ids)
+        self._loader = tokenizer_loader
+        self._tokenizer: Any = None
+        self._load_error = ""
+
+    def check(self, req: Req) -> FinishReason | None:
+        """Called after each new token of `req`."""
+        p, last = req.params, req.output[-1]
+        if last in p.stop_token_ids or (not p.ignore_eos and last in self.eos):
+            return "stop"
+        if p.stop and self._hits_stop_string(req):
+            return "stop"
+        if len(req.output) >= p.max_tokens:
+            return "length"
+        return None
+
+    def _hits_stop_string(self, req: Req) -> bool:
+        tok = self._get_tokenizer()
+        if tok is None:
+            raise ValueError("stop strings need the model's tokenizer, which this engine lacks")
+        # A token is at least one character, so the last len(stop)+1 tokens hold any match
+        # that ends in the newest token.
+        span = max(len(s) for s in req.params.stop) + 1
+        tail = tok.decode(req.output[-span:], skip_special_tokens=False)
+        before = tok.decode(req.output[-span:-1], skip_special_tokens=False) if len(req.output) > 1 else ""
+        # Only matches that end in the new token count (earlier ones would have stopped before).
+        return any(s in tail and s not in before for s in req.params.stop)
+
+    def check_stop_strings_supported(self) -> None:
+        """Raise ValueError when stop strings cannot be checked (no tokenizer loads): refusing
+        the request up front beats failing inside a step that other requests share."""
+        if self._get_tokenizer() is None:
+            raise ValueError(
+                "stop strings need the model's tokenizer, which could not be loaded"
+                f"{f' ({self._load_error})' if self._load_error else ''}; drop `stop` or "
+                "use stop_token_ids"
+            )
+
+    def _get_tokenizer(self) -> Any:
+        if self._tokenizer is None and self._loader is not None:
+            try:
+                self._tokenizer = self._loader()
+            except Exception as err:  # noqa: BLE001 - transformers raises OSError/ValueError/...
+                self._load_error = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
+                self._loader = None  # do not retry on every request
+        return self._tokenizer

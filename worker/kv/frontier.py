@@ -1,0 +1,145 @@
+"""The out-of-window SWA frontier of one request (reference §2.4).
+
+A request's SWA KV at positions ``< pre_len - window`` is dead once the next query sits at
+``pre_len``. The request frees it in page steps and remembers how far it got (``evicted``)::
+
+    positions  0 ........ protected ............ evicted ........ new ....... pre_len
+               |  tree-owned  |   already freed    | freed now     |  live SWA  |
+               (never freed by the request)          table[evicted:new] -> free_swa
+
+Rules, all pure integer arithmetic (P = page size, W = window):
+  * start  = max(evicted, protected, ceil_P(floor) if floor > protected) - never below the
+    tree-owned prefix nor the pinned floor;
+  * chunk cache: t = pre_len - W (no tree; the exact window);
+  * radix cache: t = pre_len - max(W, P), capped at floor_P(pre_len + 1) - ceil_P(W) (see NOTE);
+  * new = max(start, floor_P(t)): page aligned, monotone, never below `protected`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from worker.kv.allocator import check_page_size
+
+if TYPE_CHECKING:
+    from worker.kv.hybrid_allocator import HybridAllocator
+
+
+def floor_page(x: int, page_size: int) -> int:
+    return (x // page_size) * page_size
+
+
+def ceil_page(x: int, page_size: int) -> int:
+    return -(-x // page_size) * page_size
+
+
+def frontier_start(*, evicted: int, protected: int, page_size: int, floor: int = 0) -> int:
+    """Where the request's own freeing starts: past the tree-owned prefix and the pinned floor."""
+    _check_aligned(evicted=evicted, protected=protected, page_size=page_size)
+    lo = max(protected, floor)
+    if lo > protected:
+        lo = ceil_page(lo, page_size)  # a partly pinned page stays whole
+    return max(evicted, lo)
+
+
+def swa_frontier(
+    *,
+    evicted: int,
+    protected: int,
+    pre_len: int,
+    window: int,
+    page_size: int,
+    chunk_cache: bool,
+    floor: int = 0,
+) -> int:
+    """The new ``swa_evicted_seqlen`` for a request whose next query is at ``pre_len`` (pure)."""
+    if window < 0:
+        raise ValueError(f"window must be >= 0 (keys to the left), got {window}")
+    start = frontier_start(evicted=evicted, protected=protected, page_size=page_size, floor=floor)
+    P = page_size
+    if chunk_cache:
+        threshold = pre_len - window
+    else:
+        # The margin max(W, P) keeps the frontier a page below the insert boundary
+        # floor_P(pre_len + 1), so the last inserted leaf never becomes all-tombstone.
+        threshold = pre_len - max(window, P)
+        # NOTE: with W > P and W % P not in {0, P - 1} that margin alone can leave fewer than W
+        # live tokens below the insert boundary (P=4, W=5, pre_len=10 -> 4, boundary 8: 4 live),
+        # and the inserted leaf would fail the window match rule. Capping at boundary - ceil_P(W)
+        # changes nothing in every other case and only ever frees less.
+        threshold = min(threshold, floor_page(pre_len + 1, P) - ceil_page(window, P))
+    return max(start, floor_page(threshold, P))
+
+
+def free_out_of_window(
+    allocator: HybridAllocator,
+    table: torch.Tensor | Sequence[int],
+    *,
+    evicted: int,
+    protected: int,
+    pre_len: int,
+    window: int,
+    page_size: int,
+    chunk_cache: bool,
+    floor: int = 0,
+) -> int:
+    """Free the SWA of ``table[start:new]`` (table = the request's full slots by position).
+
+    Returns the new frontier (>= evicted). Idempotent for equal inputs: a second call finds the
+    frontier already there and frees nothing.
+    """
+    if page_size != allocator.page_size:
+        raise ValueError(f"page_size {page_size} != the allocator's {allocator.page_size}")
+    start = frontier_start(evicted=evicted, protected=protected, page_size=page_size, floor=floor)
+    new = swa_frontier(
+        evicted=evicted,
+        protected=protected,
+        pre_len=pre_len,
+        window=window,
+        page_size=page_size,
+        chunk_cache=chunk_cache,
+        floor=floor,
+    )
+    if new > start:
+        if new > len(table):
+            raise ValueError(f"frontier {new} is past the request's table ({len(table)} slots)")
+        allocator.free_swa(torch.as_tensor(table[start:new], dtype=torch.int64))
+    return new
+
+
+def live_spans_to_free(
+    *, protected: int, floor: int, evicted: int, kv_len: int
+) -> list[tuple[int, int]]:
+    """Position spans a finishing request must still free when nothing records what it already
+    freed (no mapping: the free is not idempotent), skipping the window-evicted hole.
+
+    ``[protected, floor)`` was pinned (never window-evicted), ``[floor, evicted)`` is the hole,
+    ``[evicted, kv_len)`` is live. E.g. protected 0, floor 3, evicted 6, kv_len 8 ->
+    ``[(0, 3), (6, 8)]``.
+    """
+    if evicted <= floor:
+        return [(protected, kv_len)] if kv_len > protected else []
+    spans = []
+    if floor > protected:
+        spans.append((protected, min(floor, kv_len)))
+    start = max(evicted, protected)
+    if start < kv_len:
+        spans.append((start, kv_len))
+    return spans
+
+
+def gather_spans(table: torch.Tensor, spans: list[tuple[int, int]]) -> torch.Tensor:
+    """``table`` entries of the given position spans, concatenated (1-D int64)."""
+    parts = [torch.as_tensor(table[a:b], dtype=torch.int64) for a, b in spans]
+    return torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
+
+
+def _check_aligned(*, evicted: int, protected: int, page_size: int) -> None:
+    check_page_size(page_size)
+    if protected % page_size:
+        raise ValueError(f"protected={protected} (tree-owned prefix) must be page aligned")
+    if evicted % page_size:
+        raise ValueError(f"evicted={evicted} must be page aligned (frontiers move in pages)")

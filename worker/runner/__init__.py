@@ -1,0 +1,1 @@
+"""Model execution: the engine→runner contract (`ForwardBatch`), the `ModelRunner`, the sampler."""

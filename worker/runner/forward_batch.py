@@ -1,0 +1,104 @@
+"""`ForwardBatch`: what the engine hands the model runner for one step, and the per-step context
+the model passes to its attention layers.
+
+Contract (the engine codes against this)
+----------------------------------------
+A batch mixes prefill chunks and decodes. For each request (`ForwardReq`):
+
+- ``token_ids``: the new tokens of this step (a decode has exactly one; a prefill chunk any
+  number ≥ 1). They sit at positions ``prefix_len … prefix_len + len(token_ids) - 1``.
+- ``prefix_len``: tokens of this request already in the KV pools (cached prefix plus earlier
+  chunks and decoded tokens) = the position of ``token_ids[0]``.
+- ``table``: int64 CPU tensor of the request's FULL-pool slots by position, covering at least
+  ``[0, prefix_len + len(token_ids))`` (a longer row, e.g. a view of a req-to-token row, is fine:
+  only that prefix is read). ``table[prefix_len:]`` are the new tokens' slots, already allocated
+  by the caller (``HybridAllocator.alloc_extend`` / ``alloc_decode``, which also set their SWA
+  mapping). The runner writes the new K/V there; the caller owns the slots.
+- ``need_logits``: False for a non-final prefill chunk (no token is sampled from it).
+
+What must hold when `ModelRunner.forward` is called:
+
+- FULL KV of positions ``[0, prefix_len)`` is present at ``table[:prefix_len]``.
+- On hybrid models, positions ``[max(0, prefix_len - window), prefix_len)`` still have SWA slots
+  (``allocator.translate(table[p]) > 0``): those are the keys the first new query sees on SWA
+  layers. SWA slots of older positions may already be freed (``free_swa`` /
+  ``free_out_of_window``) and reused by other requests; the runner never reads them.
+- A request appears at most once per batch.
+
+What the runner returns: float32 logits ``[number of requests with need_logits, vocab]``, in
+batch order. It allocates and frees nothing.
+
+::
+
+    positions:  0 ........ prefix_len-window ... prefix_len ...... prefix_len+n-1
+    FULL reads: [==============================================================]
+    SWA reads:                      [==================================]
+    writes:                                          [======= new =====]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from worker.attention.base import AttentionBackend
+    from worker.kv.pool import HybridKVPool
+
+
+@dataclass(frozen=True, slots=True)
+class ForwardReq:
+    """One request's part of a step (see the module docstring for the contract)."""
+
+    token_ids: Sequence[int]
+    prefix_len: int
+    table: torch.Tensor  # int64, CPU: full-pool slots by position
+    need_logits: bool = True
+
+    @property
+    def seq_len(self) -> int:
+        return self.prefix_len + len(self.token_ids)
+
+    def validate(self) -> None:
+        if len(self.token_ids) == 0:
+            raise ValueError("ForwardReq.token_ids is empty: every request needs >= 1 new token")
+        if self.prefix_len < 0:
+            raise ValueError(f"ForwardReq.prefix_len must be >= 0, got {self.prefix_len}")
+        if self.table.numel() < self.seq_len:
+            raise ValueError(
+                f"ForwardReq.table has {self.table.numel()} slots but the request ends at "
+                f"{self.seq_len}: allocate the new tokens' slots before the forward"
+            )
+
+
+@dataclass(frozen=True)
+class ForwardBatch:
+    """The requests of one forward step, in the order logits come back."""
+
+    reqs: tuple[ForwardReq, ...]
+
+    def __post_init__(self) -> None:
+        if not self.reqs:
+            raise ValueError("ForwardBatch needs at least one request")
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(r.token_ids) for r in self.reqs)
+
+    @property
+    def num_logits(self) -> int:
+        return sum(r.need_logits for r in self.reqs)
+
+
+@dataclass(frozen=True)
+class ForwardContext:
+    """What attention layers need during one forward (passed explicitly, never global)."""
+
+    pool: HybridKVPool
+    backend: AttentionBackend
+    attn_metadata: Any  # what backend.plan returned for this batch
+    out_loc: torch.Tensor  # int64 [T]: full slots of the new tokens, model device
+    swa_out_loc: torch.Tensor | None  # int64 [T]: their SWA slots (translated once), or None

@@ -1,0 +1,219 @@
+"""`ModelRunner`: turns a `ForwardBatch` into logits, and logits into tokens.
+
+Per step it builds, on the host and once: the input ids and positions, the new tokens' FULL slots
+(`out_loc`) and SWA slots (`swa_out_loc`), and one key view per layer kind (FULL slots as given;
+SWA slots for the window only, translated through the allocator in ONE call). Everything is
+copied to the model device once, the backend plans once, then the model runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from itertools import chain
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from worker.attention.base import AttentionBackend, AttnBatch, KVView
+from worker.models.spec import LayerKind, ModelSpec
+from worker.runner.forward_batch import ForwardBatch, ForwardContext
+from worker.runner.sampler import SampleOutput, Sampler
+
+if TYPE_CHECKING:
+    from worker.kv.hybrid_allocator import HybridAllocator
+    from worker.kv.pool import HybridKVPool
+    from worker.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class _HostInputs:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    out_loc: torch.Tensor
+    swa_out_loc: torch.Tensor | None
+    views: dict[LayerKind, KVView]
+    logit_rows: torch.Tensor
+
+
+def _offsets(lengths: Sequence[int]) -> list[int]:
+    """Exclusive prefix sums with the total appended: ``[0, l0, l0 + l1, ...]`` (host ints)."""
+    out = [0]
+    for n in lengths:
+        out.append(out[-1] + n)
+    return out
+
+
+def _spread(shifts: Sequence[int], lengths: Sequence[int], total: int) -> torch.Tensor:
+    """``arange(total)`` plus ``shifts[i]`` on segment i (of ``lengths[i]`` entries): the one
+    vectorised form of "for each request, a run of consecutive indices"."""
+    if all(n == 1 for n in lengths):  # all decodes: one index per request
+        return torch.tensor(shifts, dtype=torch.int64) + torch.arange(total)
+    shift = torch.repeat_interleave(
+        torch.tensor(shifts, dtype=torch.int64), torch.tensor(lengths, dtype=torch.int64)
+    )
+    return torch.arange(total) + shift
+
+
+class ModelRunner:
+    """Runs one model over a hybrid KV pool with one attention backend."""
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        model: nn.Module,
+        pool: HybridKVPool,
+        allocator: HybridAllocator,
+        backend: AttentionBackend,
+        *,
+        device: str | torch.device = "cpu",
+        sampler: Sampler | None = None,
+        check_slots: bool = True,
+    ) -> None:
+        self.spec = spec
+        self.model = model
+        self.pool = pool
+        self.allocator = allocator
+        self.backend = backend
+        self.device = torch.device(device)
+        self.sampler = sampler or Sampler()
+        # Cheap on the host: catches an engine bug (reading a freed slot) before it corrupts output.
+        self.check_slots = check_slots
+        _check_model_matches_spec(model, spec)
+
+    # ---- forward ------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """Run one step. Returns float32 logits ``[batch.num_logits, vocab]`` in batch order."""
+        host = self._prepare(batch)
+        dev = self.device
+        views = {
+            kind: KVView(v.indices.to(dev), v.indptr.to(dev), v.kv_starts)
+            for kind, v in host.views.items()
+        }
+        positions = host.positions.to(dev)
+        attn = AttnBatch(
+            q_lens=tuple(len(r.token_ids) for r in batch.reqs),
+            seq_lens=tuple(r.seq_len for r in batch.reqs),
+            positions=positions,
+            kv=views,
+            window=self.spec.window,
+        )
+        swa_out = host.swa_out_loc.to(dev) if host.swa_out_loc is not None else None
+        ctx = ForwardContext(
+            self.pool, self.backend, self.backend.plan(attn), host.out_loc.to(dev), swa_out
+        )
+        hidden = self.model(host.input_ids.to(dev), positions, ctx)
+        if host.logit_rows.numel() == 0:
+            return hidden.new_empty(0, self.spec.vocab_size, dtype=torch.float32)
+        return self.model.compute_logits(hidden[host.logit_rows.to(dev)]).float()
+
+    def sample(
+        self,
+        logits: torch.Tensor,
+        params: Sequence[SamplingParams],
+        generators: Sequence[torch.Generator | None] | None = None,
+    ) -> SampleOutput:
+        """Pick one token per logits row (see `Sampler.sample`)."""
+        return self.sampler.sample(logits, params, generators)
+
+    # ---- host-side preparation -------------------------------------------------------------------
+    def _prepare(self, batch: ForwardBatch) -> _HostInputs:
+        """Host tensors of one step, built with a fixed number of tensor ops (one table slice
+        per request; everything else is vectorised over the batch)."""
+        reqs = batch.reqs
+        for r in reqs:
+            r.validate()
+        q_lens = [len(r.token_ids) for r in reqs]
+        prefix = [r.prefix_len for r in reqs]
+        seq = [p + q for p, q in zip(prefix, q_lens)]
+        q_off = _offsets(q_lens)
+        total = q_off[-1]
+        ids = torch.tensor(list(chain.from_iterable(r.token_ids for r in reqs)), dtype=torch.int64)
+        positions = _spread([p - o for p, o in zip(prefix, q_off)], q_lens, total)
+        # Every key slot a layer may read: table[start:seq] per request, start = 0 when the model
+        # has full layers (else the SWA window start). The SWA view and both out_locs are
+        # sub-ranges of this one concatenation.
+        window = self.spec.window or 0
+        swa_starts = [max(0, p - window) for p in prefix]
+        has_full = bool(self.spec.full_layer_ids)
+        starts = [0] * len(reqs) if has_full else swa_starts
+        slots = torch.cat([r.table[s:n] for r, s, n in zip(reqs, starts, seq)]).to(torch.int64)
+        ptr = _offsets([n - s for n, s in zip(seq, starts)])
+        out_loc = slots[
+            _spread([e - q - o for e, q, o in zip(ptr[1:], q_lens, q_off)], q_lens, total)
+        ]
+        views: dict[LayerKind, KVView] = {}
+        swa_out_loc = None
+        if has_full:
+            views[LayerKind.FULL] = KVView(slots, torch.tensor(ptr), (0,) * len(reqs))
+        if self.spec.swa_layer_ids:
+            views[LayerKind.SWA], swa_out_loc = self._swa_view(
+                slots, ptr, starts, swa_starts, seq, q_lens
+            )
+        if self.check_slots:
+            _check_slots(views, out_loc, swa_out_loc)
+        rows = [q_off[i + 1] - 1 for i, r in enumerate(reqs) if r.need_logits]
+        return _HostInputs(
+            ids, positions, out_loc, swa_out_loc, views, torch.tensor(rows, dtype=torch.int64)
+        )
+
+    def _swa_view(
+        self,
+        slots: torch.Tensor,
+        ptr: list[int],
+        starts: list[int],
+        swa_starts: list[int],
+        seq: list[int],
+        q_lens: list[int],
+    ) -> tuple[KVView, torch.Tensor]:
+        """The SWA range of each request, cut out of `slots` and translated in ONE call."""
+        lens = [n - s for n, s in zip(seq, swa_starts)]
+        swa_ptr = _offsets(lens)
+        shifts = [p + (w - s) - o for p, w, s, o in zip(ptr, swa_starts, starts, swa_ptr)]
+        full_idx = slots[_spread(shifts, lens, swa_ptr[-1])]
+        swa_idx = self.allocator.translate(full_idx)  # the one translation
+        # The new tokens are the tail of each request's SWA range: slice their slots out of it.
+        q_off = _offsets(q_lens)
+        tails = [e - q - o for e, q, o in zip(swa_ptr[1:], q_lens, q_off)]
+        swa_out_loc = swa_idx[_spread(tails, q_lens, q_off[-1])]
+        return KVView(swa_idx, torch.tensor(swa_ptr), tuple(swa_starts)), swa_out_loc
+
+
+def _check_slots(
+    views: dict[LayerKind, KVView], out_loc: torch.Tensor, swa_out_loc: torch.Tensor | None
+) -> None:
+    """Slot 0 is the dummy page and -1 means "unmapped": neither may be read or written."""
+    for kind, view in views.items():
+        if view.indices.numel() and int(view.indices.min()) <= 0:
+            raise RuntimeError(
+                f"a {kind.value} key slot in the batch is freed or unmapped (slot <= 0): the engine "
+                "freed KV that a query still needs (SWA: the window before prefix_len must be live)"
+            )
+    if int(out_loc.min()) <= 0 or (swa_out_loc is not None and int(swa_out_loc.min()) <= 0):
+        raise RuntimeError("a new token has no slot (<= 0): allocate before calling forward")
+
+
+def _check_model_matches_spec(model: nn.Module, spec: ModelSpec) -> None:
+    """The pool is sized from the spec, the kernels from the model: they must agree."""
+    layers = getattr(model, "attention_layers", None)
+    if layers is None:
+        return
+    for layer in layers():
+        kind, _ = spec.layer_index[layer.layer_id]
+        shape = spec.shape(kind)
+        in_model = (
+            layer.kind,
+            layer.num_q_heads,
+            layer.num_kv_heads,
+            layer.head_dim,
+            layer.v_head_dim,
+        )
+        in_spec = (kind, shape.num_q_heads, shape.num_kv_heads, shape.head_dim, shape.v_head_dim)
+        if in_model != in_spec:
+            raise ValueError(
+                f"layer {layer.layer_id}: the model has (kind, q heads, kv heads, head dim, v head "
+                f"dim) = {in_model}, the spec says {in_spec}; build both from "
+                "the same HF config"
+            )

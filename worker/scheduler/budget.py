@@ -1,0 +1,74 @@
+"""Admission math for hybrid SWA (reference `sglang_swa.md` §2.16), as pure functions.
+
+The scheduler keeps the running budgets (`rem_total` over the full pool, `rem_swa` over the SWA
+pool, both = available + evictable - what admitted requests will still take) and asks these
+functions what one request costs. W is the window (keys to the left), P the page size.
+
+    SWA pool, one request being prefilled, then decoding:
+
+    |<-- dead: freed out of window -->|<------ W ------>|<- interval ->|<- P ->|
+                                       keys the next query still sees  frees run  decode page
+                                                                       every
+                                                                       `interval`
+"""
+
+from __future__ import annotations
+
+from worker.kv.pages import ceil_page, floor_page
+
+
+def swa_admission_charge(
+    extend_len: int, chunk_budget: int | None, window: int, page_size: int
+) -> int:
+    """SWA tokens one admitted extend is charged: max(min(e, c), W) + P.
+
+    Only this step's chunk is new (earlier chunks and locked windows are already out of
+    available + evictable); the W floor reserves the window a decoding request keeps, and P the
+    page its next decode token may open. `chunk_budget` None: no chunking, the whole extend.
+    """
+    alloc = extend_len if chunk_budget is None else min(extend_len, chunk_budget)
+    return max(alloc, window) + page_size
+
+
+def full_admission_charge(extend_len: int, max_new_tokens: int, page_size: int) -> int:
+    """Full-pool tokens one request is charged: ceil_P(e) + max_new_tokens + P.
+
+    With max_new_tokens=0 this is the `cur_rem` charge ceil_P(e) + P (what it holds right now).
+    """
+    return ceil_page(extend_len, page_size) + max_new_tokens + page_size
+
+
+def full_admits(extend_len: int, max_new_tokens: int, page_size: int, rem_total: int) -> bool:
+    """The full-pool admission test: reject (no token) when e + max_new + P >= rem_total."""
+    return extend_len + max_new_tokens + page_size < rem_total
+
+
+def chunk_cap(rem_swa: int, window: int, page_size: int) -> int:
+    """Largest first chunk when the whole extend's SWA charge does not fit: floor_P(rem_swa - W - P).
+
+    The escape hatch for prompts larger than the SWA pool (no head-of-line livelock). A result
+    <= 0 means no room: reject now (or if chunking is disabled).
+    """
+    return floor_page(rem_swa - window - page_size, page_size)
+
+
+def continuing_chunk_len(
+    rem_chunk: int, rem_total: int, rem_swa: int | None, page_size: int
+) -> int:
+    """Length of the next chunk of an unfinished prefill: min(rem_chunk, rem_total, rem_swa - P).
+
+    NOTE: a result <= 0 under hybrid SWA means *defer*: the request waits, unscheduled and not
+    stashed (stashing a chunk that was not scheduled double-frees). `rem_swa` None: no SWA pool
+    (non-hybrid), the SWA term drops out.
+    """
+    rem = min(rem_chunk, rem_total)
+    return rem if rem_swa is None else min(rem, rem_swa - page_size)
+
+
+def steady_swa_per_request(window: int, interval: int, page_size: int) -> int:
+    """SWA tokens a decoding request holds at most between two out-of-window frees: W + interval + P.
+
+    The window it still reads, the `interval` tokens that may leave the window before the next
+    periodic free, and the partly filled decode page.
+    """
+    return window + max(1, interval) + page_size
