@@ -26,10 +26,11 @@ from pathlib import Path
 
 from bench.harness import add_output_arguments, prepare_output_dir, progress, write_json, write_text
 from worker.errors import ConfigError
+from worker.kv.frontier import steady_swa_per_request
 from worker.kv.memory_plan import PoolPlan, plan_pools
 from worker.kv.pages import ceil_page
 from worker.models.spec import LayerKind, ModelSpec
-from worker.scheduler.budget import full_admission_charge, steady_swa_per_request
+from worker.scheduler.budget import full_admission_charge
 
 CONFIG_DIR = Path(__file__).parent / "configs"
 DEFAULT_MODELS = ("gpt-oss-120b", "gpt-oss-20b", "mimo-v2-flash", "gemma-3-27b-it")

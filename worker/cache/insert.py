@@ -35,6 +35,7 @@ import torch
 
 from worker.cache.node import Key, Node
 from worker.cache.tree import AllocOps, RadixTree
+from worker.kv.pages import ceil_page
 
 
 @dataclass(frozen=True)
@@ -153,4 +154,4 @@ def _window_tail(tree: RadixTree) -> int | None:
     if tree.window is None:
         return None
     p = tree.page_size
-    return max(p, -(-tree.window // p) * p)
+    return max(p, ceil_page(tree.window, p))

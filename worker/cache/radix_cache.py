@@ -22,6 +22,7 @@ from worker.cache.req_kv import ReqKV
 from worker.cache.tree import AllocOps, RadixTree
 from worker.kv.frontier import free_out_of_window
 from worker.kv.hybrid_allocator import HybridAllocator
+from worker.kv.pages import floor_page
 
 _I64 = torch.int64
 
@@ -139,7 +140,7 @@ class RadixCache(PrefixCache):
                 chunk_cache=False,
                 floor=req.swa_evict_floor,
             )
-        aligned = kv_len - kv_len % P
+        aligned = floor_page(kv_len, P)
         if aligned <= req.cache_protected_len:
             return
         out = self.insert(
@@ -170,7 +171,7 @@ class RadixCache(PrefixCache):
         """
         P = self.page_size
         kv_len = req.kv_committed_len
-        aligned = kv_len - kv_len % P
+        aligned = floor_page(kv_len, P)
         protected = req.cache_protected_len
         if insert:
             self.insert(
@@ -228,7 +229,7 @@ class RadixCache(PrefixCache):
     def _key(self, tokens: Sequence[int]) -> tuple[int, ...]:
         if isinstance(tokens, torch.Tensor):
             tokens = tokens.tolist()
-        n = len(tokens) - len(tokens) % self.page_size
+        n = floor_page(len(tokens), self.page_size)
         return tuple(tokens[:n])
 
     def _apply(self, ops: AllocOps) -> None:

@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from worker.kv.pages import ceil_page
+
 if TYPE_CHECKING:
     from worker.cache.base import LockReceipt
 
@@ -42,13 +44,9 @@ class ReqKV:
 
     def owned_full_tokens(self, page_size: int) -> int:
         """Full-pool tokens this request holds beyond the tree (reference §1.6 I9)."""
-        return _ceil(self.kv_allocated_len, page_size) - self.cache_protected_len
+        return ceil_page(self.kv_allocated_len, page_size) - self.cache_protected_len
 
     def owned_swa_tokens(self, page_size: int) -> int:
         """SWA-pool tokens this request holds beyond the tree (reference §1.6 I9)."""
         start = max(self.cache_protected_len, self.swa_evicted_seqlen)
-        return max(0, _ceil(self.kv_allocated_len, page_size) - start)
-
-
-def _ceil(n: int, page_size: int) -> int:
-    return -(-n // page_size) * page_size
+        return max(0, ceil_page(self.kv_allocated_len, page_size) - start)

@@ -20,6 +20,7 @@ from worker.cache.base import LockReceipt
 from worker.cache.events import EventKind, EventLog, page_hashes
 from worker.cache.lru import LeafHeap, LRUList
 from worker.cache.node import Key, Node, split_off_head
+from worker.kv.pages import floor_page
 
 
 @dataclass(slots=True)
@@ -58,7 +59,7 @@ class RadixTree:
     def common_len(self, node: Node, key: Key, pos: int) -> int:
         """Page-aligned length of the common prefix of `node.key` and `key[pos:]`."""
         n = min(len(node.key), len(key) - pos)
-        n -= n % self.page_size
+        n = floor_page(n, self.page_size)
         if node.key[:n] == key[pos : pos + n]:  # fast path: one C-level compare
             return n
         p = self.page_size

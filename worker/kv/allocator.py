@@ -74,9 +74,6 @@ class PageAllocator:
     def available_size(self) -> int:
         return len(self._free) * self.page_size
 
-    def is_free(self, page: int) -> bool:
-        return bool(self._is_free[page])
-
     def is_allocated(self, page: int) -> bool:
         return 1 <= page <= self.num_pages and not self._is_free[page]
 

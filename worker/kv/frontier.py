@@ -23,17 +23,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from worker.kv.allocator import check_page_size
+from worker.kv.pages import ceil_page, floor_page
 
 if TYPE_CHECKING:
     from worker.kv.hybrid_allocator import HybridAllocator
-
-
-def floor_page(x: int, page_size: int) -> int:
-    return (x // page_size) * page_size
-
-
-def ceil_page(x: int, page_size: int) -> int:
-    return -(-x // page_size) * page_size
 
 
 def frontier_start(*, evicted: int, protected: int, page_size: int, floor: int = 0) -> int:
@@ -143,3 +136,12 @@ def _check_aligned(*, evicted: int, protected: int, page_size: int) -> None:
         raise ValueError(f"protected={protected} (tree-owned prefix) must be page aligned")
     if evicted % page_size:
         raise ValueError(f"evicted={evicted} must be page aligned (frontiers move in pages)")
+
+
+def steady_swa_per_request(window: int, interval: int, page_size: int) -> int:
+    """SWA tokens a decoding request holds at most between two out-of-window frees: W + interval + P.
+
+    The window it still reads, the `interval` tokens that may leave the window before the next
+    periodic free, and the partly filled decode page.
+    """
+    return window + max(1, interval) + page_size

@@ -22,9 +22,9 @@ import math
 from dataclasses import dataclass
 
 from worker.errors import ConfigError
+from worker.kv.frontier import steady_swa_per_request
 from worker.kv.pages import ceil_page, floor_page
 from worker.models.spec import LayerKind, ModelSpec
-from worker.scheduler.budget import steady_swa_per_request
 
 logger = logging.getLogger(__name__)
 _GIB = 1024**3

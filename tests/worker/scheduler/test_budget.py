@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 
+from worker.kv.frontier import steady_swa_per_request
 from worker.kv.pages import ceil_page, floor_page
 from worker.scheduler.budget import (
     chunk_cap,
     continuing_chunk_len,
     full_admission_charge,
     full_admits,
-    steady_swa_per_request,
     swa_admission_charge,
 )
 
@@ -49,14 +49,14 @@ def test_chunk_cap_is_the_swa_room_above_window_and_a_page() -> None:
 
 def test_continuing_chunk_shrinks_to_the_swa_room_or_defers() -> None:
     """P=64: rem_swa 100 -> chunk 36; rem_swa 64 -> 0, i.e. deferred (not scheduled)."""
-    assert continuing_chunk_len(rem_chunk=512, rem_total=10_000, rem_swa=100, page_size=64) == 36
-    assert continuing_chunk_len(rem_chunk=512, rem_total=10_000, rem_swa=64, page_size=64) <= 0
+    assert continuing_chunk_len(rem_chunk=512, remaining=10_000, rem_swa=100, page_size=64) == 36
+    assert continuing_chunk_len(rem_chunk=512, remaining=10_000, rem_swa=64, page_size=64) <= 0
 
 
 def test_continuing_chunk_without_swa_pool_is_unaffected() -> None:
-    """Non-hybrid (rem_swa None): min(rem_chunk, rem_total) only."""
-    assert continuing_chunk_len(rem_chunk=512, rem_total=300, rem_swa=None, page_size=64) == 300
-    assert continuing_chunk_len(rem_chunk=200, rem_total=300, rem_swa=None, page_size=64) == 200
+    """Non-hybrid (rem_swa None): min(rem_chunk, remaining) only."""
+    assert continuing_chunk_len(rem_chunk=512, remaining=300, rem_swa=None, page_size=64) == 300
+    assert continuing_chunk_len(rem_chunk=200, remaining=300, rem_swa=None, page_size=64) == 200
 
 
 def test_steady_hold_and_page_rounding() -> None:
