@@ -126,15 +126,14 @@ class SimOutcome:
 def routing_stats(engine: Engine, worker_id: str, now: float) -> dict[str, float | int | str]:
     """What `WorkerDeployment.record_routing_stats` reports for this engine (the router part).
 
-    NOTE: it reads `queued_prefill_tokens` from `EngineStats.extra`, which `Engine.stats()`
-    leaves empty, so deployed workers report 0; mirrored here as deployed.
+    NOTE: a copy that reports `queued_prefill_tokens` 0 and `running_decodes` = running.
     """
     s = engine.stats()
     return make_routing_stats(
         worker_id=worker_id,
         timestamp_s=now,
         queue_len=s.waiting,
-        queued_prefill_tokens=int(s.extra.get("queued_prefill_tokens", 0)),
+        queued_prefill_tokens=0,
         running_decodes=s.running,
         full=PoolHeadroom(s.full.free, s.full.evictable, s.full.total),
         swa=PoolHeadroom(s.swa.free, s.swa.evictable, s.swa.total),
@@ -208,9 +207,9 @@ class Simulation:
             self._start_step(w, t)
 
     def _start_step(self, w: _Worker, t: float) -> None:
-        steps = w.engine.counters["steps"]
+        steps = w.engine.counters.steps
         deltas = w.engine.step()
-        if w.engine.counters["steps"] == steps:
+        if w.engine.counters.steps == steps:
             raise RuntimeError(
                 f"worker {w.wid} has {w.engine.stats().waiting} waiting requests but scheduled "
                 "nothing with no step in flight (a request that can never be admitted: enlarge "

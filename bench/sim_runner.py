@@ -18,7 +18,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+
+import torch
 
 from worker.config import EngineConfig
 from worker.engine.engine import Engine
@@ -26,6 +27,7 @@ from worker.engine.setup import EngineParts
 from worker.models.spec import KindShape, LayerKind, ModelSpec
 from worker.runner.forward_batch import ForwardBatch
 from worker.runner.sampler import SampleOutput
+from worker.sampling_params import SamplingParams
 
 SIM_VOCAB = 32_000
 SIM_MAX_MODEL_LEN = 65_536
@@ -61,7 +63,7 @@ class SimRunner:
         self.last_decode_tokens = 0
         self.fed_tokens = 0  # every token fed since start (prefill and decode)
 
-    def forward(self, batch: ForwardBatch) -> int:
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
         prefill = decode = 0
         for r in batch.reqs:
             n = len(r.token_ids)
@@ -71,11 +73,17 @@ class SimRunner:
                 prefill += n
         self.last_prefill_tokens, self.last_decode_tokens = prefill, decode
         self.fed_tokens += prefill + decode
-        return batch.num_logits  # stands in for the logits: the row count is all sample needs
+        # Logits with no vocabulary: the row count is all `sample` needs.
+        return torch.empty(batch.num_logits, 0)
 
-    def sample(self, logits: int, params: Sequence[Any], generators: Sequence[Any]) -> SampleOutput:
+    def sample(
+        self,
+        logits: torch.Tensor,
+        params: Sequence[SamplingParams],
+        generators: Sequence[torch.Generator | None],
+    ) -> SampleOutput:
         n = len(params)
-        assert n == logits, f"{n} sampling rows for {logits} logits rows"
+        assert n == logits.shape[0], f"{n} sampling rows for {logits.shape[0]} logits rows"
         return SampleOutput([self.token_id] * n, [None] * n, [None] * n)
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
 FinishReason = Literal["stop", "length", "abort"]
@@ -54,11 +54,19 @@ class PoolStats:
 
 @dataclass(frozen=True)
 class EngineStats:
+    """One snapshot of an engine, published by its step thread (worker/engine/stats.py).
+
+    Counters (`cache_hit_tokens` … `steps`) are monotonic since start; `prompt_tokens` and
+    `cache_hit_tokens` count finished requests.
+    """
+
     full: PoolStats
-    swa: PoolStats
+    swa: PoolStats  # the full pool again when there is one pool (`hybrid` False)
     hybrid: bool
     waiting: int
     running: int
+    queued_prefill_tokens: int  # prompt tokens still to compute (waiting + prefilling)
+    running_decodes: int  # running requests in their decode phase
     cache_hit_tokens: int
     prompt_tokens: int
     generated_tokens: int
@@ -69,6 +77,3 @@ class EngineStats:
     aborts: int
     steps: int
     last_step_seconds: float
-    queued_prefill_tokens: int = 0  # prompt tokens still to compute (waiting + prefilling)
-    running_decodes: int = 0  # running requests in their decode phase
-    extra: dict[str, float] = field(default_factory=dict)

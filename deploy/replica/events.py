@@ -42,12 +42,11 @@ class CacheEventPump:
 
     def _meta(self) -> WorkerMeta:
         stats = self._engine.stats()
-        spec = self._engine.spec
         return WorkerMeta(
             worker_id=self._worker_id,
             incarnation=self._incarnation,
             page_size=int(self._engine.config.page_size),
-            window=getattr(spec, "window", None) if getattr(spec, "has_swa", False) else None,
+            window=self._engine.window,
             full_tokens=stats.full.total,
             swa_tokens=stats.swa.total,
             hybrid=stats.hybrid,

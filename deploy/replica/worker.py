@@ -31,6 +31,7 @@ from cluster.messages import (
 )
 from deploy.metrics import flatten_stats
 from worker.config import EngineConfig
+from worker.engine.protocols import EngineClient
 from worker.outputs import StreamDelta
 
 if TYPE_CHECKING:
@@ -38,7 +39,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("swaserve.worker")
 
-EngineFactory = Callable[[EngineConfig], Any]
+EngineFactory = Callable[[EngineConfig], EngineClient]
 
 
 @dataclass(frozen=True)
@@ -48,7 +49,7 @@ class WorkerOptions:
     event_interval_s: float = 0.25  # background flush period of cache events
 
 
-def _default_engine(config: EngineConfig) -> Any:
+def _default_engine(config: EngineConfig) -> EngineClient:
     from worker.engine.async_engine import AsyncEngine  # heavy (torch); only inside the replica
 
     return AsyncEngine(config)
@@ -168,7 +169,7 @@ class WorkerDeployment:
     def _refusal(self, token_ids: list[int], params: Any) -> StreamStart | None:
         if self._draining:
             return StreamStart(self.replica_id, "unavailable", "worker replica is shutting down; retry")
-        if getattr(self._engine, "error", None) is not None:  # Serve replaces us at the next health check
+        if self._engine.error is not None:  # Serve replaces us at the next health check
             return StreamStart(self.replica_id, "unavailable", "worker engine failed; retry")
         try:
             self._engine.validate(token_ids, params)
@@ -207,7 +208,7 @@ class WorkerDeployment:
     def check_health(self) -> None:
         if self._draining:
             return  # Serve is stopping us; do not get replaced mid-drain
-        error = getattr(self._engine, "error", None)
+        error = self._engine.error
         if error is not None:
             raise RuntimeError(f"engine step thread died: {error!r}")
         s = self._engine.stats()

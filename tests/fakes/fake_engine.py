@@ -34,7 +34,8 @@ class FakeEngine:
         self.config = config
         self.model_dir = model_dir or Path(".")
         self.max_model_len = config.max_model_len or max_model_len
-        self.spec: Any = None
+        self.window: int | None = None
+        self.error: BaseException | None = None
         self._vocab = vocab_size
         self._eos = eos_token_id
         self._step_s = step_s
@@ -114,6 +115,7 @@ class FakeEngine:
         c = self._counters
         return EngineStats(
             full=full, swa=swa, hybrid=True, waiting=0, running=running,
+            queued_prefill_tokens=0, running_decodes=running,
             cache_hit_tokens=c["hits"], prompt_tokens=c["prompt"], generated_tokens=c["generated"],
             full_evicted_tokens=0, swa_evicted_tokens=0, tombstone_tokens=0, retractions=0,
             aborts=c["aborts"], steps=c["steps"], last_step_seconds=self._step_s,
@@ -135,6 +137,9 @@ class FakeEngine:
 
     def cache_snapshot(self) -> dict[int, PageState]:
         return {}
+
+    def drain_and_snapshot(self) -> tuple[list[CacheEvent], dict[int, PageState]]:
+        return [], {}
 
     def shutdown(self) -> None:
         self.shut_down = True

@@ -12,7 +12,7 @@ import asyncio
 import concurrent.futures
 import logging
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -35,6 +35,7 @@ class AsyncEngine:
         self.spec = self.engine.spec
         self.max_model_len = self.engine.max_model_len
         self.model_dir: Path | None = self.engine.parts.model_dir
+        self.window: int | None = self.spec.window if self.spec.has_swa else None
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._calls: list[tuple[Callable[[], Any], concurrent.futures.Future]] = []
@@ -44,7 +45,7 @@ class AsyncEngine:
         self._thread.start()
 
     # ---- requests -------------------------------------------------------------------------------
-    def validate(self, token_ids: list[int], params: SamplingParams) -> None:
+    def validate(self, token_ids: Sequence[int], params: SamplingParams) -> None:
         self.engine.validate(token_ids, params)
 
     async def generate(
@@ -76,7 +77,7 @@ class AsyncEngine:
 
     # ---- state, run on the step thread ----------------------------------------------------------
     def stats(self) -> EngineStats:
-        return self.engine.stats()  # plain reads of ints: safe from any thread
+        return self.engine.stats()  # the snapshot the step thread published: safe from any thread
 
     def check_integrity(self) -> None:
         self.call(self.engine.check_integrity)
@@ -137,12 +138,7 @@ class AsyncEngine:
             calls, self._calls = self._calls, []
         for _, fut in calls:
             fut.set_exception(RuntimeError(f"engine stopped: {exc!r}"))
-        for rid in list(self.engine._reqs):
-            sink = self.engine._sinks.get(rid)
-            if sink is not None:
-                req = self.engine._reqs[rid]
-                sink(StreamDelta(rid, [], True, "abort", len(req.prompt), 0, len(req.output),
-                                 error=f"engine failure: {exc!r}"))  # fmt: skip
+        self.engine.fail_all(f"engine failure: {exc!r}")
 
     def _check_alive(self) -> None:
         if self.error is not None:

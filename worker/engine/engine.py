@@ -1,9 +1,16 @@
 """`Engine`: one device's serving loop — scheduler, radix cache, hybrid pools, model runner.
 
+One step is three moves, with no call back from the scheduler into the engine:
+
+    plan = scheduler.schedule()            who runs, with which tokens (KV allocated)
+    logits = runner.forward(plan); sample  compute
+    scheduler.commit / append_token / finish  every state change, by the scheduler
+
 Driven two ways with the same code: `generate()` steps it in the caller's thread until the given
-prompts finish (offline); `worker.engine.async_engine.AsyncEngine` steps it on a background thread and
-streams `StreamDelta`s. `add_request` and `abort` are thread-safe (they go through an inbox the
-step drains); everything else runs on the stepping thread.
+prompts finish (offline); `worker.engine.async_engine.AsyncEngine` steps it on a background
+thread and streams `StreamDelta`s. `add_request` and `abort` are thread-safe (they go through an
+inbox the step drains); `stats()` returns the snapshot the last step published; everything else
+runs on the stepping thread.
 """
 
 from __future__ import annotations
@@ -14,21 +21,24 @@ import queue
 import time
 from collections.abc import Callable, Sequence
 
-import torch
-
+from worker.cache.events import CacheEvent, PageState
 from worker.config import EngineConfig
 from worker.engine.setup import EngineParts, build_engine_parts
-from worker.engine.stats import PoolPeaks, engine_stats
+from worker.engine.stats import EngineCounters, PoolPeaks, snapshot
 from worker.engine.stopping import StopChecker
+from worker.kv.pages import ceil_page
 from worker.outputs import EngineStats, Output, StreamDelta, TokenLogprob
+from worker.runner.forward_batch import ForwardBatch
 from worker.runner.sampler import make_generator
 from worker.sampling_params import SamplingParams
+from worker.scheduler.plan import SchedulerLimits, StepWork
 from worker.scheduler.request import Req, ReqState
-from worker.scheduler.scheduler import Scheduler, SchedulerLimits, StepWork
+from worker.scheduler.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 
 DeltaSink = Callable[[StreamDelta], None]
+_Add = tuple[Req, DeltaSink | None]
 
 
 class Engine:
@@ -49,19 +59,15 @@ class Engine:
             ),
             self.allocator,
             self.cache,
-            on_retract=self._release_kv,
         )
         self.stopper = StopChecker(p.eos_token_ids, p.tokenizer_loader)
         self.peaks = PoolPeaks()
-        self.counters: dict[str, float] = dict.fromkeys(
-            ("cache_hit_tokens", "prompt_tokens", "generated_tokens", "aborts", "steps"), 0
-        )
+        self.counters = EngineCounters()
         self.last_step_seconds = 0.0
-        self._idle_steps = 0  # consecutive steps that scheduled nothing while requests existed
-        self._inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
-        self._reqs: dict[str, Req] = {}
+        self._inbox: queue.SimpleQueue[_Add | str] = queue.SimpleQueue()  # adds, or ids to abort
         self._sinks: dict[str, DeltaSink] = {}
         self._ids = itertools.count()
+        self._stats = self._snapshot()
 
     # ---- requests -------------------------------------------------------------------------------
     def validate(self, token_ids: Sequence[int], params: SamplingParams) -> None:
@@ -82,7 +88,7 @@ class Engine:
                 "lower max_tokens"
             )
         P = self.config.page_size
-        need = -(-(n + params.max_tokens) // P) * P + P
+        need = ceil_page(n + params.max_tokens, P) + P
         if need > self.allocator.full_size:
             raise ValueError(
                 f"the request needs {need} tokens of KV but the KV pool holds "
@@ -97,10 +103,10 @@ class Engine:
         on_delta: DeltaSink | None = None,
     ) -> str:
         """Queue a request (thread-safe). Raises ValueError if it can never run."""
-        if request_id is not None and request_id in self._reqs:
+        if request_id is not None and request_id in self.scheduler.reqs:
             raise ValueError(f"duplicate request id {request_id!r}: it is still running")
         req = self._new_req(token_ids, params, request_id)
-        self._inbox.put(("add", (req, on_delta)))
+        self._inbox.put((req, on_delta))
         return req.rid
 
     def _new_req(self, token_ids: Sequence[int], params: SamplingParams, rid: str | None) -> Req:
@@ -110,7 +116,7 @@ class Engine:
 
     def abort(self, request_id: str) -> None:
         """Cancel a request wherever it is; its KV is freed at the next step (thread-safe)."""
-        self._inbox.put(("abort", request_id))
+        self._inbox.put(request_id)
 
     def has_work(self) -> bool:
         s = self.scheduler
@@ -125,95 +131,36 @@ class Engine:
         self.peaks.observe(self.allocator, self.cache)
         if work:
             deltas += self._run(work)
-            self.counters["steps"] += 1
-        deltas += self._refuse_if_stalled(bool(work) or bool(deltas))
+            self.counters.steps += 1
+        refused = self.scheduler.refuse_if_stalled(bool(work) or bool(deltas))
+        if refused is not None:
+            deltas.append(self._delta(refused))
         self.last_step_seconds = time.perf_counter() - t0
+        self._stats = self._snapshot()
         return deltas
-
-    def _refuse_if_stalled(self, progressed: bool) -> list[StreamDelta]:
-        """Scheduling is deterministic and only a forward or an abort frees memory: two steps in
-        a row that schedule nothing while requests exist will repeat forever. Refuse the newest
-        request with a clear error instead of hanging (e.g. an SWA pool barely above W + P whose
-        window locks leave a lone request no room)."""
-        s = self.scheduler
-        if progressed or not (s.running or s.waiting):
-            self._idle_steps = 0
-            return []
-        self._idle_steps += 1
-        if self._idle_steps < 2:
-            return []
-        self._idle_steps = 0
-        victim = s.running[-1] if s.running else s.waiting[0]
-        a = self.allocator
-        self._finish(victim, "abort", error=(
-            f"the KV pools cannot hold this request's next step (full pool {a.full_size} tokens, "
-            f"SWA pool {a.swa_size} tokens, window {self.spec.window}, page {self.config.page_size}); "
-            "raise swa_full_tokens_ratio or the KV budget, or lower chunked_prefill_size"
-        ))  # fmt: skip
-        self.counters["aborts"] += 1
-        return [self._delta(victim)]
 
     def _run(self, work: list[StepWork]) -> list[StreamDelta]:
-        from worker.runner.forward_batch import ForwardBatch, ForwardReq
-
-        reqs = tuple(
-            ForwardReq(w.req.kv.tokens[w.start : w.start + w.n], w.start, w.req.kv.table, w.samples)  # type: ignore[union-attr]
-            for w in work
-        )
-        logits = self.runner.forward(ForwardBatch(reqs))
+        logits = self.runner.forward(ForwardBatch(tuple(w.forward_req() for w in work)))
         samplers = [w.req for w in work if w.samples]
-        sampled = self.runner.sample(logits, [r.params for r in samplers], [r.generator for r in samplers])
-        for w in work:
-            kv = w.req.kv
-            assert kv is not None
-            kv.kv_committed_len = w.start + w.n
-            if not w.decode and self.config.enable_radix_cache:
-                # Every prefill chunk, the last one too, goes into the tree now: the prompt
-                # becomes tree-owned, so decode never frees its SWA and another request can
-                # still reuse all of it (under SWA pressure the tree tombstones it instead).
-                self.cache.cache_unfinished_req(kv)
+        sampled = self.runner.sample(
+            logits, [r.params for r in samplers], [r.generator for r in samplers]
+        )
+        self.scheduler.commit(work)
         deltas = []
         for i, req in enumerate(samplers):
-            lp = sampled.logprobs[i]
-            logprob = None if lp is None else TokenLogprob(sampled.token_ids[i], lp, tuple(sampled.top_logprobs[i] or ()))
-            deltas.append(self._append_token(req, sampled.token_ids[i], logprob))
+            token, lp = sampled.token_ids[i], sampled.logprobs[i]
+            top = sampled.top_logprobs[i] or ()
+            logprob = None if lp is None else TokenLogprob(token, lp, tuple(top))
+            deltas.append(self._on_token(req, token, logprob))
         return deltas
 
-    def _append_token(self, req: Req, token: int, logprob: TokenLogprob | None) -> StreamDelta:
-        req.output.append(token)
-        assert req.kv is not None
-        req.kv.tokens.append(token)
-        if logprob is not None:
-            if req.logprobs is None:
-                req.logprobs = []
-            req.logprobs.append(logprob)
-        self.counters["generated_tokens"] += 1
+    def _on_token(self, req: Req, token: int, logprob: TokenLogprob | None) -> StreamDelta:
+        self.scheduler.append_token(req, token, logprob)
+        self.counters.generated_tokens += 1
         reason = self.stopper.check(req)
         if reason is not None:
-            self._finish(req, reason)
+            self.scheduler.finish(req, reason)
         return self._delta(req)
-
-    # ---- finishing ------------------------------------------------------------------------------
-    def _finish(self, req: Req, reason: str, error: str | None = None) -> None:
-        req.finish_reason, req.error = reason, error  # type: ignore[assignment]
-        if req.state is ReqState.RUNNING:
-            self.scheduler.running.remove(req)
-            self._release_kv(req)
-        elif req in self.scheduler.waiting:
-            self.scheduler.waiting.remove(req)
-        req.state = ReqState.FINISHED
-        req.kv = None
-        if req.cached_tokens < 0:
-            req.cached_tokens = 0
-        self.counters["cache_hit_tokens"] += req.cached_tokens
-        self.counters["prompt_tokens"] += len(req.prompt)
-
-    def _release_kv(self, req: Req) -> None:
-        kv = req.kv
-        if kv is None:
-            return
-        # The tree takes only committed (written) KV; the rest of the allocation is freed.
-        self.cache.cache_finished_req(kv, insert=self.config.enable_radix_cache)
 
     def _delta(self, req: Req) -> StreamDelta:
         new = req.output[req.emitted :]
@@ -234,39 +181,36 @@ class Engine:
         if sink is not None:
             sink(delta)
         if delta.finished:
-            self._reqs.pop(req.rid, None)
             self._sinks.pop(req.rid, None)
         return delta
 
     def _drain_inbox(self) -> list[StreamDelta]:
         deltas = []
         while not self._inbox.empty():
-            op, arg = self._inbox.get_nowait()
-            if op == "add":
-                req, sink = arg  # type: ignore[misc]
-                if req.rid in self._reqs:
-                    # NOTE: two adds raced past add_request's check. Raising here would fail the
-                    # step every request shares; refuse only the newcomer, through its own sink.
-                    # (Not in the step's deltas: they would "finish" the running request.)
-                    self._refuse(req, sink, f"duplicate request id {req.rid!r}")
-                    continue
-                self._reqs[req.rid] = req
+            item = self._inbox.get_nowait()
+            if isinstance(item, str):
+                req = self.scheduler.abort(item)
+                if req is not None:
+                    deltas.append(self._delta(req))
+                continue
+            req, sink = item
+            if self.scheduler.add(req):
                 if sink is not None:
                     self._sinks[req.rid] = sink
-                self.scheduler.waiting.append(req)
-            elif op == "abort":
-                req = self._reqs.get(arg)  # type: ignore[arg-type]
-                if req is not None and req.state is not ReqState.FINISHED:
-                    self._finish(req, "abort")
-                    self.counters["aborts"] += 1
-                    deltas.append(self._delta(req))
+            elif sink is not None:
+                # NOTE: two adds raced past add_request's check. Raising here would fail the
+                # step every request shares; the newcomer is refused through its own sink
+                # (not in the step's deltas: they would "finish" the running request).
+                sink(StreamDelta(req.rid, [], True, "abort", len(req.prompt), 0, 0, error=req.error))
         return deltas
 
-    @staticmethod
-    def _refuse(req: Req, sink: DeltaSink | None, error: str) -> None:
-        req.state, req.finish_reason, req.error = ReqState.FINISHED, "abort", error
-        if sink is not None:
-            sink(StreamDelta(req.rid, [], True, "abort", len(req.prompt), 0, 0, error=error))
+    def fail_all(self, error: str) -> None:
+        """The step thread is dying: tell every request's consumer, once (step thread only)."""
+        for rid, sink in list(self._sinks.items()):
+            req = self.scheduler.reqs.get(rid)
+            prompt_len, done = (len(req.prompt), len(req.output)) if req else (0, 0)
+            sink(StreamDelta(rid, [], True, "abort", prompt_len, 0, done, error=error))
+        self._sinks.clear()
 
     # ---- offline --------------------------------------------------------------------------------
     def generate(
@@ -278,38 +222,21 @@ class Engine:
             raise ValueError(f"{len(prompts)} prompts but {len(plist)} sampling params")
         reqs = [self._new_req(p, sp, None) for p, sp in zip(prompts, plist)]
         for req in reqs:
-            self._inbox.put(("add", (req, None)))
+            self._inbox.put((req, None))
         while any(r.state is not ReqState.FINISHED for r in reqs):
             self.step()
-        return [self._output(r) for r in reqs]
+        return [_output(r) for r in reqs]
 
-    @staticmethod
-    def _output(req: Req) -> Output:
-        return Output(
-            request_id=req.rid,
-            prompt_len=len(req.prompt),
-            token_ids=list(req.output),
-            finish_reason=req.finish_reason or "abort",
-            cached_tokens=max(req.cached_tokens, 0),
-            logprobs=req.logprobs,
-            error=req.error,
-        )
-
-    # ---- introspection --------------------------------------------------------------------------
+    # ---- introspection (stats from any thread; the rest on the stepping thread) -----------------
     def stats(self) -> EngineStats:
-        s = self.scheduler
-        self.counters["queued_prefill_tokens"] = sum(r.remaining for r in s.waiting) + sum(
-            r.remaining for r in s.running if not r.is_decoding
-        )
-        self.counters["running_decodes"] = sum(1 for r in s.running if r.is_decoding)
-        self.counters["retractions"] = s.retractions
-        self.counters["full_evicted_tokens"] = s.evicted["full"]
-        self.counters["swa_evicted_tokens"] = s.evicted["swa"]
-        return engine_stats(self.allocator, self.cache, self.peaks, len(s.waiting), len(s.running),
-                            self.counters, self.last_step_seconds)  # fmt: skip
+        """The snapshot published after the last step (or flush)."""
+        return self._stats
+
+    def _snapshot(self) -> EngineStats:
+        return snapshot(self.scheduler, self.peaks, self.counters, self.last_step_seconds)
 
     def check_integrity(self) -> None:
-        """Raise when any pool/cache invariant breaks (reference §1.6), incl. the leak identity."""
+        """Raise when any pool/cache invariant breaks (docs/design.md §9), incl. the leak identity."""
         running = [r.kv for r in self.scheduler.running if r.kv is not None]
         self.allocator.check_integrity()
         self.cache.check_integrity(running)
@@ -336,16 +263,23 @@ class Engine:
         if self.scheduler.running or self.scheduler.waiting:
             return False
         self.cache.reset()
+        self._stats = self._snapshot()
         return True
 
-    def drain_cache_events(self) -> list:
+    def drain_cache_events(self) -> list[CacheEvent]:
         return self.cache.drain_events()
 
-    def cache_snapshot(self) -> dict:
+    def cache_snapshot(self) -> dict[int, PageState]:
         return self.cache.snapshot_pages()
 
-    @torch.inference_mode()
-    def warmup(self) -> None:
-        """One tiny request end to end, so the first user request pays no lazy setup."""
-        self.generate([[1, 2, 3]], SamplingParams(max_tokens=2, temperature=0.0))
-        self.flush_cache()
+
+def _output(req: Req) -> Output:
+    return Output(
+        request_id=req.rid,
+        prompt_len=len(req.prompt),
+        token_ids=list(req.output),
+        finish_reason=req.finish_reason or "abort",
+        cached_tokens=max(req.cached_tokens, 0),
+        logprobs=req.logprobs,
+        error=req.error,
+    )

@@ -16,6 +16,7 @@ import torch
 from worker.cache import create_cache
 from worker.cache.base import PrefixCache
 from worker.config import EngineConfig
+from worker.engine.protocols import Runner
 from worker.errors import ConfigError
 from worker.kv.hybrid_allocator import HybridAllocator
 from worker.kv.memory_plan import PoolPlan, plan_pools
@@ -34,7 +35,7 @@ class EngineParts:
     spec: ModelSpec
     allocator: HybridAllocator
     cache: PrefixCache
-    runner: Any  # worker.runner.model_runner.ModelRunner or a test fake with forward()/sample()
+    runner: Runner  # a ModelRunner, or a compute-free stand-in (bench.sim_runner.SimRunner)
     max_model_len: int
     eos_token_ids: tuple[int, ...] = ()
     tokenizer_loader: Callable[[], Any] | None = None

@@ -1,4 +1,9 @@
-"""Pool gauges and counters for `Engine.stats()` (the Prometheus endpoint reads them)."""
+"""`EngineStats` snapshots: built on the step thread after each step, read from any thread.
+
+The step thread owns the pools, the cache and the scheduler; nothing else may iterate them. It
+publishes a frozen `EngineStats` after every step (and after a flush), and every other thread
+(the replica's event loop, `/metrics`, the router's load signal) reads only that snapshot.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +12,15 @@ from dataclasses import dataclass
 from worker.cache.base import PrefixCache
 from worker.kv.hybrid_allocator import HybridAllocator
 from worker.outputs import EngineStats, PoolStats
+from worker.scheduler.scheduler import Scheduler
+
+
+@dataclass(slots=True)
+class EngineCounters:
+    """Monotonic counts of the engine loop itself (the scheduler keeps its own)."""
+
+    steps: int = 0  # steps that ran a forward
+    generated_tokens: int = 0
 
 
 @dataclass
@@ -17,13 +31,14 @@ class PoolPeaks:
     swa: int = 0
 
     def observe(self, allocator: HybridAllocator, cache: PrefixCache) -> None:
-        self.full = max(self.full, _used(allocator.full_size, allocator.full_available_size(), cache.full_evictable))
-        if allocator.hybrid:
-            self.swa = max(self.swa, _used(allocator.swa_size, allocator.swa_available_size(), cache.swa_evictable))
+        a = allocator
+        self.full = max(self.full, a.full_size - a.full_available_size() - cache.full_evictable)
+        if a.hybrid:
+            self.swa = max(self.swa, a.swa_size - a.swa_available_size() - cache.swa_evictable)
 
 
-def _used(total: int, free: int, evictable: int) -> int:
-    return total - free - evictable
+def _pool(total: int, free: int, evictable: int, peak: int) -> PoolStats:
+    return PoolStats(total, free, evictable, total - free - evictable, peak)
 
 
 def tombstone_tokens(allocator: HybridAllocator, cache: PrefixCache) -> int:
@@ -35,44 +50,34 @@ def tombstone_tokens(allocator: HybridAllocator, cache: PrefixCache) -> int:
     return cached - cache.swa_evictable - cache.swa_protected
 
 
-def pool_stats(allocator: HybridAllocator, cache: PrefixCache, peaks: PoolPeaks) -> tuple[PoolStats, PoolStats]:
-    a = allocator
-    full = PoolStats(a.full_size, a.full_available_size(), cache.full_evictable,
-                     _used(a.full_size, a.full_available_size(), cache.full_evictable), peaks.full)  # fmt: skip
-    if not a.hybrid:
-        return full, full
-    swa = PoolStats(a.swa_size, a.swa_available_size(), cache.swa_evictable,
-                    _used(a.swa_size, a.swa_available_size(), cache.swa_evictable), peaks.swa)  # fmt: skip
-    return full, swa
-
-
-def engine_stats(
-    allocator: HybridAllocator,
-    cache: PrefixCache,
+def snapshot(
+    scheduler: Scheduler,
     peaks: PoolPeaks,
-    waiting: int,
-    running: int,
-    counters: dict[str, float],
+    counters: EngineCounters,
     last_step_seconds: float,
 ) -> EngineStats:
-    full, swa = pool_stats(allocator, cache, peaks)
-    c = {k: int(v) for k, v in counters.items()}
+    """Everything `Engine.stats()` reports, copied out of the live state (step thread only)."""
+    a, c, s = scheduler.allocator, scheduler.cache, scheduler.counters
+    full = _pool(a.full_size, a.full_available_size(), c.full_evictable, peaks.full)
+    swa = full
+    if a.hybrid:
+        swa = _pool(a.swa_size, a.swa_available_size(), c.swa_evictable, peaks.swa)
     return EngineStats(
         full=full,
         swa=swa,
-        hybrid=allocator.hybrid,
-        waiting=waiting,
-        running=running,
-        cache_hit_tokens=c["cache_hit_tokens"],
-        prompt_tokens=c["prompt_tokens"],
-        generated_tokens=c["generated_tokens"],
-        full_evicted_tokens=c["full_evicted_tokens"],
-        swa_evicted_tokens=c["swa_evicted_tokens"],
-        tombstone_tokens=tombstone_tokens(allocator, cache),
-        retractions=c["retractions"],
-        aborts=c["aborts"],
-        steps=c["steps"],
+        hybrid=a.hybrid,
+        waiting=len(scheduler.waiting),
+        running=len(scheduler.running),
+        queued_prefill_tokens=scheduler.queued_prefill_tokens(),
+        running_decodes=scheduler.running_decodes(),
+        cache_hit_tokens=s.cache_hit_tokens,
+        prompt_tokens=s.finished_prompt_tokens,
+        generated_tokens=counters.generated_tokens,
+        full_evicted_tokens=s.full_evicted_tokens,
+        swa_evicted_tokens=s.swa_evicted_tokens,
+        tombstone_tokens=tombstone_tokens(a, c),
+        retractions=s.retractions,
+        aborts=s.aborts,
+        steps=counters.steps,
         last_step_seconds=last_step_seconds,
-        queued_prefill_tokens=c.get("queued_prefill_tokens", 0),
-        running_decodes=c.get("running_decodes", 0),
     )

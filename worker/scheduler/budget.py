@@ -53,22 +53,16 @@ def chunk_cap(rem_swa: int, window: int, page_size: int) -> int:
 
 
 def continuing_chunk_len(
-    rem_chunk: int, rem_total: int, rem_swa: int | None, page_size: int
+    rem_chunk: int, remaining: int, rem_swa: int | None, page_size: int
 ) -> int:
-    """Length of the next chunk of an unfinished prefill: min(rem_chunk, rem_total, rem_swa - P).
+    """Length of the next chunk of an unfinished prefill: min(rem_chunk, remaining, rem_swa - P).
 
-    NOTE: a result <= 0 under hybrid SWA means *defer*: the request waits, unscheduled and not
-    stashed (stashing a chunk that was not scheduled double-frees). `rem_swa` None: no SWA pool
-    (non-hybrid), the SWA term drops out.
+    `rem_chunk`: the step's prefill budget left; `remaining`: tokens the request still has to
+    feed. The full pool is not budgeted here: the chunk's pages are taken (evicting the tree if
+    needed) when it is allocated. NOTE: a result <= 0 under hybrid SWA means *defer*: the
+    request waits, unscheduled and not stashed (stashing a chunk that was not scheduled
+    double-frees). `rem_swa` None: no SWA pool (non-hybrid), the SWA term drops out.
     """
-    rem = min(rem_chunk, rem_total)
-    return rem if rem_swa is None else min(rem, rem_swa - page_size)
+    n = min(rem_chunk, remaining)
+    return n if rem_swa is None else min(n, rem_swa - page_size)
 
-
-def steady_swa_per_request(window: int, interval: int, page_size: int) -> int:
-    """SWA tokens a decoding request holds at most between two out-of-window frees: W + interval + P.
-
-    The window it still reads, the `interval` tokens that may leave the window before the next
-    periodic free, and the partly filled decode page.
-    """
-    return window + max(1, interval) + page_size

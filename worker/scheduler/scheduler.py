@@ -1,4 +1,8 @@
-"""`Scheduler`: which requests run this step, and with how many tokens each.
+"""`Scheduler`: the owner of every request's state, and the plan of each step.
+
+Every state change of a request happens here: `add` (waiting), admission (running, with KV),
+`commit` (the KV a forward wrote), `append_token`, retraction (KV given back, requeued), `finish`
+and `abort` (KV given back, finished). The engine only asks for a plan, runs it and reports.
 
 Policy (mixed batches, decode first):
 1. every decoding request feeds its one token (SWA out of its window is freed first, per
@@ -8,86 +12,163 @@ Policy (mixed batches, decode first):
    (KV freed, requeued) until they can;
 2. requests still prefilling get their next chunk, then waiting requests are admitted, while
    the step's prefill budget (`chunked_prefill_size` tokens) lasts and within both pools'
-   budgets (reference §2.16): full = free + evictable − what running requests will still take;
-   SWA = free + evictable − the decode headroom running requests keep. An extend is charged
-   max(min(e, chunk), W) + P SWA tokens; one too large for the SWA budget starts with a capped
-   chunk instead of blocking the queue; a continuing chunk with no SWA room is deferred;
-   with nothing running, the queue head gets at least the chunk the SWA pool physically
-   holds (nothing would ever free more).
-
-The scheduler decides and allocates; the engine runs the batch and finishes requests.
+   budgets (`worker.scheduler.budget`): full = free + evictable − what running requests will
+   still take; SWA = free + evictable − the decode headroom running requests keep. An extend
+   is charged max(min(e, chunk), W) + P SWA tokens; one too large for the SWA budget starts
+   with a capped chunk instead of blocking the queue; a continuing chunk with no SWA room is
+   deferred; with nothing running, the queue head gets at least the chunk the SWA pool
+   physically holds (nothing would ever free more).
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
 from worker.cache.base import PrefixCache
 from worker.cache.req_kv import ReqKV
-from worker.kv.frontier import free_out_of_window
 from worker.kv.hybrid_allocator import HybridAllocator
 from worker.kv.pages import ceil_page
-from worker.scheduler.budget import chunk_cap, full_admits, swa_admission_charge
+from worker.outputs import FinishReason, TokenLogprob
+from worker.scheduler.budget import (
+    chunk_cap,
+    continuing_chunk_len,
+    full_admits,
+    swa_admission_charge,
+)
+from worker.scheduler.plan import SchedulerCounters, SchedulerLimits, StepWork
 from worker.scheduler.request import Req, ReqState
+from worker.scheduler.window_free import free_before_chunk, free_decode_window
 
 # Decode tokens a running request is assumed to still need, at most (SGLang clips the same way):
 # beyond this, retraction handles the rare request that really runs that long.
 CLIP_MAX_NEW_TOKENS = 4096
 
 
-@dataclass(frozen=True)
-class StepWork:
-    """One scheduled request: feed `tokens[start:start+n]`."""
-
-    req: Req
-    start: int
-    n: int
-    decode: bool = False  # a decoding request's one token (else a prefill chunk)
-
-    @property
-    def samples(self) -> bool:
-        return self.start + self.n == self.req.num_tokens
-
-
-@dataclass(frozen=True)
-class SchedulerLimits:
-    page_size: int
-    window: int | None  # None: no SWA pool to budget (single pool or no SWA layer)
-    chunked_prefill_size: int
-    max_running_requests: int
-    swa_eviction_interval: int
-    radix: bool  # False: chunk cache (frees SWA before each chunk with the exact window)
-
-
 class Scheduler:
-    def __init__(
-        self,
-        limits: SchedulerLimits,
-        allocator: HybridAllocator,
-        cache: PrefixCache,
-        on_retract: Callable[[Req], None],
-    ) -> None:
+    def __init__(self, limits: SchedulerLimits, allocator: HybridAllocator, cache: PrefixCache) -> None:
         self.limits = limits
         self.allocator = allocator
         self.cache = cache
-        self.on_retract = on_retract
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []  # admission order
-        self.retractions = 0
-        self.evicted = {"full": 0, "swa": 0}  # tokens the tree gave up to make room, per pool
+        self.reqs: dict[str, Req] = {}  # every unfinished request by id
+        self.counters = SchedulerCounters()
+        self._idle_steps = 0  # consecutive steps that scheduled nothing while requests existed
+
+    # ---- life cycle -----------------------------------------------------------------------------
+    def add(self, req: Req) -> bool:
+        """Queue `req`; False, with `req` finished as refused, when its id is already running."""
+        if req.rid in self.reqs:
+            req.state, req.finish_reason = ReqState.FINISHED, "abort"
+            req.error = f"duplicate request id {req.rid!r}"
+            return False
+        self.reqs[req.rid] = req
+        self.waiting.append(req)
+        return True
+
+    def abort(self, request_id: str) -> Req | None:
+        """Finish an unfinished request as aborted; None when there is no such request."""
+        req = self.reqs.get(request_id)
+        if req is None:
+            return None
+        self.finish(req, "abort")
+        self.counters.aborts += 1
+        return req
+
+    def finish(self, req: Req, reason: FinishReason, error: str | None = None) -> None:
+        """Give back everything `req` holds (the tree keeps its committed pages) and end it."""
+        req.finish_reason, req.error = reason, error
+        if req.state is ReqState.RUNNING:
+            self.running.remove(req)
+            self._release_kv(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        req.state = ReqState.FINISHED
+        req.kv = None
+        if req.cached_tokens < 0:
+            req.cached_tokens = 0
+        self.reqs.pop(req.rid, None)
+        self.counters.cache_hit_tokens += req.cached_tokens
+        self.counters.finished_prompt_tokens += len(req.prompt)
+
+    def commit(self, work: list[StepWork]) -> None:
+        """The forward wrote this step's KV: advance each request, and put every prefill chunk
+        (the last one too) into the tree, so the prompt is tree-owned from now on — decode never
+        frees its SWA and another request can reuse all of it (under SWA pressure the tree
+        tombstones it instead)."""
+        for w in work:
+            kv = w.req.kv
+            assert kv is not None
+            kv.kv_committed_len = w.start + w.n
+            if not w.decode and self.limits.radix:
+                self.cache.cache_unfinished_req(kv)
+
+    def append_token(self, req: Req, token: int, logprob: TokenLogprob | None) -> None:
+        req.output.append(token)
+        assert req.kv is not None
+        req.kv.tokens.append(token)
+        if logprob is not None:
+            if req.logprobs is None:
+                req.logprobs = []
+            req.logprobs.append(logprob)
+
+    def refuse_if_stalled(self, progressed: bool) -> Req | None:
+        """Scheduling is deterministic and only a forward or an abort frees memory: two steps in
+        a row that schedule nothing while requests exist will repeat forever. Finish the newest
+        request with a clear error instead of hanging (e.g. an SWA pool barely above W + P whose
+        window locks leave a lone request no room). Returns the request refused."""
+        if progressed or not (self.running or self.waiting):
+            self._idle_steps = 0
+            return None
+        self._idle_steps += 1
+        if self._idle_steps < 2:
+            return None
+        self._idle_steps = 0
+        victim = self.running[-1] if self.running else self.waiting[0]
+        a = self.allocator
+        self.finish(victim, "abort", error=(
+            f"the KV pools cannot hold this request's next step (full pool {a.full_size} tokens, "
+            f"SWA pool {a.swa_size} tokens, window {self.limits.window}, page "
+            f"{self.limits.page_size}); raise swa_full_tokens_ratio or the KV budget, or lower "
+            "chunked_prefill_size"
+        ))  # fmt: skip
+        self.counters.aborts += 1
+        return victim
+
+    def _retract(self, req: Req) -> None:
+        """Give back everything `req` holds and requeue it at the head (it re-prefills
+        prompt + output; what it computed stays in the tree for reuse)."""
+        self.running.remove(req)
+        self._release_kv(req)
+        req.kv, req.state = None, ReqState.WAITING
+        req.retractions += 1
+        self.counters.retractions += 1
+        self.waiting.appendleft(req)
+
+    def _release_kv(self, req: Req) -> None:
+        # The tree takes only committed (written) KV; the rest of the allocation is freed.
+        if req.kv is not None:
+            self.cache.cache_finished_req(req.kv, insert=self.limits.radix)
+
+    # ---- load, for stats ------------------------------------------------------------------------
+    def queued_prefill_tokens(self) -> int:
+        """Prompt tokens still to compute: waiting requests plus unfinished chunked prefills."""
+        queued = sum(r.remaining for r in self.waiting)
+        return queued + sum(r.remaining for r in self.running if not r.is_decoding)
+
+    def running_decodes(self) -> int:
+        return sum(1 for r in self.running if r.is_decoding)
 
     # ---- budgets --------------------------------------------------------------------------------
-    def _decode_reserve(self, req: Req) -> int:
+    def _future_tokens(self, req: Req) -> int:
         left = req.params.max_tokens - len(req.output)
         return min(max(left, 0), CLIP_MAX_NEW_TOKENS)
 
     def rem_full(self) -> int:
         a, c = self.allocator, self.cache
-        pending = sum(self._decode_reserve(r) + r.remaining for r in self.running)
+        pending = sum(self._future_tokens(r) + r.remaining for r in self.running)
         return a.full_available_size() + c.full_evictable - pending
 
     def rem_swa(self) -> int:
@@ -123,44 +204,21 @@ class Scheduler:
     # ---- decode ---------------------------------------------------------------------------------
     def _schedule_decodes(self) -> list[StepWork]:
         decoding = [r for r in self.running if r.is_decoding]
-        for req in decoding:
-            self._free_out_of_window(req)
+        self._free_windows(decoding)
         if decoding and not self._alloc_decodes(decoding):
             # Out of room: first free every out-of-window SWA slot the interval left behind (a
             # pool smaller than W + interval + P per request would otherwise retract forever).
-            for req in decoding:
-                self._free_out_of_window(req, force=True)
+            self._free_windows(decoding, force=True)
             while decoding and not self._alloc_decodes(decoding):
-                victim = decoding.pop()  # the most recently admitted decoding request
-                self.retract(victim)
+                self._retract(decoding.pop())  # the most recently admitted decoding request
         return [StepWork(r, r.computed, 1, decode=True) for r in decoding]
 
-    def _free_out_of_window(self, req: Req, force: bool = False) -> None:
-        window, kv = self.limits.window, req.kv
-        if not self.swa_budgeted or kv is None:
+    def _free_windows(self, reqs: list[Req], force: bool = False) -> None:
+        if not self.swa_budgeted:
             return
-        assert window is not None
-        if kv.lock is not None and not kv.swa_lock_released:
-            # The next query sits at kv_committed_len and reads keys from kv_committed_len - W
-            # on: once that is >= cache_protected_len, the prefix's SWA is no longer read.
-            if kv.kv_committed_len - kv.cache_protected_len >= window:
-                kv.lock = self.cache.release_window_lock(kv.lock)
-                kv.swa_lock_released = True
-        # Per request (not per global step): free once `interval` tokens left the window.
-        interval = 1 if force else self.limits.swa_eviction_interval
-        if kv.kv_committed_len - window < kv.swa_evicted_seqlen + interval:
-            return
-        kv.swa_evicted_seqlen = free_out_of_window(
-            self.allocator,
-            kv.table,
-            evicted=kv.swa_evicted_seqlen,
-            protected=kv.cache_protected_len,
-            pre_len=kv.kv_committed_len,
-            window=window,
-            page_size=self.limits.page_size,
-            chunk_cache=not self.limits.radix,
-            floor=kv.swa_evict_floor,
-        )
+        for req in reqs:
+            assert req.kv is not None
+            free_decode_window(req.kv, self.allocator, self.cache, self.limits, force=force)
 
     def _alloc_decodes(self, reqs: list[Req]) -> bool:
         P = self.limits.page_size
@@ -179,37 +237,15 @@ class Scheduler:
             kv.kv_allocated_len = r.computed + 1
         return True
 
-    def retract(self, req: Req) -> None:
-        """Give back everything `req` holds and requeue it at the head (it re-prefills
-        prompt + output; what it computed stays in the tree for reuse)."""
-        self.running.remove(req)
-        self.on_retract(req)
-        req.kv, req.state = None, ReqState.WAITING
-        req.retractions += 1
-        self.retractions += 1
-        self.waiting.appendleft(req)
-
     # ---- prefill --------------------------------------------------------------------------------
     def _continue_chunk(self, req: Req, budget: int) -> StepWork | None:
+        assert req.kv is not None
         if not self.limits.radix:
-            self._free_before_chunk(req)
-        n = min(req.remaining, budget)
-        if self.swa_budgeted:
-            # Keep one page for the allocation itself; no room at all -> defer (not stash).
-            n = min(n, self.rem_swa() - self.limits.page_size)
-        if n <= 0:
-            return None
-        return self._alloc_extend(req, n)
-
-    def _free_before_chunk(self, req: Req) -> None:
-        kv, window = req.kv, self.limits.window
-        if kv is None or window is None or not self.allocator.hybrid:
-            return
-        kv.swa_evicted_seqlen = free_out_of_window(
-            self.allocator, kv.table, evicted=kv.swa_evicted_seqlen, protected=0,
-            pre_len=kv.kv_committed_len, window=window, page_size=self.limits.page_size,
-            chunk_cache=True, floor=kv.swa_evict_floor,
-        )  # fmt: skip
+            free_before_chunk(req.kv, self.allocator, self.limits)
+        # An SWA budget keeps one page for the allocation itself; no room at all -> defer.
+        rem_swa = self.rem_swa() if self.swa_budgeted else None
+        n = continuing_chunk_len(budget, req.remaining, rem_swa, self.limits.page_size)
+        return self._alloc_extend(req, n) if n > 0 else None
 
     def _admit(self, req: Req, budget: int) -> StepWork | None:
         tokens = req.all_tokens()
@@ -236,10 +272,9 @@ class Scheduler:
 
     def _admissible_chunk(self, req: Req, extend: int, budget: int) -> int:
         P = self.limits.page_size
-        future = min(req.params.max_tokens - len(req.output), CLIP_MAX_NEW_TOKENS)
         # With nothing running the whole pool is this request's: validate() already refused
         # requests that can never fit, so the full budget only gates when others run.
-        if self.running and not full_admits(extend, future, P, self.rem_full()):
+        if self.running and not full_admits(extend, self._future_tokens(req), P, self.rem_full()):
             return 0
         n = min(extend, budget)
         if not self.swa_budgeted:
@@ -284,7 +319,7 @@ class Scheduler:
         swa_short = max(0, swa_tokens - a.swa_available_size()) if a.hybrid else 0
         if full_short or swa_short:
             freed = self.cache.evict(full_short, swa_short)
-            self.evicted["full"] += freed.full
-            self.evicted["swa"] += freed.swa
+            self.counters.full_evicted_tokens += freed.full
+            self.counters.swa_evicted_tokens += freed.swa
         ok_full = a.full_available_size() >= full_tokens
         return ok_full and (not a.hybrid or a.swa_available_size() >= swa_tokens)

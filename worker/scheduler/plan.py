@@ -1,0 +1,50 @@
+"""What the scheduler works with and hands out: its limits, one step's work, its counters."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from worker.runner.forward_batch import ForwardReq
+from worker.scheduler.request import Req
+
+
+@dataclass(frozen=True)
+class SchedulerLimits:
+    page_size: int
+    window: int | None  # None: no SWA pool to budget (single pool or no SWA layer)
+    chunked_prefill_size: int
+    max_running_requests: int
+    swa_eviction_interval: int
+    radix: bool  # False: chunk cache (frees SWA before each chunk with the exact window)
+
+
+@dataclass(frozen=True)
+class StepWork:
+    """One scheduled request: feed `tokens[start:start+n]` (its slots are allocated)."""
+
+    req: Req
+    start: int
+    n: int
+    decode: bool = False  # a decoding request's one token (else a prefill chunk)
+
+    @property
+    def samples(self) -> bool:
+        """The chunk ends at the last token: the step samples the next one."""
+        return self.start + self.n == self.req.num_tokens
+
+    def forward_req(self) -> ForwardReq:
+        kv = self.req.kv
+        assert kv is not None, f"request {self.req.rid} was scheduled without KV"
+        return ForwardReq(kv.tokens[self.start : self.start + self.n], self.start, kv.table, self.samples)
+
+
+@dataclass(slots=True)
+class SchedulerCounters:
+    """Monotonic counts kept by the scheduler (step thread only; stats snapshots copy them)."""
+
+    retractions: int = 0
+    aborts: int = 0
+    full_evicted_tokens: int = 0  # tokens the tree gave up to make room, per pool
+    swa_evicted_tokens: int = 0
+    finished_prompt_tokens: int = 0  # prompt tokens of finished requests
+    cache_hit_tokens: int = 0  # of those, served from the prefix cache at first admission
