@@ -23,10 +23,14 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from bench.engine_model import ModelInfo
 from bench.harness import add_output_arguments, prepare_output_dir, progress, write_json, write_text
 from bench.machine import MachineInfo
+
+if TYPE_CHECKING:
+    from bench.engine_sides import TransformersSide
 
 
 @dataclass(frozen=True)
@@ -98,7 +102,7 @@ def _agreement(a: list[list[int]], b: list[list[int]]) -> tuple[int, int | None]
 
 
 def measure_batch(
-    prompts: list[list[int]], model_dir: Path, hf, s: EngineSettings, deadline: float
+    prompts: list[list[int]], model_dir: Path, hf: TransformersSide, s: EngineSettings, deadline: float
 ) -> BatchResult:
     from bench.engine_sides import EngineSide
 

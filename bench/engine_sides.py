@@ -34,7 +34,7 @@ class TransformersSide:
         self.attn = _attn_impl(model_dir, attn)
         self.model = AutoModelForCausalLM.from_pretrained(
             str(model_dir), attn_implementation=self.attn, dtype=torch.float32, local_files_only=True
-        ).to(device).eval()  # fmt: skip
+        ).to(device).eval()  # type: ignore[arg-type]  # fmt: skip  # transformers types .to() oddly
         self.device = torch.device(device)
         # NOTE: no EOS at all instead of min_new_tokens = max_new_tokens: generation still runs
         # exactly max_new_tokens steps, and no logits processor masks EOS, so the greedy choice is

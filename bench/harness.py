@@ -64,12 +64,12 @@ def write_text(path: Path, text: str) -> Path:
 
 def markdown_table(headers: Sequence[str], rows: Iterable[Sequence[object]]) -> str:
     """A GitHub markdown table; cells are str()-ed, numbers right-aligned."""
-    rows = [[str(c) for c in row] for row in rows]
+    cells = [[str(c) for c in row] for row in rows]
     align = [
-        "---:" if rows and _numeric(r[i] for r in rows) else "---" for i in range(len(headers))
+        "---:" if cells and _numeric(r[i] for r in cells) else "---" for i in range(len(headers))
     ]
     lines = ["| " + " | ".join(headers) + " |", "| " + " | ".join(align) + " |"]
-    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    lines += ["| " + " | ".join(row) + " |" for row in cells]
     return "\n".join(lines)
 
 

@@ -90,7 +90,7 @@ def _best_line(b: BudgetResult, s: MemorySettings) -> str:
 
 def _vllm_section(results: list[ModelResult], s: MemorySettings) -> str:
     r = next((m for m in results if m.name == "gpt-oss-120b"), None)
-    b = next((x for x in r.budgets if x.budget_gib == 80) if r else (), None)
+    b = next((x for x in r.budgets if x.budget_gib == 80), None) if r else None
     if r is None or b is None:
         return ""
     at_default = next((p for p in b.dual if p.ratio == 0.8 and not p.error), None)
@@ -154,7 +154,7 @@ def write_plots(results: list[ModelResult], s: MemorySettings, out: Path) -> lis
 def _admitted_plot(r: ModelResult, s: MemorySettings, out: Path) -> Path:
     fig, axes = new_figure(len(r.budgets))
     for ax, b in zip(axes, r.budgets):
-        ratios = [p.ratio for p in b.dual]
+        ratios = [float(p.ratio or 0.0) for p in b.dual]  # dual points always carry a ratio
         for i, c in enumerate(s.contexts):
             color = f"C{i}"
             ax.plot(
@@ -182,7 +182,7 @@ def _token_gain_plot(results: list[ModelResult], s: MemorySettings, out: Path) -
     fig, (ax,) = new_figure(1)
     for r in results:
         b = r.budgets[-1]
-        xs = [p.ratio for p in b.dual if not p.error]
+        xs = [float(p.ratio or 0.0) for p in b.dual if not p.error]
         ax.plot(
             xs,
             [p.full_tokens / b.single.full_tokens for p in b.dual if not p.error],

@@ -63,13 +63,18 @@ def quantile(values: Sequence[float], q: float) -> float:
     return ordered[rank]
 
 
+def _done(t: float | None) -> float:
+    assert t is not None, "a simulated request never reached this point"
+    return t
+
+
 def summarize(outcome: SimOutcome, workload: str, pool: str) -> RunFigures:
     tracks = outcome.tracks
     prompt = sum(len(t.req.tokens) for t in tracks)
     cached = sum(t.cached for t in tracks)
     generated = sum(len(t.output) for t in tracks)
-    ttft = [t.first_token_s - t.req.arrival_s for t in tracks]  # type: ignore[operator]
-    span = max(t.finish_s for t in tracks) - min(t.req.arrival_s for t in tracks)  # type: ignore[type-var]
+    ttft = [_done(t.first_token_s) - t.req.arrival_s for t in tracks]
+    span = max(_done(t.finish_s) for t in tracks) - min(t.req.arrival_s for t in tracks)
     errors = [t.predicted - t.cached for t in tracks]
     quiet = [t for t in tracks if t.quiet]
     decisions = [t.decision_us for t in tracks]

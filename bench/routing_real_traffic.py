@@ -87,7 +87,11 @@ async def run_traffic(url: str, t: Traffic, headers: dict[str, str]) -> list[Sam
         results = await asyncio.gather(*jobs, *(chat(c) for c in range(t.chats)))
     flat: list[Sample] = []
     for r in results:
-        flat.extend(r if isinstance(r, list) else [r])
+        if isinstance(r, list):
+            flat.extend(r)
+        else:
+            assert isinstance(r, Sample)
+            flat.append(r)
     return flat
 
 

@@ -52,7 +52,7 @@ class IndexHub:
     def pull(self, epoch: str | None, cursor: int) -> Delta | None:
         """Updates after `cursor`; a reset when the router cannot continue; None when current."""
         if epoch != self.epoch or not self._base <= cursor <= self.end:
-            updates = tuple(self.index.resyncs())
+            updates: tuple[IndexUpdate, ...] = tuple(self.index.resyncs())
             return Delta(self.epoch, cursor, self.end, reset=True, updates=updates)
         if cursor == self.end:
             return None

@@ -66,18 +66,17 @@ def build_app_from_config(
     it must be importable in the worker processes).
     """
     ingress = ingress or IngressSettings()
-    worker = serve.deployment(WorkerDeployment).options(
-        name=WORKER_DEPLOYMENT, **worker_options(cfg)
-    )
-    front = serve.deployment(IngressDeployment).options(
+    worker = serve.deployment(name=WORKER_DEPLOYMENT, **worker_options(cfg))(WorkerDeployment)
+    front = serve.deployment(
         name=INGRESS_DEPLOYMENT,
         num_replicas=ingress.replicas,
         max_ongoing_requests=ingress.max_inflight + 32,  # headroom for /health and /metrics
         max_queued_requests=ingress.max_queued,  # beyond: the proxy answers 503, never a hang
         ray_actor_options={"num_cpus": ingress.num_cpus},
-    )
+    )(IngressDeployment)
     workers = worker.bind(cfg.to_engine_config(), WorkerOptions(), engine_factory)
-    return front.bind(workers, ingress_options(cfg, ingress))
+    app: Application = front.bind(workers, ingress_options(cfg, ingress))
+    return app
 
 
 def worker_options(cfg: ServeConfig) -> dict[str, Any]:
@@ -102,8 +101,9 @@ def ingress_options(cfg: ServeConfig, ingress: IngressSettings) -> IngressOption
 def request_router_config(cfg: ServeConfig) -> RequestRouterConfig:
     """Our router in front of the workers, with the config's policy; routing stats every second
     (queue and pool headroom; the cache itself reaches the router through cache events)."""
+    # NOTE: RequestRouterConfig is a pydantic model whose stubs mistype these fields.
     return RequestRouterConfig(
-        request_router_class=ROUTER_CLASS,
+        request_router_class=ROUTER_CLASS,  # type: ignore[arg-type]
         request_router_kwargs={"policy": cfg.routing},
-        request_routing_stats_period_s=ROUTING_STATS_PERIOD_S,
+        request_routing_stats_period_s=ROUTING_STATS_PERIOD_S,  # type: ignore[arg-type]
     )

@@ -102,13 +102,13 @@ async def merged(choices: Sequence[ChoiceState]) -> AsyncIterator[tuple[ChoiceSt
     try:
         live = len(tasks)
         while live:
-            c, item = await queue.get()
-            if item is None:
+            c, got = await queue.get()
+            if got is None:
                 live -= 1
-            elif isinstance(item, BaseException):
-                raise item
+            elif isinstance(got, BaseException):
+                raise got
             else:
-                yield c, item
+                yield c, got
     finally:
         for t in tasks:
             t.cancel()
@@ -120,7 +120,7 @@ async def merged(choices: Sequence[ChoiceState]) -> AsyncIterator[tuple[ChoiceSt
 
 
 def _token_text(tokenizer: Any, token_id: int) -> str:
-    return tokenizer.decode([token_id], skip_special_tokens=False)
+    return str(tokenizer.decode([token_id], skip_special_tokens=False))
 
 
 def completion_logprobs(tokenizer: Any, lps: Sequence[TokenLogprob], offset: int) -> CompletionLogprobs:

@@ -27,7 +27,7 @@ class IncrementalDetokenizer:
         self._read = len(self._ids)
 
     def _decode(self, ids: list[int]) -> str:
-        return self._tok.decode(ids, skip_special_tokens=True)
+        return str(self._tok.decode(ids, skip_special_tokens=True))
 
     def push(self, token_ids: list[int], final: bool = False) -> str:
         """Add tokens; return the newly stable text (everything left when `final`)."""

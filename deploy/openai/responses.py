@@ -77,8 +77,8 @@ class ResponseBuilder:
         logprobs = completion_logprobs(self._tok, lps, offset) if lps else None
         if logprobs is not None:
             self._offsets[c.index] = offset + sum(len(t) for t in logprobs.tokens)
-        choice = CompletionChoice(index=c.index, text=text, finish_reason=finish, logprobs=logprobs)
-        return CompletionResponse(id=self.id, created=self.created, model=self.model, choices=[choice])
+        text_choice = CompletionChoice(index=c.index, text=text, finish_reason=finish, logprobs=logprobs)
+        return CompletionResponse(id=self.id, created=self.created, model=self.model, choices=[text_choice])
 
     def usage_chunk(self, usage: Usage) -> BaseModel:
         if self.chat:

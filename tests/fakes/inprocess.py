@@ -24,7 +24,7 @@ class InProcessWorkerClient:
             async for item in gen:
                 yield item
         finally:
-            await gen.aclose()
+            await gen.aclose()  # type: ignore[attr-defined]  # an async generator, typed as its iterator
 
     async def info(self) -> WorkerInfo:
         return self.workers[0].info()

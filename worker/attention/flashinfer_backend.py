@@ -111,7 +111,7 @@ class FlashInferBackend(AttentionBackend):
         self.spec = spec
         self.dtype = pool.dtype
         self.workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
-        self._wrappers: dict[tuple, Any] = {}  # reused across batches; planned per batch
+        self._wrappers: dict[_PlanKey, Any] = {}  # reused across batches; planned per batch
 
     # ---- per batch ------------------------------------------------------------------------------
     def plan(self, batch: AttnBatch) -> FlashInferMetadata:

@@ -6,7 +6,7 @@ O(nodes + slots): for tests and for an idle scheduler, never on the hot path.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 import torch
 
@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from worker.kv.hybrid_allocator import HybridAllocator
 
 
-def _fail(msg: str) -> None:
+def _fail(msg: str) -> NoReturn:
     raise AssertionError(f"radix cache integrity: {msg}")
 
 

@@ -9,14 +9,15 @@ new tokens concatenated; attention finds each request's keys through the `Forwar
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch import nn
 
 from worker.attention.base import AttentionLayer
 from worker.models.rope import CosSin, Rotary
-from worker.models.spec import LayerKind, ModelSpec
+from worker.models.self_attention import SelfAttention
+from worker.models.spec import HFConfig, LayerKind, ModelSpec
 
 if TYPE_CHECKING:
     from worker.runner.forward_batch import ForwardContext
@@ -102,7 +103,12 @@ class CausalLM(nn.Module):
         return logits
 
     def attention_layers(self) -> list[AttentionLayer]:
-        return [layer.self_attn.layer for layer in self.model.layers]
+        out = []
+        for block in self.model.layers:
+            attn = block.self_attn
+            assert isinstance(attn, SelfAttention), f"{type(block).__name__}.self_attn"
+            out.append(attn.layer)
+        return out
 
     def tie_weights(self) -> None:
         """Re-point the head at the embedding (after `to_empty` or a dtype cast broke the tie)."""
@@ -136,3 +142,12 @@ def attention_layer(
         scaling=scaling,
         softcap=softcap,
     )
+
+
+class Architecture(Protocol):
+    """A model class as the loader uses it: built from (HF config, spec) on the meta device,
+    with the parameter-name substrings it keeps in float32."""
+
+    keep_fp32: tuple[str, ...]
+
+    def __call__(self, config: HFConfig, spec: ModelSpec) -> CausalLM: ...

@@ -14,14 +14,14 @@ from worker.models.causal_lm import CausalLM, DecoderModel, attention_layer
 from worker.models.layers import BiaslessLayerNorm, GatedMLP
 from worker.models.rope import CosSin, Rotary, rope_inv_freq
 from worker.models.self_attention import AttnOptions, SelfAttention
-from worker.models.spec import LayerKind, ModelSpec
+from worker.models.spec import HFConfig, LayerKind, ModelSpec
 
 if TYPE_CHECKING:
     from worker.runner.forward_batch import ForwardContext
 
 
 class Cohere2DecoderLayer(nn.Module):
-    def __init__(self, config, spec: ModelSpec, layer_id: int) -> None:
+    def __init__(self, config: HFConfig, spec: ModelSpec, layer_id: int) -> None:
         super().__init__()
         h, d = config.hidden_size, config.head_dim
         layer = attention_layer(
@@ -43,7 +43,7 @@ class Cohere2DecoderLayer(nn.Module):
 
 
 class Cohere2ForCausalLM(CausalLM):
-    def __init__(self, config, spec: ModelSpec) -> None:
+    def __init__(self, config: HFConfig, spec: ModelSpec) -> None:
         rope = Rotary(
             *rope_inv_freq(config.rope_parameters, config.head_dim, config.max_position_embeddings),
             "interleaved",

@@ -18,7 +18,7 @@ from worker.models.causal_lm import CausalLM, DecoderModel, attention_layer
 from worker.models.layers import GatedMLP, RMSNorm, ScaledEmbedding
 from worker.models.rope import CosSin, Rotary, rope_inv_freq
 from worker.models.self_attention import AttnOptions, SelfAttention
-from worker.models.spec import LayerKind, ModelSpec
+from worker.models.spec import HFConfig, LayerKind, ModelSpec
 
 if TYPE_CHECKING:
     from worker.runner.forward_batch import ForwardContext
@@ -26,12 +26,12 @@ if TYPE_CHECKING:
 _HF_LAYER_TYPE = {LayerKind.FULL: "full_attention", LayerKind.SWA: "sliding_attention"}
 
 
-def _head_dim(config) -> int:
+def _head_dim(config: HFConfig) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
 class GemmaDecoderLayer(nn.Module):
-    def __init__(self, config, spec: ModelSpec, layer_id: int, *, gemma3: bool) -> None:
+    def __init__(self, config: HFConfig, spec: ModelSpec, layer_id: int, *, gemma3: bool) -> None:
         super().__init__()
         h, eps, d = config.hidden_size, config.rms_norm_eps, _head_dim(config)
         layer = attention_layer(
@@ -62,7 +62,7 @@ class GemmaDecoderLayer(nn.Module):
         return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
 
 
-def _ropes(config, spec: ModelSpec, gemma3: bool) -> dict[LayerKind, Rotary | None]:
+def _ropes(config: HFConfig, spec: ModelSpec, gemma3: bool) -> dict[LayerKind, Rotary | None]:
     d, max_pos = _head_dim(config), config.max_position_embeddings
     if not gemma3:
         rope = Rotary(*rope_inv_freq(config.rope_parameters, d, max_pos), "neox")
@@ -78,7 +78,7 @@ def _ropes(config, spec: ModelSpec, gemma3: bool) -> dict[LayerKind, Rotary | No
 class _GemmaForCausalLM(CausalLM):
     gemma3 = False
 
-    def __init__(self, config, spec: ModelSpec) -> None:
+    def __init__(self, config: HFConfig, spec: ModelSpec) -> None:
         if getattr(config, "use_bidirectional_attention", None):
             raise ValueError(
                 "use_bidirectional_attention=True (an encoder variant) is not supported"
@@ -129,5 +129,5 @@ class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
         "model.multi_modal_projector.",
     )
 
-    def __init__(self, config, spec: ModelSpec) -> None:
+    def __init__(self, config: HFConfig, spec: ModelSpec) -> None:
         super().__init__(getattr(config, "text_config", None) or config, spec)

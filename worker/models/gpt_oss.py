@@ -14,14 +14,14 @@ from worker.models.layers import RMSNorm
 from worker.models.moe import GptOssMoE
 from worker.models.rope import CosSin, Rotary, rope_inv_freq
 from worker.models.self_attention import AttnOptions, SelfAttention
-from worker.models.spec import LayerKind, ModelSpec
+from worker.models.spec import HFConfig, LayerKind, ModelSpec
 
 if TYPE_CHECKING:
     from worker.runner.forward_batch import ForwardContext
 
 
 class GptOssDecoderLayer(nn.Module):
-    def __init__(self, config, spec: ModelSpec, layer_id: int) -> None:
+    def __init__(self, config: HFConfig, spec: ModelSpec, layer_id: int) -> None:
         super().__init__()
         h, eps = config.hidden_size, config.rms_norm_eps
         layer = attention_layer(
@@ -55,7 +55,7 @@ class GptOssDecoderLayer(nn.Module):
 class GptOssForCausalLM(CausalLM):
     keep_fp32 = ("input_layernorm", "post_attention_layernorm", "model.norm")
 
-    def __init__(self, config, spec: ModelSpec) -> None:
+    def __init__(self, config: HFConfig, spec: ModelSpec) -> None:
         rope = Rotary(
             *rope_inv_freq(config.rope_parameters, config.head_dim, config.max_position_embeddings),
             "neox",

@@ -66,7 +66,7 @@ def _shard_files(model_dir: Path) -> list[Path]:
 
 def load_weights(model: CausalLM, model_dir: str | Path) -> None:
     """Fill `model` from the directory's safetensors files, strictly by name."""
-    targets = dict(model.named_parameters())
+    targets: dict[str, torch.Tensor] = dict(model.named_parameters())
     targets.update(dict(model.named_buffers()))
     tied = model.tie_word_embeddings
     ignored = _IGNORED_PREFIXES + model.ignored_prefixes

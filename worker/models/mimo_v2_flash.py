@@ -22,7 +22,7 @@ from worker.models.layers import GatedMLP, RMSNorm
 from worker.models.moe import MiMoMoE
 from worker.models.rope import CosSin, Rotary, rope_inv_freq
 from worker.models.self_attention import AttnOptions, SelfAttention
-from worker.models.spec import LayerKind, ModelSpec
+from worker.models.spec import HFConfig, LayerKind, ModelSpec
 
 if TYPE_CHECKING:
     from worker.runner.forward_batch import ForwardContext
@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 _HF_LAYER_TYPE = {LayerKind.FULL: "full_attention", LayerKind.SWA: "sliding_attention"}
 
 
-def _rope(config, kind: LayerKind) -> Rotary:
+def _rope(config: HFConfig, kind: LayerKind) -> Rotary:
     params = dict(config.rope_parameters[_HF_LAYER_TYPE[kind]])
     if params.get("rope_type", "default") == "default":
         # HF's MiMo default rope assumes 0.334 when the factor is missing (generic types: 1.0).
@@ -39,7 +39,7 @@ def _rope(config, kind: LayerKind) -> Rotary:
 
 
 class MiMoV2FlashDecoderLayer(nn.Module):
-    def __init__(self, config, spec: ModelSpec, layer_id: int) -> None:
+    def __init__(self, config: HFConfig, spec: ModelSpec, layer_id: int) -> None:
         super().__init__()
         h, eps = config.hidden_size, config.rms_norm_eps
         is_swa = spec.layer_kinds[layer_id] is LayerKind.SWA
@@ -74,7 +74,7 @@ class MiMoV2FlashDecoderLayer(nn.Module):
 class MiMoV2FlashForCausalLM(CausalLM):
     keep_fp32 = ("mlp.gate.weight", "e_score_correction_bias")
 
-    def __init__(self, config, spec: ModelSpec) -> None:
+    def __init__(self, config: HFConfig, spec: ModelSpec) -> None:
         kinds = set(spec.layer_kinds)
         model = DecoderModel(
             embed_tokens=nn.Embedding(config.vocab_size, config.hidden_size),

@@ -16,18 +16,18 @@ from worker.models.causal_lm import CausalLM, DecoderModel, attention_layer
 from worker.models.layers import GatedMLP, RMSNorm
 from worker.models.rope import CosSin, Rotary, rope_inv_freq
 from worker.models.self_attention import AttnOptions, SelfAttention
-from worker.models.spec import LayerKind, ModelSpec
+from worker.models.spec import HFConfig, LayerKind, ModelSpec
 
 if TYPE_CHECKING:
     from worker.runner.forward_batch import ForwardContext
 
 
-def _head_dim(config) -> int:
+def _head_dim(config: HFConfig) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
 class LlamaStyleDecoderLayer(nn.Module):
-    def __init__(self, config, spec: ModelSpec, layer_id: int, opts: AttnOptions) -> None:
+    def __init__(self, config: HFConfig, spec: ModelSpec, layer_id: int, opts: AttnOptions) -> None:
         super().__init__()
         h, eps, d = config.hidden_size, config.rms_norm_eps, _head_dim(config)
         layer = attention_layer(
@@ -51,7 +51,7 @@ class LlamaStyleDecoderLayer(nn.Module):
 class _LlamaStyleForCausalLM(CausalLM):
     attn_options = AttnOptions()
 
-    def __init__(self, config, spec: ModelSpec) -> None:
+    def __init__(self, config: HFConfig, spec: ModelSpec) -> None:
         rope = Rotary(
             *rope_inv_freq(
                 config.rope_parameters, _head_dim(config), config.max_position_embeddings

@@ -9,18 +9,21 @@ counts this project runs on CPU.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from worker.models.layers import GatedMLP
+from worker.models.spec import HFConfig
 
 
 def _combine(
     x: torch.Tensor,
     top_idx: torch.Tensor,  # [T, k]
     top_w: torch.Tensor,  # [T, k]
-    expert_fn,  # (expert id, rows [n, H]) -> [n, H]
+    expert_fn: Callable[[int, torch.Tensor], torch.Tensor],  # (expert id, rows [n, H]) -> [n, H]
 ) -> torch.Tensor:
     """Sum over each token's k experts of ``expert(x) * weight``.
 
@@ -109,6 +112,7 @@ class MiMoRouter(nn.Module):
     ) -> None:  # fmt: skip
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(num_experts, hidden, dtype=torch.float32))
+        self.e_score_correction_bias: torch.Tensor  # a buffer: loaded from the checkpoint
         self.register_buffer(
             "e_score_correction_bias", torch.zeros(num_experts, dtype=torch.float32)
         )
@@ -136,7 +140,7 @@ class MiMoRouter(nn.Module):
 class MiMoMoE(nn.Module):
     """``mlp.gate`` (router) and ``mlp.experts.N.{gate,up,down}_proj`` (checkpoint layout)."""
 
-    def __init__(self, config) -> None:
+    def __init__(self, config: HFConfig) -> None:
         super().__init__()
         self.gate = MiMoRouter(
             config.hidden_size,

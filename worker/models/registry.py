@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import importlib
+from typing import cast
 
-from worker.models.causal_lm import CausalLM
+from worker.models.causal_lm import Architecture
 
 _REGISTRY: dict[str, str] = {
     "gpt_oss": "worker.models.gpt_oss:GptOssForCausalLM",
@@ -22,7 +23,7 @@ def supported_model_types() -> tuple[str, ...]:
     return tuple(sorted(_REGISTRY))
 
 
-def model_class(model_type: str) -> type[CausalLM]:
+def model_class(model_type: str) -> Architecture:
     """The class implementing HF ``model_type``; ValueError listing the supported ones otherwise."""
     target = _REGISTRY.get(model_type)
     if target is None:
@@ -34,4 +35,4 @@ def model_class(model_type: str) -> type[CausalLM]:
             f"{', '.join(supported_model_types())}"
         )
     module, name = target.split(":")
-    return getattr(importlib.import_module(module), name)
+    return cast(Architecture, getattr(importlib.import_module(module), name))

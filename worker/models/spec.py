@@ -9,6 +9,11 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 from functools import cached_property
+from typing import Any
+
+# A transformers `PretrainedConfig`: its attributes differ per architecture, so model files read
+# them dynamically (hf_config.py validates what the engine relies on).
+HFConfig = Any
 
 
 class LayerKind(enum.Enum):

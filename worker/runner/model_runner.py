@@ -14,7 +14,6 @@ from itertools import chain
 from typing import TYPE_CHECKING
 
 import torch
-from torch import nn
 
 from worker.attention.base import AttentionBackend, AttnBatch, KVView
 from worker.models.spec import LayerKind, ModelSpec
@@ -24,6 +23,7 @@ from worker.runner.sampler import SampleOutput, Sampler
 if TYPE_CHECKING:
     from worker.kv.hybrid_allocator import HybridAllocator
     from worker.kv.pool import HybridKVPool
+    from worker.models.causal_lm import CausalLM
     from worker.sampling_params import SamplingParams
 
 
@@ -62,7 +62,7 @@ class ModelRunner:
     def __init__(
         self,
         spec: ModelSpec,
-        model: nn.Module,
+        model: CausalLM,
         pool: HybridKVPool,
         allocator: HybridAllocator,
         backend: AttentionBackend,
@@ -195,12 +195,9 @@ def _check_slots(
         raise RuntimeError("a new token has no slot (<= 0): allocate before calling forward")
 
 
-def _check_model_matches_spec(model: nn.Module, spec: ModelSpec) -> None:
+def _check_model_matches_spec(model: CausalLM, spec: ModelSpec) -> None:
     """The pool is sized from the spec, the kernels from the model: they must agree."""
-    layers = getattr(model, "attention_layers", None)
-    if layers is None:
-        return
-    for layer in layers():
+    for layer in model.attention_layers():
         kind, _ = spec.layer_index[layer.layer_id]
         shape = spec.shape(kind)
         in_model = (

@@ -143,7 +143,7 @@ def _with_logprobs(
     tops: list[list[tuple[int, float]] | None] = []
     for row, n in enumerate(wanted):
         lps.append(None if n is None else picked[row])
-        if n is None or top_ids is None:
+        if n is None or top_ids is None or top_vals is None:
             tops.append(None if n is None else [])
             continue
         tops.append(list(zip(top_ids[row, :n].tolist(), top_vals[row, :n].tolist())))
