@@ -7,7 +7,7 @@ from pathlib import Path
 from bench.harness import markdown_table, new_figure, save_figure
 from bench.memory import BudgetResult, MemorySettings, ModelResult, PoolPoint, best_dual
 
-VLLM_GPT_OSS_120B = 1.77  # vLLM hybrid allocator on vs off, gpt-oss-120b (peers.md §6)
+VLLM_GPT_OSS_120B = 1.77  # vLLM hybrid allocator on vs off, gpt-oss-120b (vLLM's figure)
 
 
 def _x(a: float, b: float) -> str:

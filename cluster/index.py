@@ -1,6 +1,6 @@
 """The cluster cache index: per worker, page hash → LIVE / TOMBSTONE, rebuilt from cache events.
 
-Per-worker state machine (DESIGN §4.3):
+Per-worker state machine (docs/design.md §4.3):
 
 | input | condition | effect | outcome |
 |---|---|---|---|

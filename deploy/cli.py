@@ -1,4 +1,4 @@
-"""`swaserve`: the command line (DESIGN §4.2).
+"""`swaserve`: the command line (docs/design.md §4.2).
 
     swaserve serve [--model tiny|PATH] [--workers N] [--host 127.0.0.1] [--port 8000]
                    [--routing swa_prefix|prefix|least_loaded|round_robin] [--config FILE]

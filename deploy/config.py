@@ -1,4 +1,4 @@
-"""`ServeConfig`: the validated config of one swaserve application (DESIGN §3, STYLE habit 8).
+"""`ServeConfig`: the validated config of one swaserve application (docs/design.md §3).
 
 Everything a user sets — in a bare YAML mapping, in the `args` of a Ray Serve config file, in the
 Helm chart's `serve.config` values or through the CLI — lands here, is validated once, and is

@@ -11,7 +11,7 @@ For a request of `prompt` tokens and a worker w that would reuse `cached` of the
 Lowest cost wins. The first three terms approximate time to first token (the queue ahead plus
 our own prefill), as Dynamo's cost does; the last two keep requests off workers whose pools are
 full (a shortfall stalls the request) or full of useful cache (eviction costs future hits).
-Pool needs mirror the worker's admission charge (reference sglang_swa.md §2.16): full pool
+Pool needs mirror the worker's admission charge (docs/design.md §11.3): full pool
 `uncached + max_new_tokens`, SWA pool `max(uncached, window) + page_size` on hybrid workers.
 
 Load counts come from the worker's last `record_routing_stats` sample (≈1 s old) plus what this

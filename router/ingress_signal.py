@@ -8,7 +8,7 @@ delta, which the worker sends only after publishing the request's cache events, 
 request id here before it answers; routers read the notes before every decision.
 
 NOTE: a module of its own on purpose. Serve pickles the router's module by value, so state kept
-there would be a copy, not shared with the ingress (reference/ray_serve.md, A1).
+there would be a copy, not shared with the ingress (docs/design.md §14).
 """
 
 from __future__ import annotations

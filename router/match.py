@@ -1,4 +1,4 @@
-"""The valid match per worker (DESIGN §4.4), for all workers in one walk of the hash chain.
+"""The valid match per worker (docs/design.md §4.4), for all workers in one walk of the hash chain.
 
 The worker's rule, mirrored exactly: for a chain h_0..h_{n-1}, k pages are a *valid match* when
 pages 0..k-1 are all present (LIVE or TOMBSTONE) and either none of them is a TOMBSTONE or the

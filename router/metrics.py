@@ -13,7 +13,7 @@ r"""Per-policy routing metrics (prometheus_client), labelled `policy`.
 (what SWA-unaware routers do on tombstoned tails).
 
 NOTE: the router runs in the ingress process, so both write to the same registry. The router
-module is pickled by value by Serve (reference ray_serve.md), so it must reach the shared
+module is pickled by value by Serve (docs/design.md §14), so it must reach the shared
 instance through this module (`router.metrics.default_metrics()`), never a global of its own.
 """
 

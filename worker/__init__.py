@@ -1,6 +1,6 @@
-"""The engine on one device. Never imports ray or HTTP code (DESIGN §3).
+"""The engine on one device. Never imports ray or HTTP code (docs/design.md §3).
 
-`from worker import Engine, EngineConfig, SamplingParams` is the public entry (DESIGN §4.1).
+`from worker import Engine, EngineConfig, SamplingParams` is the public entry (docs/design.md §4.1).
 The names load lazily, so `worker.cache.events` (read by the router) stays light: no torch import.
 """
 

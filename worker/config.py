@@ -1,4 +1,4 @@
-"""`EngineConfig`: the one frozen config the worker receives (DESIGN §4.1).
+"""`EngineConfig`: the one frozen config the worker receives (docs/design.md §4.1).
 
 The edges (`deploy/`) validate user input with pydantic and convert once into this dataclass.
 """
@@ -23,6 +23,6 @@ class EngineConfig:
     chunked_prefill_size: int = 512
     max_running_requests: int = 64
     swa_eviction_interval: int = 128  # decode frees out-of-window SWA once this many tokens left it
-    eager_swa_free: bool = False  # free SWA of unfinished chunked prefills at once (SGLang PR 27402)
+    eager_swa_free: bool = False  # free SWA of unfinished prefills at once (docs/design.md §10.1)
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     seed: int = 0

@@ -1,4 +1,4 @@
-"""OpenAI-compatible request/response models and the error shape (DESIGN §4.2).
+"""OpenAI-compatible request/response models and the error shape (docs/design.md §4.2).
 
 Requests are parsed strictly (`strict=True`, unknown fields rejected) so a typo such as
 `"tempreature"` or `"max_tokens": "5"` is a 400 naming the field, never silently ignored.

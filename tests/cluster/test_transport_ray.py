@@ -2,7 +2,7 @@
 poll, gaps, resync, incarnations, dead-worker removal, late routers, index-actor restart) and the
 SwaPrefixRequestRouter in a Serve app of two fake worker replicas.
 
-The fake worker keeps pages in a dict and applies the §4.4 rule itself (the rule's agreement
+The fake worker keeps pages in a dict and applies docs/design.md §4.4 itself (the rule's agreement
 with the real radix cache is tests/router/test_mirror_exact.py); the Serve test checks the
 plumbing: events → actor → router, the decision riding on `RoutedRequest`,
 `record_routing_stats`, affinity, predicted == reused on every request."""

@@ -54,7 +54,7 @@ def test_to_engine_config_carries_every_value() -> None:
 
 
 def test_every_field_has_a_description() -> None:
-    """STYLE habit 8: the YAML surface documents itself (also feeds the Helm values schema)."""
+    """The YAML surface documents itself (also feeds the Helm values schema)."""
     for model in (ServeConfig, AutoscalingSettings):
         bare = [n for n, f in model.model_fields.items() if not (f.description or "").strip()]
         assert not bare, f"{model.__name__} fields without description: {bare}"

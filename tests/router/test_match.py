@@ -1,4 +1,4 @@
-"""Valid match (DESIGN §4.4): the fast walk agrees with the literal rule and with the index."""
+"""Valid match (docs/design.md §4.4): the fast walk agrees with the literal rule and the index."""
 
 from __future__ import annotations
 

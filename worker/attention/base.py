@@ -6,7 +6,7 @@ queries may read, already in that kind's pool (SWA slots translated once per bat
 positions. A backend turns it into its own metadata in `plan` (page tables, masks, planned
 kernels) and reuses it for every layer of that kind in `forward`.
 
-Window rule (DESIGN §1): on an SWA layer a query at position q reads keys q-window … q. The SWA
+Window rule (docs/design.md §1): on an SWA layer a query at q reads keys q-window … q. The SWA
 view of a request therefore starts at ``max(0, prefix_len - window)``: the first new query needs
 those keys, later queries need fewer, and the backend masks per query.
 """
@@ -64,7 +64,7 @@ class AttnBatch:
     seq_lens: tuple[int, ...]  # prefix_len + q_len: the new end of each request
     positions: torch.Tensor  # int64 [T] on the model device
     kv: Mapping[LayerKind, KVView]  # one view per layer kind the model has
-    window: int | None  # keys to the left on SWA layers (DESIGN §1)
+    window: int | None  # keys to the left on SWA layers (docs/design.md §1)
 
     @property
     def batch_size(self) -> int:

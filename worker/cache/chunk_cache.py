@@ -1,4 +1,4 @@
-"""`ChunkCache`: the cache when the radix cache is disabled (reference §2.6, SWAChunkCache).
+"""`ChunkCache`: the cache when the radix cache is disabled (docs/design.md §10.3).
 
 No tree: nothing is shared or reused, every slot stays the request's until it finishes.
 The request's SWA frontier covers ``[0, swa_evicted_seqlen)`` (nothing is tree-owned); freeing

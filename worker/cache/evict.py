@@ -1,4 +1,4 @@
-"""Eviction: FULL phase over the leaf heap, then SWA phase over the SWA LRU (reference §2.12).
+"""Eviction: FULL phase over the leaf heap, then SWA phase over the SWA LRU (docs/design.md §9.5).
 
 * FULL: pop the least recently used unlocked leaf, delete it (its full slots and any live SWA
   go back), then delete ancestors that became childless, unlocked *tombstones* (they hold only

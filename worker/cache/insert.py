@@ -1,4 +1,4 @@
-"""Insert a request's page-aligned KV into the tree (reference §2.9–2.10, unified rules).
+"""Insert a request's page-aligned KV into the tree (docs/design.md §9.3).
 
 Inputs: `key` (page-aligned token ids), `full` (the request's full slots for it), `swa`
 (``translate(full)``: its SWA slots, 0 where already freed), `prev_prefix_len` (the request's
@@ -145,7 +145,7 @@ def _add_suffix(
     tail = _window_tail(tree)
     if tail is not None and len(leaf) > tail:
         # NOTE: a long leaf would be SWA-locked whole by a request that matches it; only its
-        # last window matters for the next query (reference §5, #26919).
+        # last window matters for the next query (docs/design.md §9.3).
         tree.split(leaf, len(leaf) - tail)
     return leaf
 

@@ -1,4 +1,4 @@
-"""`check_tree`: recount everything the tree keeps incrementally (reference §1.6 I1, I6, I8, I9).
+"""`check_tree`: recount everything the tree keeps incrementally (docs/design.md §12).
 
 O(nodes + slots): for tests and for an idle scheduler, never on the hot path.
 """

@@ -1,4 +1,4 @@
-"""Prefix match with the window validity rule (reference §2.8, DESIGN §1).
+"""Prefix match with the window validity rule (docs/design.md §1, §9.2).
 
 A match may end at a node only if the SWA layers have the KV the next query needs:
 no tombstone lies on the path root → node, or at least `window` contiguous live tokens follow

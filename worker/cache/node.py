@@ -3,7 +3,7 @@
 A node owns `len(key)` tokens. Its FULL component is `full` (full-pool slots, one per token);
 its SWA component is `swa` (SWA-pool slots, ``translate(full)`` at the time the node got them)
 or None: an SWA *tombstone* — the full KV is still valid, the SWA KV was freed.
-`hashes` holds the chained page hashes of its pages (DESIGN §4.3), so a split just slices it.
+`hashes` holds the chained page hashes of its pages (docs/design.md §4.3); a split slices it.
 
 Nothing here touches an allocator; the tree (`tree.py`) keeps the counters and LRUs.
 """

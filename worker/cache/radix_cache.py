@@ -32,9 +32,9 @@ class RadixCache(PrefixCache):
 
     Args:
         allocator: the hybrid allocator whose slots the tree holds.
-        window: keys to the left (DESIGN §1); None when the model has no SWA layer.
+        window: keys to the left (docs/design.md §1); None when the model has no SWA layer.
         eager_swa_free: free out-of-window SWA of unfinished chunked prefills before inserting
-            them (SGLang PR 27402). Saves SWA pool, costs reuse of branches inside that span.
+            them (an SGLang option). Saves SWA pool, costs reuse of branches inside that span.
         emit_events: buffer cache events for `drain_events` (off: benchmarks).
     """
 
@@ -120,7 +120,7 @@ class RadixCache(PrefixCache):
 
     # ---- request hooks --------------------------------------------------------------------
     def cache_unfinished_req(self, req: ReqKV) -> None:
-        """Chunked prefill step (reference §2.7)::
+        """Chunked prefill step (docs/design.md §10.1)::
 
         0        protected            aligned = floor_P(kv_committed_len)
         |-- tree --|-- inserted now --|-- unaligned tail stays the request's --|
@@ -164,7 +164,7 @@ class RadixCache(PrefixCache):
         req.cache_protected_len = aligned
 
     def cache_finished_req(self, req: ReqKV, insert: bool = True) -> None:
-        """Finish (reference §2.6)::
+        """Finish (docs/design.md §10.2)::
 
         0      protected        aligned            committed      allocated
         |-tree-|-- inserted or freed --|- tail: freed -|- spare: freed -|

@@ -144,7 +144,7 @@ class RadixTree:
 
     def touch(self, end: Node) -> None:
         """Record an access of the path root → `end`: full order (deeper = newer) and a
-        window-bounded SWA refresh above `end` (reference §2.15)."""
+        window-bounded SWA refresh above `end` (docs/design.md §9.6)."""
         path = []
         node = end
         while not node.is_root:

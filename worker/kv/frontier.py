@@ -1,4 +1,4 @@
-"""The out-of-window SWA frontier of one request (reference §2.4).
+"""The out-of-window SWA frontier of one request (docs/design.md §7).
 
 A request's SWA KV at positions ``< pre_len - window`` is dead once the next query sits at
 ``pre_len``. The request frees it in page steps and remembers how far it got (``evicted``)::

@@ -334,7 +334,7 @@ class HybridAllocator:
         )
 
     def check_integrity(self) -> None:
-        """Raise AssertionError naming the first broken invariant (reference §1.6 I1, I2, I4)."""
+        """Raise AssertionError naming the first broken invariant (docs/design.md §12)."""
         check_allocator(self)
 
     def __repr__(self) -> str:

@@ -1,4 +1,4 @@
-"""Integrity checks of a `HybridAllocator` (reference §1.6 invariants I1, I2, I4).
+"""Integrity checks of a `HybridAllocator` (docs/design.md §12).
 
 Vectorised over the mapping so it stays cheap enough to run after every test step and whenever
 the scheduler is idle. Each failure raises AssertionError naming the broken invariant.

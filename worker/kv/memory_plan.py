@@ -1,4 +1,4 @@
-"""Pool sizing: how many token slots the full pool and the SWA pool get (reference §1.7).
+"""Pool sizing: how many token slots the full pool and the SWA pool get (docs/design.md §6.1).
 
 Notation: F = bytes one token takes over all full layers, S = over all SWA layers
 (`ModelSpec.kind_bytes_per_token`), r = `swa_full_tokens_ratio`, P = page size, B = KV budget.
@@ -12,7 +12,7 @@ Notation: F = bytes one token takes over all full layers, S = over all SWA layer
 
 `max_total_tokens` caps the full pool (the SWA pool for all-SWA models) before the split; with
 a byte budget too, the smaller wins. A hybrid SWA pool must hold more than `window + page_size`
-tokens (the prefill admission floor, §2.16) or nothing could ever be admitted: fail fast.
+tokens (the prefill admission floor, docs/design.md §11.3), else nothing is admitted: fail fast.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ _GIB = 1024**3
 
 @dataclass(frozen=True)
 class ChunkCap:
-    """Radix cache off + chunked prefill + a request cap: size SWA for the worst case (§1.7)."""
+    """Radix off + chunked prefill + a request cap: worst-case SWA pool (docs/design.md §6.1)."""
 
     max_running_requests: int
     chunked_prefill_size: int

@@ -21,7 +21,7 @@ from worker.models.spec import KindShape, LayerKind, ModelSpec
 
 
 def check_swa_pool_fits(swa_size: int, window: int, page_size: int) -> None:
-    """Fail fast when the SWA pool cannot admit even one request (reference §1.7).
+    """Fail fast when the SWA pool cannot admit even one request (docs/design.md §6.1).
 
     Admission charges at least ``window + page_size`` SWA tokens per prefill and needs something
     left over, so the pool must be strictly larger than that.

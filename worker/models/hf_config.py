@@ -16,7 +16,7 @@ spec, the HF reference model and our model implementations agree layer by layer:
 |                 | slides iff use_sliding_window)                | the window -> all full              |
 | cohere2         | `layer_types` (from `sliding_window_pattern`) | head_dim = hidden / heads           |
 
-`window = sliding_window - 1` (DESIGN §1): HF's window counts the query itself.
+`window = sliding_window - 1` (docs/design.md §1): HF's window counts the query itself.
 """
 
 from __future__ import annotations
@@ -189,7 +189,7 @@ def _window(text: Any, kinds: tuple[LayerKind, ...]) -> int | None:
     if LayerKind.SWA not in kinds:
         return None
     hf_window = int(text.sliding_window)
-    window = hf_window - 1  # DESIGN §1: keys to the left of the query
+    window = hf_window - 1  # docs/design.md §1: keys to the left of the query
     if window < 1:
         raise ConfigError(
             f"sliding_window={hf_window} leaves window={window} keys to the left; a sliding layer "

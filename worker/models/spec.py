@@ -1,6 +1,6 @@
 """Model spec: what the KV layer needs to know about a hybrid SWA model.
 
-`window` is the one window constant of DESIGN §1: keys to the *left* of the query
+`window` is the one window constant of docs/design.md §1: keys to the *left* of the query
 (HF ``sliding_window - 1``). A query at position q on an SWA layer attends keys q-window … q.
 """
 

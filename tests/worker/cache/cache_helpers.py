@@ -106,7 +106,7 @@ def decode(cache: RadixCache, req: ReqKV, new_tokens: Sequence[int]) -> bool:
 
 
 def move_frontier(cache: RadixCache, req: ReqKV) -> int:
-    """The decode-time out-of-window pass (reference §2.4, radix formula)."""
+    """The decode-time out-of-window pass (docs/design.md §7, radix formula)."""
     assert cache.window is not None
     req.swa_evicted_seqlen = free_out_of_window(
         cache.allocator,

@@ -1,4 +1,4 @@
-"""Eviction and LRU order: reference §4 tests 27 (eviction part), 33, 35, 37."""
+"""Eviction and LRU order (docs/design.md §9.5, §9.6)."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ def names(order: list[Node], nodes: list[Node]) -> list[str]:
 
 
 def test_bounded_refresh_skips_unlisted_nodes_but_counts_them() -> None:
-    """Test 37: lens [2,2,2,2], B not listed, budget 5 from D → [D, C, A]."""
+    """Lens [2,2,2,2], B not listed, budget 5 from D → [D, C, A]."""
     a, b, c, d = nodes = chain([2, 2, 2, 2])
     lru = LRUList()
     for n in (c, d, a):
@@ -40,7 +40,7 @@ def test_bounded_refresh_skips_unlisted_nodes_but_counts_them() -> None:
 
 
 def test_bounded_refresh_includes_the_crossing_node() -> None:
-    """Test 37: lens [3,3,3,3], order [A,B,C,D], budget 5 from D → [D, C, A, B]."""
+    """Lens [3,3,3,3], order [A,B,C,D], budget 5 from D → [D, C, A, B]."""
     a, b, c, d = nodes = chain([3, 3, 3, 3])
     lru = LRUList()
     for n in (d, c, b, a):
@@ -50,7 +50,7 @@ def test_bounded_refresh_includes_the_crossing_node() -> None:
 
 
 def test_bounded_refresh_stops_at_root_and_zero_is_noop() -> None:
-    """Test 37: a huge budget stops at the root; budget 0 changes nothing."""
+    """A huge budget stops at the root; budget 0 changes nothing."""
     a, b = nodes = chain([2, 2])
     lru = LRUList()
     lru.push_newest(b)
@@ -79,7 +79,7 @@ SWA_CONFIGS_8_PAGES = [(1, 4), (4, 4), (4, 2), (16, 16), (128, 4)]  # 8 pages >=
 
 @pytest.mark.parametrize("page,window", SWA_CONFIGS_8_PAGES)
 def test_swa_lru_is_window_bounded(page: int, window: int) -> None:
-    """Test 33: refreshes touch only the window above the target, so the oldest ancestor is
+    """Refreshes touch only the window above the target, so the oldest ancestor is
     SWA-evicted first and a side branch stays matchable."""
     cache = make_cache(page, window, 96 * page, 96 * page)
     seg = [list(range(s * 1000, s * 1000 + 8 * page)) for s in range(5)]
@@ -109,7 +109,7 @@ def test_swa_lru_is_window_bounded(page: int, window: int) -> None:
 
 
 def test_evict_empty_tree_and_lru_order_of_leaves() -> None:
-    """Test 27: empty tree evicts 0; leaves go least recently used first."""
+    """An empty tree evicts 0; leaves go least recently used first."""
     cache = make_cache(4, 4, 256, 256)
     assert cache.evict(100, 100) == EvictResult(0, 0)
     for s in (100, 200, 300):
@@ -128,7 +128,7 @@ def test_evict_empty_tree_and_lru_order_of_leaves() -> None:
 
 
 def test_lock_protects_then_unlock_allows_eviction() -> None:
-    """Test 27: a locked path survives any eviction; after unlock it goes."""
+    """A locked path survives any eviction; after unlock it goes."""
     cache = make_cache(1, 4, 128, 64)
     put(cache, list(range(1, 9)))
     receipt = cache.lock(cache.match_prefix(list(range(1, 9))).node)
@@ -141,7 +141,7 @@ def test_lock_protects_then_unlock_allows_eviction() -> None:
 
 
 def test_evicting_a_leaf_frees_both_components() -> None:
-    """Test 35: a deleted live leaf returns its full and its SWA slots."""
+    """A deleted live leaf returns its full and its SWA slots."""
     cache = make_cache(4, 4, 64, 64)
     put(cache, list(range(8)))
     a = cache.allocator
@@ -153,7 +153,7 @@ def test_evicting_a_leaf_frees_both_components() -> None:
 
 
 def test_parent_becomes_evictable_leaf_after_child_goes_and_unlock() -> None:
-    """Test 35: a locked parent whose child is evicted becomes an evictable leaf on unlock."""
+    """A locked parent whose child is evicted becomes an evictable leaf on unlock."""
     cache = make_cache(4, 4, 64, 64)
     put(cache, list(range(4)))
     parent = cache.match_prefix(list(range(4))).node
@@ -166,7 +166,7 @@ def test_parent_becomes_evictable_leaf_after_child_goes_and_unlock() -> None:
 
 
 def test_iterative_cleanup_of_tombstone_ancestors() -> None:
-    """Test 35: deleting the leaf of T → T → live chain removes the childless tombstones."""
+    """Deleting the leaf of T → T → live chain removes the childless tombstones."""
     cache = make_cache(2, 2, 64, 64)
     put(cache, list(range(6)), evicted=4)  # T[0,4) + live [4,6)
     cache.tree.split(node_at(cache, [0, 1, 2, 3]), 2)  # T[0,2) T[2,4)
@@ -176,7 +176,7 @@ def test_iterative_cleanup_of_tombstone_ancestors() -> None:
 
 
 def test_swa_evict_internal_then_everything() -> None:
-    """Test 35: evict(0, 2 x swa_evictable) tombstones the base and removes the leaf."""
+    """evict(0, 2 x swa_evictable) tombstones the base and removes the leaf."""
     cache = make_cache(4, 4, 64, 64)
     put(cache, list(range(12)))
     put(cache, list(range(12)) + list(range(100, 112)), prev=12)

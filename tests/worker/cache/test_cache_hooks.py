@@ -1,4 +1,4 @@
-"""Request hooks with the real frontier: reference §4 tests 9, 10, 12–16, 27 (hooks), 28–30."""
+"""Request hooks with the real frontier (docs/design.md §7, §10)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ def finish(cache, req: ReqKV, running: list[ReqKV] = (), insert: bool = True) ->
 
 
 def test_finished_insert_makes_aligned_part_matchable() -> None:
-    """Test 27: floor_P(len) is matchable after finish; the unaligned tail is freed."""
+    """floor_P(len) is matchable after finish; the unaligned tail is freed."""
     cache = make_cache(4, 4, 256, 256)
     req = start_req(cache, list(range(10)))
     cache.check_integrity(running_reqs=[req])
@@ -27,7 +27,7 @@ def test_finished_insert_makes_aligned_part_matchable() -> None:
 
 
 def test_finish_without_insert_frees_everything() -> None:
-    """Test 27: insert=False returns every request-owned slot; the shared prefix stays."""
+    """insert=False returns every request-owned slot; the shared prefix stays."""
     cache = make_cache(4, 4, 256, 256)
     finish(cache, start_req(cache, list(range(8)) + [0]))
     req = start_req(cache, list(range(8)) + [50, 51, 52, 53, 54])
@@ -39,7 +39,7 @@ def test_finish_without_insert_frees_everything() -> None:
 
 
 def test_unfinished_req_advances_protected_len_and_table() -> None:
-    """Test 27: chunked prefill moves the lock and points the table at the tree's slots."""
+    """Chunked prefill moves the lock and points the table at the tree's slots."""
     cache = make_cache(4, 4, 256, 256)
     finish(cache, start_req(cache, list(range(12)) + [0]))
     toks = list(range(16)) + [7, 7]
@@ -58,7 +58,7 @@ def test_unfinished_req_advances_protected_len_and_table() -> None:
 
 
 def test_unfinished_req_preserves_frontier() -> None:
-    """Test 28 (#29350): a chunk inserted with its frontier is a tombstone + live leaf."""
+    """A chunk inserted with its frontier is a tombstone + live leaf."""
     cache = make_cache(1, 4, 64, 64)
     req = start_req(cache, list(range(1, 10)), match=False)
     req.kv_committed_len = 8
@@ -74,7 +74,7 @@ def test_unfinished_req_preserves_frontier() -> None:
 
 
 def test_revival_keeps_a_locked_full_value() -> None:
-    """Test 29 (#29352): another request reads the tombstone's full slots; the new request's
+    """Another request reads the tombstone's full slots; the new request's
     SWA is adopted through the mapping and only its full slots are freed."""
     cache = make_cache(1, 4, 64, 64)
     first = start_req(cache, [1, 2, 3, 4, 0], match=False)
@@ -100,7 +100,7 @@ def test_revival_keeps_a_locked_full_value() -> None:
 
 
 def test_eager_swa_free_on_unfinished_req() -> None:
-    """Test 30 (PR 27402): 20 committed tokens → frontier 15, >= 15 SWA slots back."""
+    """Eager freeing: 20 committed tokens → frontier 15, >= 15 SWA slots back."""
     cache = make_cache(1, 4, 64, 64, eager_swa_free=True)
     req = start_req(cache, list(range(20)), match=False)
     swa0 = cache.allocator.swa_available_size()
@@ -126,7 +126,7 @@ def test_eager_swa_free_off_by_default() -> None:
 
 @pytest.mark.parametrize("seq_len", [13, 17, 25, 33])
 def test_page_le_window_finish(seq_len: int) -> None:
-    """Test 9 (P=4, W=8): frontier stays below the insert boundary; finish keeps integrity."""
+    """P=4, W=8: the frontier stays below the insert boundary; finish keeps integrity."""
     cache = make_cache(4, 8, 1024, 512)
     req = start_req(cache, list(range(seq_len)), match=False)
     assert move_frontier(cache, req) < floor_page(seq_len, 4)
@@ -136,7 +136,7 @@ def test_page_le_window_finish(seq_len: int) -> None:
 
 
 def test_p1_reinserting_the_same_prefix() -> None:
-    """Test 10 (P=1, W=4): requests that evicted their own window re-insert over tombstones."""
+    """P=1, W=4: requests that evicted their own window re-insert over tombstones."""
     cache = make_cache(1, 4, 1024, 512)
     for seq_len in range(6, 30):
         req = start_req(cache, list(range(seq_len)), match=False)
@@ -147,7 +147,7 @@ def test_p1_reinserting_the_same_prefix() -> None:
 
 
 def test_insert_case_1_frontier_below_shared_prefix() -> None:
-    """Test 12 (P=8, W=2): frontier 0; the new page adds exactly 8 evictable SWA tokens."""
+    """P=8, W=2: frontier 0; the new page adds exactly 8 evictable SWA tokens."""
     cache = make_cache(8, 2, 1024, 512)
     finish(cache, start_req(cache, list(range(16)), match=False))
     ev0 = cache.swa_evictable
@@ -160,7 +160,7 @@ def test_insert_case_1_frontier_below_shared_prefix() -> None:
 
 
 def test_insert_case_2_tombstone_prefix() -> None:
-    """Test 13 (P=8, W=2, seq 25): frontier 16, tombstone [0,16) + live [16,24)."""
+    """P=8, W=2, seq 25: frontier 16, tombstone [0,16) + live [16,24)."""
     cache = make_cache(8, 2, 1024, 512)
     req = start_req(cache, list(range(25)), match=False)
     assert move_frontier(cache, req) == 16
@@ -170,7 +170,7 @@ def test_insert_case_2_tombstone_prefix() -> None:
 
 
 def test_insert_case_3_whole_leaf_out_of_window() -> None:
-    """Test 14 (defensive, old frontier formula): our choice keeps a FULL-only leaf."""
+    """Defensive (a frontier at the insert boundary): our choice keeps a FULL-only leaf."""
     cache = make_cache(8, 2, 1024, 512)
     req = start_req(cache, list(range(11)), match=False)
     cache.allocator.free_swa(req.table[:8])
@@ -182,7 +182,7 @@ def test_insert_case_3_whole_leaf_out_of_window() -> None:
 
 
 def test_multiple_decode_turns() -> None:
-    """Test 15 (P=8, W=2): turns of growing length, each frontier below the boundary."""
+    """P=8, W=2: turns of growing length, each frontier below the boundary."""
     cache = make_cache(8, 2, 1024, 512)
     for turn in range(4):
         seq_len = 8 * (turn + 2) + 1
@@ -194,7 +194,7 @@ def test_multiple_decode_turns() -> None:
 
 @pytest.mark.parametrize("seq_len", [10, 20, 30])
 def test_p1_full_flow(seq_len: int) -> None:
-    """Test 16 (P=1, W=4): frontier = seq - 5; finish and integrity."""
+    """P=1, W=4: frontier = seq - 5; finish and integrity."""
     cache = make_cache(1, 4, 1024, 512)
     req = start_req(cache, list(range(seq_len)), match=False)
     assert move_frontier(cache, req) == seq_len - 5
@@ -220,7 +220,7 @@ def test_decode_past_window_with_early_release_and_frontier() -> None:
 
 
 def test_finish_uses_cache_protected_len() -> None:
-    """Test 6 (non-EAGLE part): insert gets prev_prefix_len = cache_protected_len; without
+    """Insert gets prev_prefix_len = cache_protected_len; without
     insert exactly [protected, aligned) and then the unaligned tail are freed."""
     cache = make_cache(1, 4, 64, 64)
     first = start_req(cache, [1, 2])

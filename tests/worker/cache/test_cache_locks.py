@@ -1,4 +1,4 @@
-"""Locks, the window boundary and early release: reference §4 tests 17–24, 34 (with our cap:
+"""Locks, the window boundary and early release (docs/design.md §9.4; with our cap:
 a new leaf holds at most one page-aligned window)."""
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ def locked_leaf_without_swa_lock(cache: RadixCache, toks: list[int]):
 
 
 def test_early_release_makes_a_leaf_swa_evictable_without_freeing() -> None:
-    """Test 17, unified semantics: the leaf's SWA becomes evictable (lazy reclaim), its full KV
+    """Unified semantics: the leaf's SWA becomes evictable (lazy reclaim), its full KV
     stays locked; SWA eviction then tombstones it in place."""
     cache = make_cache(1, 4, 128, 64)
     toks = list(range(1, 9))  # capped: [1..4] + leaf [5..8]
@@ -51,7 +51,7 @@ def test_early_release_makes_a_leaf_swa_evictable_without_freeing() -> None:
 
 
 def test_early_release_keeps_internal_nodes_for_lazy_reclaim() -> None:
-    """Test 18: the boundary lies on the internal node; it becomes SWA-evictable, not freed."""
+    """The boundary lies on the internal node; it becomes SWA-evictable, not freed."""
     cache = make_cache(1, 4, 128, 64)
     put(cache, [1, 2, 3, 4, 5, 6, 7, 8])  # [1..4] + [5..8]
     put(cache, [1, 2, 3, 4, 5, 6, 7, 9], prev=4)  # splits [5..8] -> [5,6,7] + [8]
@@ -73,7 +73,7 @@ def test_early_release_keeps_internal_nodes_for_lazy_reclaim() -> None:
 
 @pytest.mark.parametrize("via_receipt", [True, False])
 def test_final_unlock_after_release_drops_full_only(via_receipt: bool) -> None:
-    """Test 19: after early release the final unlock leaves SWA untouched."""
+    """After early release the final unlock leaves SWA untouched."""
     cache = make_cache(1, 4, 128, 64)
     put(cache, [1, 2, 3, 4, 5, 6, 7, 8])
     receipt = cache.lock(cache.match_prefix([1, 2, 3, 4, 5, 6, 7, 8]).node)
@@ -89,7 +89,7 @@ def test_final_unlock_after_release_drops_full_only(via_receipt: bool) -> None:
 
 
 def test_plain_lock_unlock_frees_nothing() -> None:
-    """Test 20: lock + unlock restore both counters; availability never changes."""
+    """Lock + unlock restore both counters; availability never changes."""
     cache = make_cache(1, 4, 128, 64)
     put(cache, list(range(1, 13)))
     a = cache.allocator
@@ -115,7 +115,7 @@ def test_plain_lock_unlock_frees_nothing() -> None:
 
 @pytest.mark.parametrize("window", [4, 64])
 def test_swa_evict_full_locked_leaf_tombstones_in_place(window: int) -> None:
-    """Tests 21 / 34: an SWA-unlocked, full-locked leaf is tombstoned, not deleted."""
+    """An SWA-unlocked, full-locked leaf is tombstoned, not deleted."""
     cache = make_cache(1, window, 128, 64)
     leaf, receipt = locked_leaf_without_swa_lock(cache, [1, 2, 3, 4])
     swa0, ev0 = cache.allocator.swa_available_size(), cache.swa_evictable
@@ -128,7 +128,7 @@ def test_swa_evict_full_locked_leaf_tombstones_in_place(window: int) -> None:
 
 
 def test_deleting_a_tombstone_leaf_keeps_swa_counters() -> None:
-    """Test 22: full eviction of a tombstoned leaf subtracts nothing from SWA."""
+    """Full eviction of a tombstoned leaf subtracts nothing from SWA."""
     cache = make_cache(1, 4, 128, 64)
     leaf, receipt = locked_leaf_without_swa_lock(cache, [1, 2, 3, 4])
     cache.evict(0, 4)
@@ -141,7 +141,7 @@ def test_deleting_a_tombstone_leaf_keeps_swa_counters() -> None:
 
 @pytest.mark.parametrize("page,window", [(2, 4), (8, 4), (4, 6)])
 def test_early_release_page_variants(page: int, window: int) -> None:
-    """Test 23: release makes exactly the (capped) leaf's SWA evictable, full untouched."""
+    """Release makes exactly the (capped) leaf's SWA evictable, full untouched."""
     cache = make_cache(page, window, 64 * page, 64 * page)
     n = -(-max(window, 2 * page) // page) * page
     toks = list(range(1, n + 1))
@@ -158,7 +158,7 @@ def test_early_release_page_variants(page: int, window: int) -> None:
 
 
 def test_boundary_on_internal_node_with_pages() -> None:
-    """Test 24 (P=2, W=6): leaf 2 under internal 4, boundary at the internal node."""
+    """P=2, W=6: leaf 2 under internal 4, boundary at the internal node."""
     cache = make_cache(2, 6, 128, 128)
     put(cache, [1, 2, 3, 4, 5, 6])
     put(cache, [1, 2, 3, 4, 7, 8], prev=4)

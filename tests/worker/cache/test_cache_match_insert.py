@@ -1,4 +1,4 @@
-"""Match and insert: reference §4 tests 1, 2, 4, 7, 27, 31, 32 and the #17061 regression."""
+"""Match and insert (docs/design.md §9.2, §9.3), events and the window rule's edge cases."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ def seq(start: int, pages: int, page_size: int) -> list[int]:
 
 
 def test_kv_events_store_tombstone_remove() -> None:
-    """Test 1: stores name new pages only; SWA eviction removes nothing; full removes all."""
+    """Stores name new pages only; SWA eviction removes nothing; full removes all."""
     cache = make_cache(1, 4, 64, 32)
     put(cache, [1, 2, 3, 4])
     put(cache, [1, 2, 3, 4, 5, 6])
@@ -43,7 +43,7 @@ def test_kv_events_store_tombstone_remove() -> None:
 
 
 def test_kv_events_split_chains_from_the_shared_page() -> None:
-    """Test 2: a branch's first new page is chained from the shared page's hash."""
+    """A branch's first new page is chained from the shared page's hash."""
     cache = make_cache(1, 4, 64, 32)
     put(cache, [1, 2, 3, 4])
     cache.drain_events()
@@ -56,7 +56,7 @@ def test_kv_events_split_chains_from_the_shared_page() -> None:
 
 
 def test_radix_cache_scenario_with_tombstoned_internal_node() -> None:
-    """Test 4 on our LRU policy: LRU leaf first, then an SWA-evicted internal node makes
+    """On our LRU policy: LRU leaf first, then an SWA-evicted internal node makes
     the short branch unmatchable while the long branch stays valid."""
     cache = make_cache(1, 4, 128, 64)
     assert put(cache, [1, 2, 3])[0].prefix_len == 0
@@ -82,7 +82,7 @@ def test_radix_cache_scenario_with_tombstoned_internal_node() -> None:
 
 
 def test_match_resets_run_at_every_tombstone() -> None:
-    """#17061: T1 → 2 live → T2 → 3 live with W=4 must match nothing (runs never add up)."""
+    """T1 → 2 live → T2 → 3 live with W=4 must match nothing (runs never add up)."""
     cache = make_cache(1, 4, 64, 64)
     put(cache, [1, 2, 3, 4, 5, 6, 7, 8, 9, 10])  # nodes capped: [1..6] + [7..10]
     cache.tree.split(node_at(cache, [1, 2, 3, 4, 5, 6]), 2)  # [1,2] [3,4,5,6]
@@ -106,7 +106,7 @@ def test_match_resets_run_at_every_tombstone() -> None:
      (3, 2, 4, 4), (8, 2, 4, 4), (4, 4, 4, 4)],
 )  # fmt: skip
 def test_new_leaf_capped_to_one_window(window: int, page: int, leaf: int, tail: int) -> None:
-    """Test 7 / 32: a new live leaf keeps only ceil_P(window) tokens; the lock covers them."""
+    """A new live leaf keeps only ceil_P(window) tokens; the lock covers them."""
     cache = make_cache(page, window, 128, 64)
     toks = list(range(100, 100 + leaf))
     put(cache, toks)
@@ -122,7 +122,7 @@ def test_new_leaf_capped_to_one_window(window: int, page: int, leaf: int, tail: 
 
 @pytest.mark.parametrize("page,window", SWA_CONFIGS)
 def test_cap_on_reference_configs(page: int, window: int) -> None:
-    """Test 32 on every SWA config: tail + 2 pages splits, exactly tail does not."""
+    """The cap on every SWA config: tail + 2 pages splits, exactly tail does not."""
     tail = -(-window // page) * page
     cache = roomy(page, window)
     put(cache, seq(1, tail // page + 2, page))
@@ -135,7 +135,7 @@ def test_cap_on_reference_configs(page: int, window: int) -> None:
 
 @pytest.mark.parametrize("page,window", SWA_CONFIGS)
 def test_generic_insert_and_match(page: int, window: int) -> None:
-    """Test 27: prefix lengths, divergent and unrelated matches, shared-prefix split."""
+    """Prefix lengths, divergent and unrelated matches, shared-prefix split."""
     cache = roomy(page, window)
     a, b = seq(1, 2, page), seq(1, 3, page)
     assert put(cache, a)[0].prefix_len == 0
@@ -150,7 +150,7 @@ def test_generic_insert_and_match(page: int, window: int) -> None:
 
 @pytest.mark.parametrize("page,window", [(1, 4), (4, 4), (4, 2), (16, 16)])
 def test_prev_prefix_len_frees_only_duplicates(page: int, window: int) -> None:
-    """Test 27: duplicates beyond prev_prefix_len are freed, the shared part never."""
+    """Duplicates beyond prev_prefix_len are freed, the shared part never."""
     cache = roomy(page, window)
     a = cache.allocator
     put(cache, seq(1, 1, page))
@@ -165,7 +165,7 @@ def test_prev_prefix_len_frees_only_duplicates(page: int, window: int) -> None:
 
 @pytest.mark.parametrize("page,window", SWA_CONFIGS)
 def test_leaf_kept_when_whole_span_is_out_of_window(page: int, window: int) -> None:
-    """Test 31 (#29351): chosen behaviour — a FULL-only leaf, nothing freed."""
+    """Whole span out of window, chosen behaviour — a FULL-only leaf, nothing freed."""
     cache = roomy(page, window)
     a = cache.allocator
     toks = seq(1, 2, page)
@@ -182,7 +182,7 @@ def test_leaf_kept_when_whole_span_is_out_of_window(page: int, window: int) -> N
 
 
 def test_insert_with_frontier_makes_tombstone_prefix() -> None:
-    """Test 28 (insert half): [0, evicted) becomes a tombstone, the rest a live leaf."""
+    """Insert with a frontier: [0, evicted) becomes a tombstone, the rest a live leaf."""
     cache = make_cache(1, 4, 64, 64)
     put(cache, list(range(1, 9)), evicted=4)
     (top,) = cache.tree.root.children.values()
@@ -194,7 +194,7 @@ def test_insert_with_frontier_makes_tombstone_prefix() -> None:
 
 
 def test_revive_tombstone_split_where_frontier_falls_inside() -> None:
-    """Reference §2.9 R2: the part below the frontier stays a tombstone, the rest is revived
+    """Revival split: the part below the frontier stays a tombstone, the rest is revived
     with the request's slots (unlocked: the node's old full slots are freed)."""
     cache = make_cache(1, 4, 64, 64)
     toks = list(range(1, 9))

@@ -35,7 +35,7 @@ def test_chunk_cache_hooks_free_everything_at_finish() -> None:
 
 def test_all_swa_never_recaches_freed_kv() -> None:
     """All-SWA models (virtual full pool): a decoded request's out-of-window span is cached
-    as tombstones only, so its freed SWA is never handed out twice (#31486)."""
+    as tombstones only, so its freed SWA is never handed out twice."""
     cache = make_cache(4, 4, 256, 64)  # full slots are virtual addresses for an all-SWA model
     req = start_req(cache, list(range(9)), match=False)
     for step in range(5):

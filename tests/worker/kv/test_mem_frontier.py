@@ -1,4 +1,4 @@
-"""The out-of-window frontier (reference §2.4, tests 8-16, 26, 30 and the §5 matrix)."""
+"""The out-of-window frontier (docs/design.md §7): worked values, boundaries, a matrix."""
 
 from __future__ import annotations
 
@@ -44,18 +44,18 @@ def assert_radix_frontier_ok(seq_len: int, window: int, page: int, frontier: int
         assert boundary - frontier >= window, (seq_len, window, page, frontier)
 
 
-# ---- worked examples and reference tests -----------------------------------------------------
+# ---- worked examples and boundary cases ------------------------------------------------------
 @pytest.mark.parametrize(
     ("page", "window", "pre_len", "expected"),
     [(1, 4, 19, 15), (8, 2, 24, 16), (8, 4, 9, 0), (64, 127, 1023, 896)],
 )
 def test_worked_examples(page: int, window: int, pre_len: int, expected: int):
-    """§2.4 examples of the radix formula pre_len - max(W, P), page-floored."""
+    """Worked examples of the radix formula pre_len - max(W, P), page-floored."""
     assert radix(pre_len, window, page) == expected
 
 
 def test_page_larger_than_window_sweep():
-    """Test 8: P > W, seq_len in (P, 5P), pre_len = seq_len - 1 -> frontier < floor_P(seq_len)."""
+    """P > W, seq_len in (P, 5P), pre_len = seq_len - 1 -> frontier < floor_P(seq_len)."""
     for page, window in itertools.product((4, 8, 16, 32, 64, 128, 256), (1, 2, 4, 8)):
         if page <= window:
             continue
@@ -66,25 +66,25 @@ def test_page_larger_than_window_sweep():
 
 @pytest.mark.parametrize(("seq_len", "expected"), [(13, 4), (17, 8), (25, 16), (33, 24)])
 def test_page_not_above_window(seq_len: int, expected: int):
-    """Test 9: P=4, W=8."""
+    """P=4, W=8."""
     f = radix(seq_len - 1, 8, 4)
     assert f == expected
     assert_radix_frontier_ok(seq_len, 8, 4, f)
 
 
 def test_token_granular_frontier_is_seq_minus_window_minus_one():
-    """Tests 10 and 16: P=1, W=4 -> frontier == max(0, seq_len - 5)."""
+    """P=1, W=4 -> frontier == max(0, seq_len - 5)."""
     for seq_len in range(6, 31):
         assert radix(seq_len - 1, 4, 1) == max(0, seq_len - 5)
 
 
 def test_short_sequence_is_a_noop():
-    """Test 11: P=8, W=4, seq 10 -> frontier stays 0."""
+    """P=8, W=4, seq 10 -> frontier stays 0."""
     assert radix(9, 4, 8) == 0
 
 
 def test_insert_cases_page_8_window_2():
-    """Tests 12-15 (frontier halves): P=8, W=2."""
+    """The frontier halves of the insert cases: P=8, W=2."""
     assert radix(15, 2, 8) == 0  # 12: 24-token request evicted at pre_len 15
     assert radix(24, 2, 8) == 16  # 13: seq 25 -> tombstone [0,16) + live [16,24)
     # 14: the old formula pre_len - W reaches the insert boundary 8 of an 11-token request;
@@ -99,12 +99,12 @@ def test_insert_cases_page_8_window_2():
 
 
 def test_eager_chunked_prefill_values():
-    """Test 30 (frontier part): P=1, W=4, 20 committed -> 15; 5 committed -> 0."""
+    """Eager freeing (frontier part): P=1, W=4, 20 committed -> 15; 5 committed -> 0."""
     assert radix(19, 4, 1) == 15
     assert radix(4, 4, 1) == 0
 
 
-# ---- §5 matrix -------------------------------------------------------------------------------
+# ---- (P, W) matrix ---------------------------------------------------------------------------
 def boundary_lengths(page: int, window: int) -> set[int]:
     around = {k * page + d for k in range(1, 6) for d in (-2, -1, 0, 1, 2)}
     around |= {k * window + d for k in range(1, 4) for d in (-2, -1, 0, 1, 2)}
@@ -227,9 +227,9 @@ def test_free_out_of_window_checks_page_size_and_table():
         free_out_of_window(a, table, pre_len=20, page_size=4, **kw)
 
 
-# ---- finishing without a mapping (test 26) ---------------------------------------------------
+# ---- finishing without a mapping -------------------------------------------------------------
 def test_live_spans_skip_the_evicted_hole():
-    """Test 26: row 0..9, floor 3, evicted 6, kv_len 8 -> [0,1,2,6,7]; protected 2 -> [2,6,7]."""
+    """Row 0..9, floor 3, evicted 6, kv_len 8 -> [0,1,2,6,7]; protected 2 -> [2,6,7]."""
     row = torch.arange(10)
     spans = live_spans_to_free(protected=0, floor=3, evicted=6, kv_len=8)
     assert gather_spans(row, spans).tolist() == [0, 1, 2, 6, 7]

@@ -103,7 +103,7 @@ def test_swa_loc_is_truncated_to_loc():
 
 @pytest.mark.parametrize("layer", [0, 3])
 def test_swa_write_without_swa_loc_raises(layer: int):
-    """Reference test 40: an SWA layer never translates on the write path."""
+    """An SWA layer never translates on the write path."""
     p = pool()
     with pytest.raises(ValueError, match="swa_loc"):
         p.set_kv(layer, torch.ones(1, 1, 8), torch.ones(1, 1, 12), torch.tensor([4]))

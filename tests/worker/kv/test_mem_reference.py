@@ -1,4 +1,4 @@
-"""SGLang reference scenarios for the allocator (tests 3, 25) and the §5 allocator bugs."""
+"""Allocator scenarios from SGLang's hybrid SWA history (docs/design.md §6.2, §15)."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ def pages_of(a: HybridAllocator, table: torch.Tensor) -> set[int]:
     return set((table // a.page_size).tolist())
 
 
-# ---- test 3 ----------------------------------------------------------------------------------
+# ---- page-granular free_swa ------------------------------------------------------------------
 def test_paged_free_swa_of_one_token_frees_and_unmaps_the_page():
-    """Test 3 (P=4, Kf=Ks=16): free_swa(first token) frees the whole SWA page and unmaps all 4
+    """P=4, Kf=Ks=16: free_swa(first token) frees the whole SWA page and unmaps all 4
     full slots; free_swa(second token) frees nothing more."""
     a = HybridAllocator(16, 16, 4)
     x = a.alloc(4)
@@ -27,7 +27,7 @@ def test_paged_free_swa_of_one_token_frees_and_unmaps_the_page():
     a.check_integrity()
 
 
-# ---- test 25: alloc_extend page estimation ---------------------------------------------------
+# ---- alloc_extend page estimation ------------------------------------------------------------
 def with_prefixes(page: int, prefix_lens: list[int], full_free: int, swa_free: int):
     """Allocator whose requests hold `prefix_lens` tokens and whose pools then have exactly
     `full_free` / `swa_free` free pages."""
@@ -84,9 +84,9 @@ def test_extend_inside_last_page_for_large_pages(page: int):
     assert out.tolist() == [n + 1 for n in last]
 
 
-# ---- §5 bugs ---------------------------------------------------------------------------------
+# ---- bug classes (docs/design.md §15) --------------------------------------------------------
 def test_one_page_leak_free_swa_one_token_then_free_page():
-    """#27779: free_swa of one token, then free of the whole page: SWA gains exactly one page
+    """free_swa of one token, then free of the whole page: SWA gains exactly one page
     in total, no double free, full gains the page."""
     a = HybridAllocator(32, 32, 4)
     x = a.alloc(8)
@@ -101,7 +101,7 @@ def test_one_page_leak_free_swa_one_token_then_free_page():
 
 @pytest.mark.parametrize("page", [1, 4])
 def test_recycled_pages_carry_no_stale_mapping(page: int):
-    """#25805: every path that hands out a full page leaves its unused slots unmapped, even if a
+    """Every path that hands out a full page leaves its unused slots unmapped, even if a
     stale entry was left on a free page."""
     a = HybridAllocator(8 * page, 8 * page, page)
     x = a.alloc(8 * page)
@@ -127,7 +127,7 @@ def test_recycled_pages_carry_no_stale_mapping(page: int):
 
 
 def test_tombstone_mapping_is_zeroed_and_revival_frees_only_its_own():
-    """#27586: tombstoning zeroes the mapping; reviving (unlocked: free the node's old full
+    """Tombstoning zeroes the mapping; reviving (unlocked: free the node's old full
     slots) frees no SWA slot, and other requests keep theirs."""
     a = HybridAllocator(32, 32, 4)
     node, other = a.alloc(8), a.alloc(4)
@@ -144,7 +144,7 @@ def test_tombstone_mapping_is_zeroed_and_revival_frees_only_its_own():
 
 
 def test_locked_revival_adopts_swa_by_remapping():
-    """#29352 shape: a full-locked tombstone adopts the request's SWA through set_mapping; the
+    """A full-locked tombstone adopts the request's SWA through set_mapping; the
     request's full slots are then freed without touching that SWA."""
     a = HybridAllocator(32, 32, 4)
     node = a.alloc(4)
@@ -162,7 +162,7 @@ def test_locked_revival_adopts_swa_by_remapping():
 
 
 def test_page_zero_never_freed_through_any_path():
-    """#38519 shape: 0 and -1 entries in a free are skipped; page 0 never enters a free list."""
+    """0 and -1 entries in a free are skipped; page 0 never enters a free list."""
     a = HybridAllocator(16, 16, 4)
     x = a.alloc(4)
     a.free(torch.tensor([0, -1, 0]))

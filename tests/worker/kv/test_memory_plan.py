@@ -1,4 +1,4 @@
-"""plan_pools: the reference's pool-configurator numbers (§1.7, §4.7 test 38) and MiMo shapes."""
+"""plan_pools (docs/design.md §6.1): SGLang's pool-configurator numbers and MiMo shapes."""
 
 from __future__ import annotations
 

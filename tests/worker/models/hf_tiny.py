@@ -15,7 +15,7 @@ import torch
 
 VOCAB = 128
 
-# HF sliding_window per arch: window = sliding_window - 1 (DESIGN §1), between 8 and 16 here.
+# HF sliding_window per arch: window = sliding_window - 1 (docs/design.md §1), 8 to 16 here.
 _COMMON = dict(
     vocab_size=VOCAB, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16
 )

@@ -1,4 +1,4 @@
-"""Admission math (§2.16): the SWA budget table, chunk caps, continuing chunks (test 39)."""
+"""Admission math (docs/design.md §11.3): the SWA budget table, chunk caps, continuing chunks."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ from worker.scheduler.budget import (
 def test_swa_charge_table(
     extend: int, chunk: int | None, window: int, page: int, charge: int
 ) -> None:
-    """SWA charge = max(min(e, c), W) + P, the reference's budget table."""
+    """SWA charge = max(min(e, c), W) + P, SGLang's budget table."""
     assert swa_admission_charge(extend, chunk, window, page) == charge
 
 
