@@ -1,4 +1,4 @@
-"""What the engine hands back: per-request outputs, stream deltas and stats (DESIGN §4.1)."""
+"""What the engine hands back: per-request outputs, stream deltas and stats (docs/design.md §4.1)."""
 
 from __future__ import annotations
 

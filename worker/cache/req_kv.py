@@ -1,4 +1,4 @@
-"""Request-side KV state the cache hooks read and update (reference §1.4).
+"""Request-side KV state the cache hooks read and update (docs/design.md §8).
 
 Positions are token indices of the request. The ranges, for a radix cache::
 
@@ -43,10 +43,10 @@ class ReqKV:
     swa_evict_floor: int = 0  # positions below it are never window-freed while running
 
     def owned_full_tokens(self, page_size: int) -> int:
-        """Full-pool tokens this request holds beyond the tree (reference §1.6 I9)."""
+        """Full-pool tokens this request holds beyond the tree (docs/design.md §12)."""
         return ceil_page(self.kv_allocated_len, page_size) - self.cache_protected_len
 
     def owned_swa_tokens(self, page_size: int) -> int:
-        """SWA-pool tokens this request holds beyond the tree (reference §1.6 I9)."""
+        """SWA-pool tokens this request holds beyond the tree (docs/design.md §12)."""
         start = max(self.cache_protected_len, self.swa_evicted_seqlen)
         return max(0, ceil_page(self.kv_allocated_len, page_size) - start)

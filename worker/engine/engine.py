@@ -236,7 +236,7 @@ class Engine:
         return snapshot(self.scheduler, self.peaks, self.counters, self.last_step_seconds)
 
     def check_integrity(self) -> None:
-        """Raise when any pool/cache invariant breaks (docs/design.md §9), incl. the leak identity."""
+        """Raise when any pool/cache invariant breaks (docs/design.md §12), incl. the leak identity."""
         running = [r.kv for r in self.scheduler.running if r.kv is not None]
         self.allocator.check_integrity()
         self.cache.check_integrity(running)

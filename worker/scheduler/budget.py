@@ -1,4 +1,4 @@
-"""Admission math for hybrid SWA (reference `sglang_swa.md` §2.16), as pure functions.
+"""Admission math for hybrid SWA (docs/design.md §11.3), as pure functions.
 
 The scheduler keeps the running budgets (`rem_total` over the full pool, `rem_swa` over the SWA
 pool, both = available + evictable - what admitted requests will still take) and asks these
