@@ -21,14 +21,8 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from cluster.messages import (
-    PoolHeadroom,
-    RoutedRequest,
-    StreamStart,
-    WorkerInfo,
-    WorkerUnavailableError,
-    make_routing_stats,
-)
+from cluster.load import routing_stats
+from cluster.messages import RoutedRequest, StreamStart, WorkerInfo, WorkerUnavailableError
 from deploy.metrics import flatten_stats
 from worker.config import EngineConfig
 from worker.outputs import StreamDelta
@@ -190,15 +184,7 @@ class WorkerDeployment:
         """`cluster.load`'s routing stats (the router's contract) plus every engine number for
         `/metrics`; all values are flat numbers except `worker_id`."""
         s = self._engine.stats()
-        out: dict[str, Any] = make_routing_stats(
-            worker_id=self.replica_id,
-            timestamp_s=time.time(),
-            queue_len=s.waiting,
-            queued_prefill_tokens=s.queued_prefill_tokens,
-            running_decodes=s.running_decodes,
-            full=PoolHeadroom(s.full.free, s.full.evictable, s.full.total),
-            swa=PoolHeadroom(s.swa.free, s.swa.evictable, s.swa.total),
-        )
+        out: dict[str, Any] = routing_stats(s, self.replica_id, time.time())
         out.update(flatten_stats(s))
         out["inflight"] = float(len(self._inflight))
         out["draining"] = 1.0 if self._draining else 0.0
