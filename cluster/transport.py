@@ -193,11 +193,6 @@ class EventPublisher:
             if ack.resync_needed:
                 await self._resync()
 
-    async def publish_snapshot(self, snapshot: CacheSnapshot) -> None:
-        """Send a snapshot the worker took on its own initiative."""
-        async with self._lock:
-            await self._send(WorkerResync(self.meta, snapshot))
-
     async def close(self) -> None:
         """Remove this incarnation from the index (graceful replica shutdown)."""
         try:

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from deploy.config import APP_NAME, INGRESS_DEPLOYMENT, WORKER_DEPLOYMENT, ServeConfig
+from worker.models.model_dir import TINY, resolve_model_dir
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
@@ -120,15 +121,9 @@ def _check_gpus(cfg: ServeConfig) -> None:
 
 
 def prepare_model(model: str, progress: Progress) -> Path:
-    if model == "tiny":
-        from worker.models.tiny import ensure_tiny_model
-
+    if model == TINY:
         progress.say("preparing the built-in tiny model (created once, then reused) ...")
-        path = ensure_tiny_model()
-    else:
-        path = Path(model).expanduser()
-        if not (path / "config.json").is_file():
-            raise ValueError(f"model directory {path} has no config.json; pass --model tiny or a Hugging Face model directory")
+    path = resolve_model_dir(model)  # ConfigError (a ValueError) names what to pass instead
     progress.say(f"model files: {path}")
     return path
 
