@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 
 from bench.routing_sim import SimCluster, Simulation
@@ -28,7 +29,9 @@ class _HeldEngine:
 
 def _busy_simulation() -> Simulation:
     """One simulated worker with a decoding, a prefilling (chunked) and a waiting request."""
-    cluster = SimCluster(workers=1, full_tokens=4096, chunked_prefill_size=64, max_running_requests=2)
+    cluster = SimCluster(
+        workers=1, full_tokens=4096, chunked_prefill_size=64, max_running_requests=2
+    )
     workload = make_workload("multi_turn", WorkloadSize(workers=1, requests_per_worker=1))
     sim = Simulation(cluster, "round_robin", workload)
     engine = sim.workers["w000"].engine
@@ -54,7 +57,7 @@ def test_simulator_and_worker_deployment_report_identical_routing_stats() -> Non
         engine_factory=lambda _: _HeldEngine(worker.engine),
         replica_id="w000",
     )
-    deployed = WorkerLoad.from_routing_stats(deployment.record_routing_stats())
+    deployed = WorkerLoad.from_routing_stats(asyncio.run(deployment.record_routing_stats()))
     assert simulated is not None and deployed is not None
     assert dataclasses.replace(deployed, timestamp_s=simulated.timestamp_s) == simulated
     assert simulated.queue_len == 1
