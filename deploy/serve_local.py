@@ -180,7 +180,8 @@ def _deploy(p: Plan, progress: Progress, timeout_s: float) -> None:
     serve.start(http_options={"host": p.host, "port": p.port}, proxy_location="HeadOnly")
     _quiet_ray_logs()  # serve.start configures the serve logger
     progress.say(f"deploying {_workers(p.config)}; each loads the model ...")
-    serve._run(build_app_from_config(p.config), _blocking=False, name=APP_NAME, route_prefix="/")
+    app = serve.RunTarget(build_app_from_config(p.config), name=APP_NAME, route_prefix="/")
+    serve.run_many([app], wait_for_applications_running=False)  # progress: _wait_running
     _wait_running(progress, timeout_s)
     wait_healthy(f"http://{_probe_host(p.host)}:{p.port}/health", timeout_s)
 

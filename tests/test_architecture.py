@@ -1,5 +1,5 @@
 """The layering is enforced by tools, not by review: import-linter's contracts in pyproject.toml,
-and no blocking call inside a coroutine (an AST check below)."""
+no blocking call inside a coroutine, and Ray internals in one module (AST checks below)."""
 
 from __future__ import annotations
 
@@ -228,3 +228,74 @@ def test_blocking_call_check_allows_threads_and_nested_sync_defs(tmp_path: Path)
         "    return actor, await asyncio.to_thread(in_thread), await ref\n"
     )  # fmt: skip
     assert blocking_calls_in_async(tmp_path) == []
+
+
+# ---- Ray internals live in one module -------------------------------------------------------
+
+RAY_PRIVATE_HOME = {Path("cluster/ray_private.py"), Path("tests/cluster/test_ray_private.py")}
+
+
+def ray_internals_outside_home(root: Path) -> list[str]:
+    """Uses of a Ray internal outside `cluster/ray_private.py`: a `_private` module, an
+    underscore attribute of something imported from Ray, an underscore keyword to a Ray call."""
+    found = []
+    for path in sorted(p for d in (*PACKAGES, "tests") for p in (root / d).rglob("*.py")):
+        rel = path.relative_to(root)
+        if rel in RAY_PRIVATE_HOME:
+            continue
+        tree = ast.parse(path.read_text(), str(rel))
+        names = _module_names(tree, ".".join(rel.with_suffix("").parts))
+        for node in ast.walk(tree):
+            hit = None
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                mods = (
+                    [a.name for a in node.names]
+                    if isinstance(node, ast.Import)
+                    else [node.module or ""]
+                )
+                hit = next((m for m in mods if m.startswith("ray") and "._" in m), None)
+            elif (
+                isinstance(node, ast.Attribute)
+                and node.attr.startswith("_")
+                and not node.attr.startswith("__")
+            ):
+                origin = _origin(node, names)
+                hit = origin if origin and origin.startswith("ray.") else None
+            elif isinstance(node, ast.Call) and (_origin(node.func, names) or "").startswith(
+                "ray."
+            ):
+                hit = next((f"{_origin(node.func, names)}({k.arg}=)" for k in node.keywords
+                            if k.arg and k.arg.startswith("_")), None)  # fmt: skip
+            if hit:
+                found.append(f"{rel}:{node.lineno}: {hit}")
+    return found
+
+
+def test_ray_internals_only_in_ray_private() -> None:
+    """Every Ray internal the code or the tests use goes through `cluster.ray_private`."""
+    assert ray_internals_outside_home(REPO) == []
+
+
+@pytest.mark.parametrize(
+    ("module", "line", "hit"),
+    [
+        (
+            "deploy/serve_local.py",
+            "from ray.serve._private.constants import SERVE_NAMESPACE",
+            "ray.serve._private.constants",
+        ),
+        ("router/serve_router.py", "ray._private.worker.global_worker", "ray._private"),
+        ("deploy/app.py", "serve._run(None, _blocking=False)", "ray.serve._run(_blocking=)"),
+    ],
+)
+def test_ray_internals_check_catches_a_planted_use(
+    tmp_path: Path, module: str, line: str, hit: str
+) -> None:
+    """A copy of the tree with one Ray internal outside cluster/ray_private.py is reported."""
+    for pkg in (*PACKAGES, "tests"):
+        shutil.copytree(REPO / pkg, tmp_path / pkg, ignore=shutil.ignore_patterns("__pycache__"))
+    target = tmp_path / module
+    target.write_text(target.read_text() + f"\n{line}  # the violation\n")
+    found = ray_internals_outside_home(tmp_path)
+    assert found and all(f.startswith(f"{module}:") for f in found), found
+    assert any(f.endswith(hit) for f in found), found
