@@ -34,7 +34,7 @@ class ModelInfo:
 
 def resolve_base(model: str) -> Path:
     """'tiny' (built on first use) or a local HF model directory."""
-    from worker.engine.setup import resolve_model_dir
+    from worker.models.model_dir import resolve_model_dir
 
     return resolve_model_dir(model)
 

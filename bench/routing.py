@@ -29,10 +29,9 @@ from bench.machine import MachineInfo
 from bench.routing_figures import RunFigures
 from bench.routing_sim import SimCluster
 from bench.routing_workloads import WORKLOADS
-from router.policies import POLICIES
+from router.policies import POLICY_NAMES
 
 POOLS = ("swa_pressure", "roomy_swa", "single_pool")
-POLICY_NAMES = tuple(POLICIES)  # swa_prefix, prefix, least_loaded, round_robin
 LATENCY_WORKLOAD = "multi_tenant"
 
 

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from bench.harness import markdown_table
 from bench.routing_figures import quantile
-from bench.routing_real_traffic import Sample, Traffic, run_traffic
+from bench.routing_real_traffic import MODEL, Sample, Traffic, run_traffic
 from deploy.serve_local import wait_healthy
 
 if TYPE_CHECKING:
@@ -72,10 +72,10 @@ def run_real(s: RealSettings) -> RealResult:
     from ray import serve
 
     from cluster.ray_local import LocalRayConfig, local_ray
-    from worker.models.tiny import ensure_tiny_model
+    from worker.models.model_dir import resolve_model_dir
 
     t0 = time.perf_counter()
-    ensure_tiny_model()
+    resolve_model_dir(MODEL)  # build the tiny model once, before the workers load it
     port = _free_port()
     out = []
     with local_ray(LocalRayConfig(num_cpus=s.num_cpus)):
@@ -117,7 +117,7 @@ def _config(s: RealSettings, policy: str) -> ServeConfig:
 
     share = round((s.num_cpus - 0.25) / s.workers - 0.005, 2)  # the ingress takes 0.25 CPU
     return ServeConfig.model_validate({
-        "model": "tiny", "workers": s.workers, "routing": policy, "worker_num_cpus": share,
+        "model": MODEL, "workers": s.workers, "routing": policy, "worker_num_cpus": share,
         "max_total_tokens": s.max_total_tokens, "swa_full_tokens_ratio": s.swa_ratio,
         "chunked_prefill_size": s.chunked_prefill_size, "seed": s.seed,
     })  # fmt: skip

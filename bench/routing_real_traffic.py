@@ -19,8 +19,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from deploy.openai.headers import PREDICTED_CACHED_TOKENS_HEADER, REPLICA_HEADER
+from worker.models.model_dir import TINY
 
-MODEL = "tiny"
+MODEL = TINY
 _WORDS = ("river stone light garden window paper music field cloud table mountain bridge "
           "silver yellow quiet rapid ancient modern little simple open close north south").split()  # fmt: skip
 

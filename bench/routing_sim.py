@@ -10,8 +10,8 @@ One discrete-event loop drives everything, the way the deployed system is wired:
                 finished requests are recorded, `complete(rid)` tells the router, a closed-loop
                 workload sends its follow-up; the next step starts if the engine has work
     stats tick: every `stats_period_s` each worker's routing stats are sampled (Serve polls
-                `record_routing_stats` on that period), mirroring
-                `deploy.replica.worker.WorkerDeployment.record_routing_stats`
+                `record_routing_stats` on that period) with `cluster.load.routing_stats`,
+                the function the deployed worker's `record_routing_stats` calls
 
 NOTE: `engine.step()` runs at the start of its virtual step, so the engine's own state is one
 step ahead of the index while a step is in flight; the index sees the step at its end, as the
@@ -30,15 +30,8 @@ from dataclasses import dataclass, field
 from bench.routing_workloads import SimRequest, Workload
 from bench.sim_runner import SimRunner, StepCost, build_sim_engine
 from cluster.index import ApplyOutcome, ClusterIndex
-from cluster.messages import (
-    CacheSnapshot,
-    EventBatch,
-    PoolHeadroom,
-    WorkerLoad,
-    WorkerMeta,
-    WorkerResync,
-    make_routing_stats,
-)
+from cluster.load import routing_stats
+from cluster.messages import CacheSnapshot, EventBatch, WorkerLoad, WorkerMeta, WorkerResync
 from router.core import Candidate, RouterCore
 from router.policies import make_policy
 from worker.cache.events import EventKind
@@ -123,23 +116,6 @@ class SimOutcome:
     wall_s: float
 
 
-def routing_stats(engine: Engine, worker_id: str, now: float) -> dict[str, float | int | str]:
-    """What `WorkerDeployment.record_routing_stats` reports for this engine (the router part).
-
-    NOTE: a copy that reports `queued_prefill_tokens` 0 and `running_decodes` = running.
-    """
-    s = engine.stats()
-    return make_routing_stats(
-        worker_id=worker_id,
-        timestamp_s=now,
-        queue_len=s.waiting,
-        queued_prefill_tokens=0,
-        running_decodes=s.running,
-        full=PoolHeadroom(s.full.free, s.full.evictable, s.full.total),
-        swa=PoolHeadroom(s.swa.free, s.swa.evictable, s.swa.total),
-    )
-
-
 class Simulation:
     def __init__(self, cluster: SimCluster, policy: str, workload: Workload) -> None:
         self.cluster = cluster
@@ -183,7 +159,7 @@ class Simulation:
 
     def _tick(self, t: float, _: object) -> None:
         for w in self.workers.values():
-            w.load = WorkerLoad.from_routing_stats(routing_stats(w.engine, w.wid, t))
+            w.load = WorkerLoad.from_routing_stats(routing_stats(w.engine.stats(), w.wid, t))
         self._candidates = [Candidate(w.wid, w.load) for w in self.workers.values()]
         if any(kind != _TICK for _, kind, _, _ in self._heap):
             self._push(t + self.cluster.stats_period_s, _TICK, None)

@@ -8,7 +8,8 @@ Ray's environment switches are set here and nowhere else:
   by the host's routable address (`services.resolve_ip_for_localhost`); with "clusters" off it
   keeps the loopback address, which is all a single-node cluster needs.
 Each cluster gets its own short temp dir (Ray's socket paths must stay under ~107 bytes), so
-parallel jobs on one machine do not share sessions; it is removed on stop.
+parallel jobs on one machine do not share sessions; it is removed on stop. The two Ray internals
+this needs live in `cluster.ray_private`.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+
+from cluster import ray_private
 
 RAY_ENV = {
     "RAY_AUTH_MODE": "disabled",
@@ -54,7 +57,6 @@ def start_local_ray(config: LocalRayConfig | None = None) -> LocalRay:
         RuntimeError: Ray is already initialised in this process.
     """
     import ray
-    from ray._private import ray_constants
 
     cfg = config or LocalRayConfig()
     if ray.is_initialized():
@@ -64,7 +66,7 @@ def start_local_ray(config: LocalRayConfig | None = None) -> LocalRay:
     os.environ.update(RAY_ENV)
     # NOTE: Ray reads the variable when it is imported, usually before this call; set the
     # constant it became as well (restored by stop_local_ray).
-    ray_constants.ENABLE_RAY_CLUSTER = False
+    ray_private.set_clusters_enabled(False)
     temp_dir = tempfile.mkdtemp(prefix="swaray-", dir=cfg.temp_root)
     try:
         ctx = ray.init(
@@ -74,11 +76,10 @@ def start_local_ray(config: LocalRayConfig | None = None) -> LocalRay:
             include_dashboard=False,
             namespace=cfg.namespace,
             log_to_driver=False,
-            _node_ip_address="127.0.0.1",
-            _temp_dir=temp_dir,
+            **ray_private.loopback_init_kwargs(temp_dir),
         )
     except BaseException:
-        ray_constants.ENABLE_RAY_CLUSTER = _CLUSTERS_DEFAULT
+        ray_private.set_clusters_enabled(_CLUSTERS_DEFAULT)
         shutil.rmtree(temp_dir, ignore_errors=True)
         raise
     return LocalRay(temp_dir=temp_dir, address=ctx.address_info.get("address", ""))
@@ -87,10 +88,9 @@ def start_local_ray(config: LocalRayConfig | None = None) -> LocalRay:
 def stop_local_ray(cluster: LocalRay) -> None:
     """Shut down the cluster `start_local_ray` started and delete its temp dir."""
     import ray
-    from ray._private import ray_constants
 
     ray.shutdown()
-    ray_constants.ENABLE_RAY_CLUSTER = _CLUSTERS_DEFAULT
+    ray_private.set_clusters_enabled(_CLUSTERS_DEFAULT)
     # Ray's helper processes (log monitor, agents) exit a moment after shutdown and may still
     # write session files: retry until the directory is really gone (at most ~5 s).
     for _ in range(50):

@@ -19,6 +19,11 @@ Lifecycle: the actor is detached, named `index_actor_name(app, deployment)` in n
 again (`find_index_actor`), so it never resurrects the actor of an application shut down. Ray restarts it if it dies (`max_restarts=-1`) with a fresh
 `epoch`: publishers get "resync needed" on their next push, routers a reset delta.
 `kill_index_actor` ends it (the app's shutdown calls it); subscribers then stop following.
+NOTE: the three lookups are blocking GCS calls; async code runs them with `asyncio.to_thread`
+(tests/test_architecture.py fails on a direct call inside an `async def`).
+
+The actor also keeps each worker replica's latest stats sample (`cluster.replica_stats`), which
+the ingress reads for `/metrics` and `/health` (`report_stats` / `replica_stats`).
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ from cluster.messages import (
     WorkerRemoved,
     WorkerResync,
 )
+from cluster.replica_stats import ReplicaSnapshot, ReplicaStatsBoard
 
 logger = logging.getLogger(__name__)
 
@@ -54,10 +60,12 @@ def index_actor_name(app_name: str, deployment_name: str) -> str:
 
 
 class CacheIndexActor:
-    """The Ray actor around `IndexHub`; async so pulls can wait for the next change."""
+    """The Ray actor around `IndexHub` (and the replicas' `ReplicaStatsBoard`); async so pulls
+    can wait for the next change."""
 
     def __init__(self, max_pages_per_worker: int, max_workers: int, max_log: int) -> None:
         self._hub = IndexHub(IndexLimits(max_pages_per_worker, max_workers), max_log)
+        self._stats = ReplicaStatsBoard()
         self._changed: asyncio.Event | None = None
 
     async def push(self, batch: EventBatch) -> PushAck:
@@ -71,9 +79,19 @@ class CacheIndexActor:
         return ack
 
     async def remove(self, update: WorkerRemoved) -> bool:
+        self._stats.remove(update.worker_id, update.incarnation)
         changed = self._hub.remove(update)
         self._notify()
         return changed
+
+    async def report_stats(
+        self, worker_id: str, incarnation: str, stats: dict[str, object], register: bool
+    ) -> bool:
+        return self._stats.report(worker_id, incarnation, stats, register=register)
+
+    async def replica_stats(self, stale_after_s: float, forget_after_s: float) -> ReplicaSnapshot:
+        """Every worker replica's latest stats (None: silent for over `stale_after_s`)."""
+        return self._stats.snapshot(stale_after_s, forget_after_s)
 
     async def pull(self, epoch: str | None, cursor: int, wait_s: float = 0.0) -> Delta | None:
         """Updates after `cursor`, waiting up to `wait_s` for one when there are none yet."""
@@ -149,7 +167,8 @@ class EventPublisher:
 
     `snapshot_fn` returns the engine's whole cache labelled with the seq of the last batch its
     state includes (a snapshot newer than the last published batch is fine: batches at or below
-    its seq are then ignored). It is called on the caller's thread, inside `start`/`publish`.
+    its seq are then ignored). It runs in a worker thread (`asyncio.to_thread`, inside
+    `start`/`publish`), so it may block until the engine's current step ends.
     Calls are serialised, so batches reach the actor in seq order.
     """
 
@@ -193,22 +212,33 @@ class EventPublisher:
             if ack.resync_needed:
                 await self._resync()
 
-    async def publish_snapshot(self, snapshot: CacheSnapshot) -> None:
-        """Send a snapshot the worker took on its own initiative."""
-        async with self._lock:
-            await self._send(WorkerResync(self.meta, snapshot))
+    async def report_stats(self, stats: dict[str, object], *, register: bool) -> None:
+        """Send one stats sample for `/metrics` and `/health` (`register`: see
+        `cluster.replica_stats`); best effort, a failure is only logged."""
+        try:
+            await self._actor.report_stats.remote(
+                self.meta.worker_id, self.meta.incarnation, stats, register
+            )
+        except RayError as exc:
+            logger.debug("stats report to the cache index failed: %s", exc)
 
     async def close(self) -> None:
         """Remove this incarnation from the index (graceful replica shutdown)."""
         try:
-            await self._actor.remove.remote(
-                WorkerRemoved(self.meta.worker_id, self.meta.incarnation)
-            )
+            await self._actor.remove.remote(self._removal())
         except RayError as exc:
             logger.warning("cache index remove failed: %s", exc)
 
+    def close_nowait(self) -> None:
+        """`close` without waiting for the answer (from synchronous shutdown code)."""
+        self._actor.remove.remote(self._removal())
+
+    def _removal(self) -> WorkerRemoved:
+        return WorkerRemoved(self.meta.worker_id, self.meta.incarnation)
+
     async def _resync(self) -> None:
-        await self._send(WorkerResync(self.meta, self._snapshot_fn()))
+        snapshot = await asyncio.to_thread(self._snapshot_fn)
+        await self._send(WorkerResync(self.meta, snapshot))
 
     async def _send(self, update: WorkerResync) -> None:
         try:

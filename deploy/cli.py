@@ -18,8 +18,9 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from router.policies import POLICY_NAMES
+
 BENCHMARKS = ("memory", "engine", "cache", "routing")
-ROUTING_POLICIES = ("swa_prefix", "prefix", "least_loaded", "round_robin")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -31,7 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--workers", type=_positive_int, help="worker replicas, each with its own engine (default 1)")
     serve.add_argument("--host", help="address to listen on (default 127.0.0.1, or the config file's)")
     serve.add_argument("--port", type=_port, help="HTTP port (default 8000, or the config file's)")
-    serve.add_argument("--routing", choices=ROUTING_POLICIES, help="placement policy (default swa_prefix)")
+    serve.add_argument("--routing", choices=POLICY_NAMES, help="placement policy (default swa_prefix)")
     serve.add_argument("--device", choices=("cpu", "cuda"), help="engine device (default cpu; cuda gives each worker one GPU)")
     serve.add_argument("--config", metavar="FILE", help="a ServeConfig YAML or a Ray Serve config file; flags override it")
     serve.add_argument("--num-cpus", type=int, help="CPUs of the local Ray cluster (default: all)")

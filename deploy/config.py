@@ -26,6 +26,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
+from router.policies import DEFAULT_POLICY, POLICY_NAMES
 from worker.config import EngineConfig
 
 # Names the Serve config files, the Helm chart and `deploy.app` share.
@@ -37,7 +38,7 @@ API_KEY_ENV = "SWASERVE_API_KEY"
 
 DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024  # a 128k-token prompt is ~0.5 MB of JSON text
 
-RoutingPolicy = Literal["swa_prefix", "prefix", "least_loaded", "round_robin"]
+RoutingPolicy = Literal[POLICY_NAMES]  # type: ignore[valid-type]  # router.policies names them
 Dtype = Literal["float32", "bfloat16", "float16"]
 AttentionBackend = Literal["torch", "flashinfer"]
 
@@ -186,7 +187,7 @@ class ServeConfig(BaseModel):
 
     # -- routing and HTTP -------------------------------------------------------------------
     routing: RoutingPolicy = Field(
-        "swa_prefix",
+        DEFAULT_POLICY,
         description="Placement policy: swa_prefix (window-valid prefix match), prefix, least_loaded, round_robin.",
     )
     api_key: SecretStr | None = Field(

@@ -5,10 +5,11 @@ Two sources end up in one exposition:
 - the ingress's own collectors (request latency, time to first token, inter-token latency,
   request/token counters), kept in a private `CollectorRegistry` per ingress replica;
 - one gauge per (worker replica, pool, quantity), built at scrape time from the stats every worker
-  replica reports (`WorkerDeployment.record_routing_stats`, fetched fresh from each replica by
-  `deploy.replicas.ReplicaDirectory`). Pulling at scrape time instead of pushing through Ray's
-  metrics agent means a scrape shows every running replica, current to the second, with no
-  dashboard/agent dependency and no stale series for replicas that are gone.
+  replica reports (`WorkerDeployment.record_routing_stats`, sent to the deployment's index actor
+  and read from there by `deploy.replica.client.ServeWorkerClient`). Reading them at scrape time
+  instead of pushing through Ray's metrics agent means a scrape shows every running replica,
+  about a second old at most, with no dashboard/agent dependency and no stale series for
+  replicas that are gone.
 """
 
 from __future__ import annotations

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from deploy.config import APP_NAME, INGRESS_DEPLOYMENT, WORKER_DEPLOYMENT, ServeConfig
+from worker.models.model_dir import TINY, resolve_model_dir
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
@@ -120,15 +121,9 @@ def _check_gpus(cfg: ServeConfig) -> None:
 
 
 def prepare_model(model: str, progress: Progress) -> Path:
-    if model == "tiny":
-        from worker.models.tiny import ensure_tiny_model
-
+    if model == TINY:
         progress.say("preparing the built-in tiny model (created once, then reused) ...")
-        path = ensure_tiny_model()
-    else:
-        path = Path(model).expanduser()
-        if not (path / "config.json").is_file():
-            raise ValueError(f"model directory {path} has no config.json; pass --model tiny or a Hugging Face model directory")
+    path = resolve_model_dir(model)  # ConfigError (a ValueError) names what to pass instead
     progress.say(f"model files: {path}")
     return path
 
@@ -185,7 +180,8 @@ def _deploy(p: Plan, progress: Progress, timeout_s: float) -> None:
     serve.start(http_options={"host": p.host, "port": p.port}, proxy_location="HeadOnly")
     _quiet_ray_logs()  # serve.start configures the serve logger
     progress.say(f"deploying {_workers(p.config)}; each loads the model ...")
-    serve._run(build_app_from_config(p.config), _blocking=False, name=APP_NAME, route_prefix="/")
+    app = serve.RunTarget(build_app_from_config(p.config), name=APP_NAME, route_prefix="/")
+    serve.run_many([app], wait_for_applications_running=False)  # progress: _wait_running
     _wait_running(progress, timeout_s)
     wait_healthy(f"http://{_probe_host(p.host)}:{p.port}/health", timeout_s)
 

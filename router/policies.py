@@ -130,6 +130,7 @@ class RoundRobinPolicy(Policy):
 POLICIES: dict[str, type[Policy]] = {
     p.name: p for p in (SwaPrefixPolicy, PrefixPolicy, LeastLoadedPolicy, RoundRobinPolicy)
 }
+POLICY_NAMES: tuple[str, ...] = tuple(POLICIES)  # the CLI's choices and ServeConfig's values
 DEFAULT_POLICY = SwaPrefixPolicy.name
 
 

@@ -79,8 +79,9 @@ class SwaPrefixRequestRouter(RequestRouter):
         index = ClusterIndex(IndexLimits(max_pages_per_worker=max_pages_per_worker))
         self.core = RouterCore(index, make_policy(policy, CostWeights(**(cost_weights or {}))))
         self.metrics = router_metrics.default_metrics()
-        dep = self._deployment_id
-        self._actor_name = index_actor_name or transport.index_actor_name(dep.app_name, dep.name)
+        # None: the deployment's own index actor, named from the first candidate's replica id
+        # (the base class keeps its deployment id only as a private attribute).
+        self._actor_name: str | None = index_actor_name
         self._subscribe = subscribe
         self._pull_wait_s = pull_wait_s
         self._bootstrap_timeout_s = bootstrap_timeout_s
@@ -109,7 +110,10 @@ class SwaPrefixRequestRouter(RequestRouter):
     ) -> list[list[RunningReplica]]:
         if not candidate_replicas:
             return []
-        await self._ensure_fresh()
+        if self._actor_name is None:
+            dep = candidate_replicas[0].replica_id.deployment_id
+            self._actor_name = transport.index_actor_name(dep.app_name, dep.name)
+        await self._ensure_fresh(self._actor_name)
         request = _routed_request(pending_request)
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         candidates = [Candidate(wid, self._load(wid, r)) for wid, r in by_id.items()]
@@ -141,7 +145,7 @@ class SwaPrefixRequestRouter(RequestRouter):
 
     # ---- replica set -----------------------------------------------------------------------
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
-        before = {rid.unique_id for rid in self._replicas}
+        before = {rid.unique_id for rid in self.curr_replicas}
         super().update_replicas(replicas)
         after = {r.replica_id.unique_id for r in replicas}
         for worker_id in before - after:
@@ -175,7 +179,7 @@ class SwaPrefixRequestRouter(RequestRouter):
                 self.core.complete(key)
         self._completions += 1  # their cache events are at the actor: pull before deciding
 
-    async def _ensure_fresh(self) -> None:
+    async def _ensure_fresh(self, actor_name: str) -> None:
         """Follow the index actor: start (or restart) the subscriber, or pull once if asked."""
         self._take_ingress_completions()
         if not self._subscribe:
@@ -189,14 +193,12 @@ class SwaPrefixRequestRouter(RequestRouter):
         if time.monotonic() < self._next_lookup or not ray.is_initialized():
             return
         self._next_lookup = time.monotonic() + _LOOKUP_INTERVAL_S
-        # NOTE: synchronous GCS calls, once per router (or once a second while the actor is
-        # gone); every call to the actor itself is awaited. The first router may create the
-        # actor before any worker does (requests can arrive before a worker's first flush);
-        # once a followed actor was killed (application shut down) it is only looked up.
-        if sub is None:
-            actor = transport.get_or_create_index_actor(self._actor_name)
-        else:
-            actor = transport.find_index_actor(self._actor_name)
+        # NOTE: blocking GCS calls, once per router (or once a second while the actor is gone),
+        # run in a thread; every call to the actor itself is awaited. The first router may
+        # create the actor before any worker does (requests can arrive before a worker's first
+        # flush); once a followed actor was killed (application shut down) it is only looked up.
+        lookup = transport.get_or_create_index_actor if sub is None else transport.find_index_actor
+        actor = await asyncio.to_thread(lookup, actor_name)
         if actor is None:
             return
         self._actor = actor

@@ -19,7 +19,6 @@ import hmac
 import logging
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -174,19 +173,6 @@ def _endpoint(path: str) -> str:
     return path if path in known else "other"
 
 
-def load_tokenizer(model: str) -> Any:
-    """The served model's tokenizer, from its local HF directory (built for 'tiny')."""
-    from transformers import AutoTokenizer
-
-    if model == "tiny":
-        from worker.models.tiny import ensure_tiny_model
-
-        model_dir = ensure_tiny_model()
-    else:
-        model_dir = Path(model)
-    return AutoTokenizer.from_pretrained(str(model_dir))
-
-
 @serve.ingress()
 class IngressDeployment:
     """The Serve ingress replica: tokenizer + worker client + service; the app comes from
@@ -194,9 +180,11 @@ class IngressDeployment:
 
     def __init__(self, worker: DeploymentHandle, options: IngressOptions) -> None:
         from deploy.replica.client import ServeWorkerClient
+        from worker.models.model_dir import load_tokenizer, resolve_model_dir
 
         self._options = options
-        self._service = OpenAIService(load_tokenizer(options.model), ServeWorkerClient(worker), options.service)
+        tokenizer = load_tokenizer(resolve_model_dir(options.model))
+        self._service = OpenAIService(tokenizer, ServeWorkerClient(worker), options.service)
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         return create_app(self._service, self._options)

@@ -9,7 +9,6 @@ without effect. Responses are pydantic models serialised with `model_dump(exclud
 from __future__ import annotations
 
 import time
-import uuid
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -173,10 +172,6 @@ class ChatCompletionRequest(_CommonRequest):
 
 # ----------------------------------------------------------------------------------------------
 # Responses
-
-
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
 
 
 def now() -> int:

@@ -4,25 +4,32 @@
 client around `WorkerDeployment` and a fake engine.
 
 Per-replica stats (`/metrics`, `/health`) need *every* replica, which a `DeploymentHandle` cannot
-address (it routes each call to one replica of the router's choosing). So the ingress asks the
-Serve controller for the running replicas of the worker deployment and calls each replica actor's
-`record_routing_stats` — the same call the controller makes for routers — with a short timeout.
-NOTE: this uses two Serve-internal entry points (`_all_running_replicas` on the controller and the
-replica actor's `record_routing_stats`); Ray is pinned (2.60.0) and both are exercised by the
-`ray` tests, so an upgrade that moves them fails loudly there.
+address (it routes each call to one replica of the router's choosing). Each worker replica sends
+its stats to the deployment's index actor (`cluster.replica_stats`: about every second, and when
+a request starts and ends); the ingress reads all of them with one awaited actor call. Public
+Ray APIs only: a named actor of our own, found by name.
 """
 
 from __future__ import annotations
 
 import asyncio
-import time
+import logging
 from collections.abc import AsyncIterator
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from cluster.messages import StreamStart, WorkerInfo
+from cluster.replica_stats import ReplicaSnapshot
 from worker.outputs import StreamDelta
 
-ReplicaSnapshot = dict[str, dict[str, Any] | None]  # replica id -> flat stats, None: no answer
+if TYPE_CHECKING:
+    from ray.actor import ActorHandle
+
+log = logging.getLogger("swaserve.ingress")
+
+# A replica reports about once a second (deploy.app.ROUTING_STATS_PERIOD_S): one silent for
+# 3 s is down; after 30 s (Serve's health checks have replaced it by then) it is forgotten.
+STATS_STALE_AFTER_S = 3.0
+STATS_FORGET_AFTER_S = 30.0
 
 
 class WorkerClient(Protocol):
@@ -34,12 +41,25 @@ class WorkerClient(Protocol):
 
 
 class ServeWorkerClient:
-    def __init__(self, handle: Any, stats_timeout_s: float = 3.0) -> None:
+    """Inside the ingress replica only (imports Ray when built; the module itself does not)."""
+
+    def __init__(
+        self,
+        handle: Any,
+        stats_timeout_s: float = 3.0,
+        stale_after_s: float = STATS_STALE_AFTER_S,
+        forget_after_s: float = STATS_FORGET_AFTER_S,
+    ) -> None:
+        from cluster.transport import index_actor_name
+
         self._handle = handle
         self._stream_handle = handle.options(stream=True, method_name="generate")
         self._stats_timeout_s = stats_timeout_s
+        self._stale_after_s = stale_after_s
+        self._forget_after_s = forget_after_s
         self._info: WorkerInfo | None = None
-        self._actors: dict[str, tuple[str, Any]] = {}  # replica id -> (actor name, actor handle)
+        self._index_name = index_actor_name(handle.app_name, handle.deployment_name)
+        self._index: ActorHandle | None = None
 
     async def stream(self, request: Any) -> AsyncIterator[StreamStart | StreamDelta]:
         gen = self._stream_handle.remote(request)
@@ -56,43 +76,21 @@ class ServeWorkerClient:
         return self._info
 
     async def replica_stats(self) -> ReplicaSnapshot:
-        running = await self._running_replicas()
-        ids = list(running)
-        results = await asyncio.gather(*(self._stats_of(running[r]) for r in ids))
-        return dict(zip(ids, results))
+        """Every worker replica's latest stats; {} before any replica reported (or when the
+        index actor does not answer within `stats_timeout_s`)."""
+        from ray.exceptions import RayError
 
-    async def _running_replicas(self) -> dict[str, Any]:
-        import ray
-        from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
+        from cluster.transport import find_index_actor
 
-        name, app = self._handle.deployment_name, self._handle.app_name
-        controller = ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
-        infos = await controller._all_running_replicas.remote()
-        out: dict[str, Any] = {}
-        for dep_id, replicas in infos.items():
-            if dep_id.name != name or dep_id.app_name != app:
-                continue
-            for info in replicas:
-                out[info.replica_id.unique_id] = self._actor(info.replica_id.unique_id, info.actor_name)
-        self._actors = {k: v for k, v in self._actors.items() if k in out}
-        return out
-
-    def _actor(self, replica_id: str, actor_name: str) -> Any:
-        import ray
-        from ray.serve._private.constants import SERVE_NAMESPACE
-
-        cached = self._actors.get(replica_id)
-        if cached is None or cached[0] != actor_name:
-            cached = (actor_name, ray.get_actor(actor_name, namespace=SERVE_NAMESPACE))
-            self._actors[replica_id] = cached
-        return cached[1]
-
-    async def _stats_of(self, actor: Any) -> dict[str, Any] | None:
-        t0 = time.monotonic()
+        if self._index is None:
+            # A blocking GCS lookup: off the event loop. Only workers create the actor.
+            self._index = await asyncio.to_thread(find_index_actor, self._index_name)
+            if self._index is None:
+                return {}
+        ref = self._index.replica_stats.remote(self._stale_after_s, self._forget_after_s)
         try:
-            stats = await asyncio.wait_for(actor.record_routing_stats.remote(), self._stats_timeout_s)
-        except Exception:  # noqa: BLE001 - a replica that does not answer is reported as down
-            return None
-        stats = dict(stats)
-        stats["scrape_seconds"] = time.monotonic() - t0
-        return stats
+            return await asyncio.wait_for(ref, self._stats_timeout_s)
+        except (asyncio.TimeoutError, RayError) as exc:
+            log.warning("replica stats from %s failed: %s", self._index_name, exc)
+            self._index = None
+            return {}

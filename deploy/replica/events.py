@@ -4,7 +4,8 @@ The engine queues `CacheEvent`s as its radix cache changes; this pump drains the
 non-empty drain with the next sequence number (1, 2, 3, … per incarnation) and publishes it.
 It flushes after every finished request (before the final delta goes back, so the next routing
 decision sees the cache that request left) and every `interval_s` in the background (evictions
-and SWA frees happen between requests too).
+and SWA frees happen between requests too). It also carries the replica's stats samples to the
+same actor, where the ingress reads them for `/metrics` and `/health` (`cluster.replica_stats`).
 """
 
 from __future__ import annotations
@@ -15,13 +16,8 @@ import threading
 import uuid
 from typing import Any
 
-from cluster.messages import CacheSnapshot, EventBatch, WorkerMeta, WorkerRemoved
-from cluster.transport import (
-    INDEX_NAMESPACE,
-    EventPublisher,
-    get_or_create_index_actor,
-    index_actor_name,
-)
+from cluster.messages import CacheSnapshot, EventBatch, WorkerMeta
+from cluster.transport import EventPublisher, get_or_create_index_actor, index_actor_name
 
 log = logging.getLogger("swaserve.worker.events")
 
@@ -39,6 +35,8 @@ class CacheEventPump:
         self._start_lock = asyncio.Lock()
         self._publisher: EventPublisher | None = None
         self._task: asyncio.Task[None] | None = None
+        self._reports: set[asyncio.Task[None]] = set()  # stats reports in flight
+        self._closed = False
 
     def _meta(self) -> WorkerMeta:
         stats = self._engine.stats()
@@ -59,14 +57,15 @@ class CacheEventPump:
         async with self._start_lock:
             if self._publisher is not None:
                 return
-            actor = get_or_create_index_actor(self._actor_name)
+            # A blocking GCS lookup (and the actor's creation the first time): off the loop.
+            actor = await asyncio.to_thread(get_or_create_index_actor, self._actor_name)
             publisher = EventPublisher(actor, self._meta(), self._snapshot)
             await publisher.start()
             self._publisher = publisher
             self._task = asyncio.get_running_loop().create_task(self._loop())
 
     def _snapshot(self) -> CacheSnapshot:
-        # Runs on the caller's thread (EventPublisher's contract). Events still queued are folded
+        # Runs in a worker thread (EventPublisher's contract). Events still queued are folded
         # into the snapshot, so its seq covers them; the engine takes both between two steps.
         with self._seq_lock:
             events, pages = self._drain_and_snapshot()
@@ -99,6 +98,19 @@ class CacheEventPump:
             if batch is not None:
                 await self._publisher.publish(batch)
 
+    def report_stats(self, stats: dict[str, Any], *, register: bool) -> None:
+        """Send a stats sample to the index actor in the background (once started; no wait)."""
+        if self._publisher is None:
+            return
+        task = asyncio.get_running_loop().create_task(self._report(stats, register))
+        self._reports.add(task)
+        task.add_done_callback(self._reports.discard)
+
+    async def _report(self, stats: dict[str, Any], register: bool) -> None:
+        # NOTE: a report that starts after close() would register the replica again.
+        if self._publisher is not None and not self._closed:
+            await self._publisher.report_stats(stats, register=register)
+
     async def _loop(self) -> None:
         while True:
             await asyncio.sleep(self._interval_s)
@@ -111,11 +123,9 @@ class CacheEventPump:
         """Stop the loop and tell the index this incarnation is gone (best effort, no waiting)."""
         if self._task is not None:
             self._task.cancel()
+        self._closed = True
         if self._publisher is not None:
             try:
-                import ray
-
-                actor = ray.get_actor(self._actor_name, namespace=INDEX_NAMESPACE)
-                actor.remove.remote(WorkerRemoved(self._worker_id, self._incarnation))
+                self._publisher.close_nowait()
             except Exception:  # noqa: BLE001 - the index also drops dead replicas on its own
                 log.warning("could not deregister %s from the cache index", self._worker_id)

@@ -3,8 +3,10 @@
 The class is plain Python (no Serve decorator) so tests drive it in-process with a fake engine;
 `deploy.app` wraps it with `serve.deployment(...)`. Serve calls, besides `generate`:
 
-- `record_routing_stats()` every `request_routing_stats_period_s` (the controller) and at every
-  `/metrics` scrape (the ingress, see `deploy.replicas`): queue sizes and both pools' numbers;
+- `record_routing_stats()` every `request_routing_stats_period_s` (the controller): queue sizes
+  and both pools' numbers, for the routers; the same sample goes to the deployment's index actor,
+  where the ingress reads every replica's for `/metrics` and `/health` (`cluster.replica_stats`;
+  a request's first tokens and its end send one too, so a scrape right after sees them);
 - `check_health()` every `health_check_period_s`: raises when the engine is stuck or shut down;
 - `__del__` after Serve's graceful drain (no new requests are routed here and ongoing requests
   had up to `graceful_shutdown_timeout_s` to finish): aborts stragglers, stops the engine.
@@ -21,14 +23,8 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from cluster.messages import (
-    PoolHeadroom,
-    RoutedRequest,
-    StreamStart,
-    WorkerInfo,
-    WorkerUnavailableError,
-    make_routing_stats,
-)
+from cluster.load import routing_stats
+from cluster.messages import RoutedRequest, StreamStart, WorkerInfo, WorkerUnavailableError
 from deploy.metrics import flatten_stats
 from worker.config import EngineConfig
 from worker.engine.protocols import EngineClient
@@ -122,12 +118,16 @@ class WorkerDeployment:
         pump = asyncio.create_task(self._pump(token_ids, params, rid, queue))
         self._inflight.add(rid)
         try:
+            first = True
             while True:
                 delta = await self._next_delta(queue, rid)
                 if delta.finished and self._events is not None:
                     # The cache this request leaves behind reaches the index before the
                     # client hears back, so its follow-up is routed with it.
                     await self._events.flush()
+                if first or delta.finished:
+                    self._report_stats(register=False)
+                    first = False
                 yield delta
                 if delta.finished:
                     return
@@ -187,19 +187,26 @@ class WorkerDeployment:
             page_size=int(self._engine.config.page_size),
         )
 
-    def record_routing_stats(self) -> dict[str, Any]:
+    async def record_routing_stats(self) -> dict[str, Any]:
         """`cluster.load`'s routing stats (the router's contract) plus every engine number for
-        `/metrics`; all values are flat numbers except `worker_id`."""
-        s = self._engine.stats()
-        out: dict[str, Any] = make_routing_stats(
-            worker_id=self.replica_id,
-            timestamp_s=time.time(),
-            queue_len=s.waiting,
-            queued_prefill_tokens=s.queued_prefill_tokens,
-            running_decodes=s.running_decodes,
-            full=PoolHeadroom(s.full.free, s.full.evictable, s.full.total),
-            swa=PoolHeadroom(s.swa.free, s.swa.evictable, s.swa.total),
-        )
+        `/metrics`; all values are flat numbers except `worker_id`. Serve calls this on RUNNING
+        replicas only, so it also (re)registers the replica with the index actor's stats board."""
+        if self._events is not None:
+            try:
+                await self._events.ensure_started()
+            except Exception:  # noqa: BLE001 - the routers' stats must not depend on the index actor
+                log.exception("registering with the cache index failed; retrying next time")
+        return self._report_stats(register=True)
+
+    def _report_stats(self, *, register: bool) -> dict[str, Any]:
+        sample = self._stats_sample()
+        if self._events is not None:
+            self._events.report_stats(sample, register=register)
+        return sample
+
+    def _stats_sample(self) -> dict[str, Any]:
+        s = self._engine.stats()  # plain reads: no wait for the engine's step
+        out: dict[str, Any] = routing_stats(s, self.replica_id, time.time())
         out.update(flatten_stats(s))
         out["inflight"] = float(len(self._inflight))
         out["draining"] = 1.0 if self._draining else 0.0

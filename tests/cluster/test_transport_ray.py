@@ -215,6 +215,25 @@ def test_dead_worker_removed(actor_name: str) -> None:
     asyncio.run(run())
 
 
+def test_replica_stats_through_the_index_actor(actor_name: str) -> None:
+    """A publisher's stats reach the actor's board (the ingress's one read); close() drops them."""
+
+    async def run() -> None:
+        actor = get_or_create_index_actor(actor_name)
+        cache = FakeCache("w0", "i0")
+        publisher = await _started(actor, cache)
+        await publisher.report_stats({"timestamp_s": 1.0, "waiting": 2.0}, register=False)
+        assert await actor.replica_stats.remote(3.0, 30.0) == {}  # not registered yet
+        await publisher.report_stats({"timestamp_s": 2.0, "waiting": 3.0}, register=True)
+        assert await actor.replica_stats.remote(3.0, 30.0) == {
+            "w0": {"timestamp_s": 2.0, "waiting": 3.0}
+        }
+        await publisher.close()
+        assert await actor.replica_stats.remote(3.0, 30.0) == {}
+
+    asyncio.run(run())
+
+
 def test_subscriber_stops_when_actor_killed(actor_name: str) -> None:
     """find_index_actor never creates; a subscriber stops following once the actor is killed."""
 

@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 import yaml
 
+from cluster import ray_private
 from deploy.config import (
     API_KEY_ENV,
     APP_IMPORT_PATH,
@@ -42,10 +43,8 @@ def _builder() -> Any:
 
 
 def _built(cfg: ServeConfig) -> dict[str, Any]:
-    from ray.serve._private.build_app import build_app
-
     app = _builder()(cfg.to_args())
-    return {d.name: d for d in build_app(app, name=APP_NAME).deployments}
+    return {d.name: d for d in ray_private.build_app(app, name=APP_NAME).deployments}
 
 
 @pytest.mark.parametrize("path", sorted(CONFIG_DIR.glob("*.yaml")), ids=lambda p: p.name)
@@ -68,7 +67,7 @@ def test_builder_applies_the_worker_options(monkeypatch: pytest.MonkeyPatch) -> 
     assert worker.max_queued_requests == expected["max_queued_requests"]
     assert worker.ray_actor_options["num_cpus"] == cfg.worker_num_cpus
     assert worker.ray_actor_options.get("num_gpus", 0) == cfg.worker_num_gpus
-    scaling = worker._deployment_config.autoscaling_config
+    scaling = ray_private.deployment_config(worker).autoscaling_config
     for key, value in expected["autoscaling_config"].items():
         assert getattr(scaling, key) == value, key
 
@@ -77,7 +76,8 @@ def test_builder_with_fixed_workers(monkeypatch: pytest.MonkeyPatch) -> None:
     """Without autoscaling the Worker deployment has exactly `workers` replicas."""
     monkeypatch.delenv(API_KEY_ENV, raising=False)
     worker = _built(ServeConfig(workers=2, worker_num_cpus=0.25))[WORKER_DEPLOYMENT]
-    assert worker.num_replicas == 2 and worker._deployment_config.autoscaling_config is None
+    assert worker.num_replicas == 2
+    assert ray_private.deployment_config(worker).autoscaling_config is None
 
 
 # -- local.yaml really serves --------------------------------------------------------------
@@ -126,8 +126,6 @@ def served_local() -> Iterator[tuple[str, ServeConfig]]:
     import os
 
     from ray import serve
-    from ray.serve._private.api import serve_start
-    from ray.serve.schema import ServeDeploySchema
 
     from cluster.ray_local import LocalRayConfig, start_local_ray, stop_local_ray
 
@@ -137,8 +135,7 @@ def served_local() -> Iterator[tuple[str, ServeConfig]]:
     doc["http_options"]["port"] = port
     cluster = start_local_ray(LocalRayConfig(num_cpus=2))
     try:
-        client = serve_start(http_options=doc["http_options"], proxy_location=doc["proxy_location"])
-        client.deploy_apps(ServeDeploySchema.model_validate(doc), _blocking=True)
+        ray_private.deploy_config_file(doc)
         base = f"http://127.0.0.1:{port}"
         _wait_for_routes(base)
         yield base, ServeConfig.from_yaml(LOCAL)

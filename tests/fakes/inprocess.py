@@ -30,4 +30,4 @@ class InProcessWorkerClient:
         return self.workers[0].info()
 
     async def replica_stats(self) -> dict[str, dict[str, Any] | None]:
-        return {w.replica_id: w.record_routing_stats() for w in self.workers}
+        return {w.replica_id: await w.record_routing_stats() for w in self.workers}

@@ -6,20 +6,16 @@ import asyncio
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry
-from ray.serve._private.common import (
-    DeploymentHandleSource,
-    DeploymentID,
-    ReplicaID,
-    RequestMetadata,
-)
-from ray.serve.request_router import PendingRequest
+from ray.serve.request_router import PendingRequest, ReplicaID
 from routing_builders import PAGE, index_with, prompt
 
+from cluster import ray_private
 from cluster.messages import PoolHeadroom, RoutedRequest, make_routing_stats
 from router.metrics import RoutingMetrics
 from router.serve_router import SwaPrefixRequestRouter
 
-DEP = DeploymentID(name="Worker", app_name="app")
+_SERVE = ray_private.serve_common()  # DeploymentID, DeploymentHandleSource, RequestMetadata
+DEP = _SERVE.DeploymentID(name="Worker", app_name="app")
 
 
 @dataclass
@@ -44,14 +40,15 @@ class FakeReplica:
 
 
 def _router(policy: str = "swa_prefix") -> SwaPrefixRequestRouter:
-    router = SwaPrefixRequestRouter(deployment_id=DEP, handle_source=DeploymentHandleSource.REPLICA)
+    source = _SERVE.DeploymentHandleSource.REPLICA
+    router = SwaPrefixRequestRouter(deployment_id=DEP, handle_source=source)
     router.initialize_state(policy=policy, subscribe=False)
     router.metrics = RoutingMetrics(CollectorRegistry())
     return router
 
 
 def _pending(tokens: list[int], rid: str = "r1") -> PendingRequest:
-    meta = RequestMetadata(request_id=rid, internal_request_id=rid)
+    meta = _SERVE.RequestMetadata(request_id=rid, internal_request_id=rid)
     return PendingRequest(args=[RoutedRequest(tokens, request_id=rid)], kwargs={}, metadata=meta)
 
 
@@ -95,11 +92,11 @@ def test_full_routing_loop_skips_busy_first_rank() -> None:
         a, b = FakeReplica("a"), FakeReplica("b")
         router.update_replicas([a, b])
         router.core.index = index_with(tokens, {"a": "LLLL", "b": ""})
-        chosen = await asyncio.wait_for(router._choose_replica_for_request(_pending(tokens)), 5)
+        chosen = await asyncio.wait_for(ray_private.route_one(router, _pending(tokens)), 5)
         assert chosen.name == "a"
         a.queue_len = a.max_ongoing_requests
         pending = _pending(tokens, "r2")
-        chosen = await asyncio.wait_for(router._choose_replica_for_request(pending), 5)
+        chosen = await asyncio.wait_for(ray_private.route_one(router, pending), 5)
         assert chosen.name == "b"
         assert pending.args[0].routing.predicted_for("b") == 0
 
@@ -119,7 +116,7 @@ def test_dead_replica_never_chosen_and_forgotten() -> None:
         assert router.core.index.worker("a") is None
         for i in range(3):
             chosen = await asyncio.wait_for(
-                router._choose_replica_for_request(_pending(tokens, f"r{i}")), 5
+                ray_private.route_one(router, _pending(tokens, f"r{i}")), 5
             )
             assert chosen.name == "b"
         router.update_replicas([b])  # removal through a replica-set update
@@ -151,7 +148,7 @@ def test_requests_without_tokens_still_routed() -> None:
         replicas = [FakeReplica("a", _stats("a", queued=5000)), FakeReplica("b", _stats("b"))]
         ranks = await router.choose_replicas(replicas, None)
         assert [rank[0].name for rank in ranks] == ["b", "a"]
-        meta = RequestMetadata(request_id="x", internal_request_id="x")
+        meta = _SERVE.RequestMetadata(request_id="x", internal_request_id="x")
         other = PendingRequest(args=["raw"], kwargs={}, metadata=meta)
         assert len(await router.choose_replicas(replicas, other)) == 2 and other.args == ["raw"]
 

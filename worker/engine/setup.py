@@ -49,17 +49,9 @@ class EngineParts:
 
 
 def resolve_model_dir(model: str) -> Path:
-    if model == "tiny":
-        from worker.models.tiny import ensure_tiny_model
+    from worker.models.model_dir import resolve_model_dir as resolve  # the one owner
 
-        return ensure_tiny_model()
-    path = Path(model).expanduser()
-    if not (path / "config.json").is_file():
-        raise ConfigError(
-            f"model {model!r} is neither the built-in 'tiny' nor a local directory with a "
-            "config.json (weights are loaded from disk only, never from a hub)"
-        )
-    return path
+    return resolve(model)
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -150,6 +142,6 @@ def eos_token_ids(model_dir: Path) -> tuple[int, ...]:
 
 
 def _load_tokenizer(model_dir: Path) -> Any:
-    from transformers import AutoTokenizer
+    from worker.models.model_dir import load_tokenizer  # the one owner
 
-    return AutoTokenizer.from_pretrained(model_dir)
+    return load_tokenizer(model_dir)

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from worker.errors import ConfigError
+from worker.models.model_dir import resolve_model_dir
 from worker.models.spec import KindShape, LayerKind, ModelSpec
 
 if TYPE_CHECKING:
@@ -60,20 +61,18 @@ def load_spec(model: str | os.PathLike[str]) -> ModelSpec:
 
 def load_hf_config(model: str | os.PathLike[str]) -> PretrainedConfig:
     """The transformers config for "tiny", a local directory with config.json, or a .json file."""
-    if str(model) == "tiny":
-        from worker.models.tiny import ensure_tiny_model  # lazy: builds weights on first use
-
-        model = ensure_tiny_model()
     path = Path(model)
-    if path.is_dir() and (path / "config.json").is_file():
-        return _auto_config(path / "config.json")
     if path.is_file() and path.suffix == ".json":
         return _auto_config(path)
-    raise ConfigError(
-        f"model {str(model)!r} is neither 'tiny' nor a local directory holding config.json "
-        f"(nor a config .json file); swaserve never downloads models: point it at a local copy. "
-        f"Supported architectures: {supported_list()}"
-    )
+    try:
+        model_dir = resolve_model_dir(model)
+    except ConfigError:
+        raise ConfigError(
+            f"model {str(model)!r} is neither 'tiny' nor a local directory holding config.json "
+            f"(nor a config .json file); swaserve never downloads models: point it at a local "
+            f"copy. Supported architectures: {supported_list()}"
+        ) from None
+    return _auto_config(model_dir / "config.json")
 
 
 def _auto_config(config_file: Path) -> PretrainedConfig:

@@ -48,7 +48,7 @@ def test_worker_stream_and_routing_stats() -> None:
     items = asyncio.run(_collect(w, RoutedRequest([1, 2, 3], "a", params=SamplingParams(max_tokens=7, temperature=0))))
     assert items[0] == StreamStart("r1")
     assert sum(len(d.token_ids) for d in items[1:]) == 7 and items[-1].finished
-    stats = w.record_routing_stats()
+    stats = asyncio.run(w.record_routing_stats())
     load = WorkerLoad.from_routing_stats(stats)
     assert load is not None and load.worker_id == "r1" and load.full.total == engine.stats().full.total
     assert stats["full_peak_used_tokens"] > 0 and stats["swa_total_tokens"] > 0

@@ -1,0 +1,98 @@
+"""Every use of a Ray internal (a `_private` module, an underscore name or argument), each with
+the reason no public API does the job. Nothing else in swaserve or its tests touches one
+(tests/test_architecture.py checks), and tests/cluster/test_ray_private.py checks without a
+cluster that each name below still exists with the shape used here, so a Ray upgrade that moves
+one fails there, loudly, before anything else. Ray is pinned (2.60.0).
+
+Ray is imported inside each function: importing this module stays cheap.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Any
+
+# ---- swaserve itself (cluster.ray_local) ------------------------------------------------------
+
+
+def set_clusters_enabled(enabled: bool) -> None:
+    """Set `ray._private.ray_constants.ENABLE_RAY_CLUSTER`.
+
+    Why private: Ray reads `RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER` once, when it is imported, into
+    this constant; with it True (Linux), `ray.init(_node_ip_address="127.0.0.1")` swaps the
+    loopback address for the host's routable one. No public switch keeps a loopback cluster
+    on 127.0.0.1 once Ray is imported.
+    """
+    from ray._private import ray_constants
+
+    ray_constants.ENABLE_RAY_CLUSTER = enabled
+
+
+def loopback_init_kwargs(temp_dir: str) -> dict[str, str]:
+    """`ray.init` arguments for a loopback node with its own session directory.
+
+    Why private: `ray.init` documents `_node_ip_address` and `_temp_dir` only as underscore
+    keyword arguments; the public spellings exist for `ray start` (the CLI) alone, and a
+    short per-cluster temp dir is what keeps Ray's socket paths under ~107 bytes and parallel
+    jobs apart.
+    """
+    return {"_node_ip_address": "127.0.0.1", "_temp_dir": temp_dir}
+
+
+# ---- tests only ----------------------------------------------------------------------------
+
+
+def build_app(app: Any, name: str) -> Any:
+    """`ray.serve._private.build_app.build_app`: the deployments of an application, resolved
+    as Serve would deploy them, without a cluster (tests/deploy/test_config_serves.py).
+
+    Why private: the only public way to see the built deployments is to deploy them.
+    """
+    from ray.serve._private.build_app import build_app as serve_build_app
+
+    return serve_build_app(app, name=name)
+
+
+def deployment_config(deployment: Any) -> Any:
+    """A `Deployment`'s `DeploymentConfig` (`_deployment_config`), for its autoscaling config.
+
+    Why private: `Deployment` has public properties for replicas, queue limits and actor options
+    but none for `autoscaling_config`.
+    """
+    return deployment._deployment_config
+
+
+def deploy_config_file(doc: dict[str, Any]) -> None:
+    """Deploy a Ray Serve config file (`ServeDeploySchema`) the way `serve deploy` and KubeRay
+    do: start Serve with its HTTP options, then the controller's `deploy_apps`, waiting.
+
+    Why private: the public route for a config file is the dashboard's REST API (`serve deploy`),
+    and the test cluster runs without a dashboard; `serve.run` takes applications, not files.
+    """
+    from ray.serve._private.api import serve_start
+    from ray.serve.schema import ServeDeploySchema
+
+    client = serve_start(http_options=doc["http_options"], proxy_location=doc["proxy_location"])
+    client.deploy_apps(ServeDeploySchema.model_validate(doc), _blocking=True)
+
+
+async def route_one(router: Any, pending_request: Any) -> Any:
+    """Serve's own routing loop for one request (`RequestRouter._choose_replica_for_request`):
+    backoff, rank by rank, skipping replicas at `max_ongoing_requests`.
+
+    Why private: the public hook is `choose_replicas` (our ranking); the loop that consumes its
+    ranks only runs inside a `DeploymentHandle`, i.e. on a cluster.
+    """
+    return await router._choose_replica_for_request(pending_request)
+
+
+def serve_common() -> ModuleType:
+    """`ray.serve._private.common`, for `DeploymentID`, `DeploymentHandleSource` and
+    `RequestMetadata`: what a `RequestRouter` and a `PendingRequest` are built from.
+
+    Why private: Serve builds these itself; only `ReplicaID` and `PendingRequest` are re-exported
+    publicly (`ray.serve.request_router`), and a router test without a cluster must build them.
+    """
+    from ray.serve._private import common
+
+    return common

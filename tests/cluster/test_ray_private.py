@@ -1,0 +1,84 @@
+"""Every Ray internal `cluster.ray_private` uses still exists with the shape it relies on.
+
+No cluster needed: these fail first, and by name, when a Ray upgrade moves an internal.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import ray
+from ray import serve
+from ray.serve.request_router import RequestRouter
+
+from cluster import ray_private
+
+
+def _params(fn: object) -> list[str]:
+    return list(inspect.signature(fn).parameters)  # type: ignore[arg-type]
+
+
+def test_ray_version_is_the_pinned_one() -> None:
+    """The internals below were checked against Ray 2.60.0 (pyproject pins it)."""
+    assert ray.__version__ == "2.60.0"
+
+
+def test_cluster_switch_is_the_constant_node_ip_lookup_reads() -> None:
+    """`ENABLE_RAY_CLUSTER` is a bool that `services.get_node_ip_address` still consults."""
+    from ray._private import ray_constants, services
+
+    before = ray_constants.ENABLE_RAY_CLUSTER
+    assert isinstance(before, bool)
+    assert "ray_constants.ENABLE_RAY_CLUSTER" in inspect.getsource(services.get_node_ip_address)
+    try:
+        ray_private.set_clusters_enabled(not before)
+        assert ray_constants.ENABLE_RAY_CLUSTER is (not before)
+    finally:
+        ray_private.set_clusters_enabled(before)
+
+
+def test_init_still_takes_the_underscore_node_arguments() -> None:
+    """`ray.init` still pops `_node_ip_address` and `_temp_dir` from its keyword arguments."""
+    source = inspect.getsource(ray.init)
+    for name in ray_private.loopback_init_kwargs("/tmp/x"):
+        assert f'kwargs.pop("{name}"' in source, name
+
+
+def test_build_app_and_deployment_config_work_offline() -> None:
+    """`build_app(app, name=)` resolves an application's deployments without a cluster, and a
+    deployment's `_deployment_config` carries `autoscaling_config`."""
+
+    class Echo:
+        def __call__(self) -> str:
+            return "hi"
+
+    built = ray_private.build_app(serve.deployment(Echo).bind(), name="app")
+    (deployment,) = built.deployments
+    assert deployment.name == "Echo"
+    assert ray_private.deployment_config(deployment).autoscaling_config is None
+
+
+def test_config_file_deploy_entry_points_keep_their_arguments() -> None:
+    """`serve_start(http_options=, proxy_location=)` and `deploy_apps(config, _blocking=)`."""
+    from ray.serve._private.api import serve_start
+    from ray.serve._private.client import ServeControllerClient
+
+    assert {"http_options", "proxy_location"} <= set(_params(serve_start))
+    assert _params(ServeControllerClient.deploy_apps)[:3] == ["self", "config", "_blocking"]
+
+
+def test_routing_loop_entry_point_is_a_coroutine_taking_a_pending_request() -> None:
+    """`RequestRouter._choose_replica_for_request(pending_request)` is still async."""
+    fn = RequestRouter._choose_replica_for_request
+    assert inspect.iscoroutinefunction(fn)
+    assert _params(fn)[:2] == ["self", "pending_request"]
+
+
+def test_serve_common_types_build_as_the_router_tests_build_them() -> None:
+    """`DeploymentID(name, app_name)`, `DeploymentHandleSource.REPLICA`, `RequestMetadata(...)`."""
+    common = ray_private.serve_common()
+    dep = common.DeploymentID(name="Worker", app_name="app")
+    assert (dep.name, dep.app_name) == ("Worker", "app")
+    assert common.DeploymentHandleSource.REPLICA.value == "REPLICA"
+    meta = common.RequestMetadata(request_id="r", internal_request_id="r")
+    assert meta.internal_request_id == "r"
