@@ -2,7 +2,7 @@
 
 Why a named index actor rather than routers pulling from each replica:
 - Workers pay one actor call per drained batch, however many routers exist (one router per
-  ingress replica, reference ray_serve.md); pulling from replicas would cost N routers × M
+  ingress replica, docs/design.md §14); pulling from replicas would cost N routers × M
   replicas calls and a per-router backlog inside every replica's event loop, next to the engine.
 - Gap detection and the "send a snapshot" answer live in one place; the replica keeps no
   per-consumer state and never serves bootstrap snapshots to routers (the hub rebuilds them).

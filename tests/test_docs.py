@@ -12,21 +12,6 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 DESIGN = REPO / "docs" / "design.md"
 
-# Files another engineer is rewriting; their citations go with the rewrite. The lead engineer
-# empties this set once those rewrites land (test_rewrite_list_is_still_needed says when).
-BEING_REWRITTEN = frozenset(
-    {
-        "deploy/replica/worker.py",
-        "deploy/replica/client.py",
-        "deploy/openai/ingress.py",
-        "router/serve_router.py",
-        "cluster/transport.py",
-        "cluster/ray_local.py",
-        "bench/routing_sim.py",
-        "BENCHMARKS.md",
-    }
-)
-
 # Documents that live outside the repository (a clone does not have them).
 OUTSIDE_CITATION = re.compile(
     r"\.\./shared|shared/reference|reference §|sglang_swa\.md|DESIGN §|DESIGN\.md"
@@ -55,11 +40,6 @@ def _repo_files() -> list[str]:
     return sorted(f for f in out if f.endswith(TEXT_SUFFIXES) or f.rsplit("/", 1)[-1] in TEXT_NAMES)
 
 
-def _being_rewritten(path: str) -> bool:
-    return any(Path(path).match(pattern) and path.count("/") == pattern.count("/")
-               for pattern in BEING_REWRITTEN)  # fmt: skip
-
-
 def _hits(pattern: re.Pattern[str], files: list[str]) -> list[str]:
     found = []
     for path in files:
@@ -79,16 +59,8 @@ def design_sections() -> set[str]:
 def test_no_citation_of_documents_outside_the_repo() -> None:
     """Outside tests/, nothing cites ../shared, the private reference notes or the old DESIGN
     map: `docs/design.md §N` says it instead."""
-    files = [f for f in _repo_files() if not f.startswith("tests/") and not _being_rewritten(f)]
+    files = [f for f in _repo_files() if not f.startswith("tests/")]
     assert not (hits := _hits(OUTSIDE_CITATION, files)), "\n".join(hits)
-
-
-def test_rewrite_list_is_still_needed() -> None:
-    """Once no file of BEING_REWRITTEN cites an outside document any more, empty the set."""
-    if not BEING_REWRITTEN:
-        return
-    pending = [f for f in _repo_files() if _being_rewritten(f)]
-    assert _hits(OUTSIDE_CITATION, pending), "the rewrites have landed: empty BEING_REWRITTEN"
 
 
 def test_design_citations_name_existing_sections() -> None:
