@@ -29,6 +29,7 @@ test-fast: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/lint-imports
+	$(BIN)/mypy
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -146,7 +146,7 @@ def _figures(
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+        return int(sock.getsockname()[1])
 
 
 def _quiet_ray_logs() -> None:

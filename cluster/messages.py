@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple
 
 from worker.cache.events import CacheEvent, PageState
+from worker.sampling_params import SamplingParams
 
 # ---- cache events between worker, index actor and routers ----------------------------------
 
@@ -136,6 +137,10 @@ class Delta:
 #   {full,swa}_{free,evictable,total}_tokens  each pool's free slots, slots held only by the
 #                        radix cache (reclaimable), allocatable slots; one pool: both prefixes
 
+# A replica's flat stats: the routing stats below (the router's contract), plus, for `/metrics`,
+# every engine number (deploy/metrics.py). Values are numbers except `worker_id`.
+StatsDict = dict[str, float | int | str]
+
 STAT_WORKER_ID = "worker_id"
 STAT_TIMESTAMP_S = "timestamp_s"
 STAT_QUEUE_LEN = "queue_len"
@@ -226,7 +231,7 @@ def make_routing_stats(
     running_decodes: int,
     full: PoolHeadroom,
     swa: PoolHeadroom,
-) -> dict[str, float | int | str]:
+) -> StatsDict:
     """The dict a worker replica returns from `record_routing_stats()`."""
     return {
         STAT_WORKER_ID: worker_id,
@@ -292,7 +297,7 @@ class RoutedRequest:
     token_ids: list[int]  # the whole prompt (the router hashes token_ids[:-1], as the worker matches)
     request_id: str = ""
     max_new_tokens: int = 0  # for the capacity estimate; 0 when unknown
-    params: object | None = None  # opaque to the router (the engine's sampling parameters)
+    params: SamplingParams | None = None  # opaque to the router; None: the engine's defaults
     routing: RoutingDecision | None = None  # filled in by the router
 
     def with_routing(self, decision: RoutingDecision) -> RoutedRequest:

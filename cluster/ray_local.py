@@ -69,7 +69,7 @@ def start_local_ray(config: LocalRayConfig | None = None) -> LocalRay:
     ray_private.set_clusters_enabled(False)
     temp_dir = tempfile.mkdtemp(prefix="swaray-", dir=cfg.temp_root)
     try:
-        ctx = ray.init(
+        ray.init(
             address="local",
             num_cpus=cfg.num_cpus,
             object_store_memory=cfg.object_store_memory,
@@ -82,7 +82,7 @@ def start_local_ray(config: LocalRayConfig | None = None) -> LocalRay:
         ray_private.set_clusters_enabled(_CLUSTERS_DEFAULT)
         shutil.rmtree(temp_dir, ignore_errors=True)
         raise
-    return LocalRay(temp_dir=temp_dir, address=ctx.address_info.get("address", ""))
+    return LocalRay(temp_dir=temp_dir, address=ray.get_runtime_context().gcs_address)
 
 
 def stop_local_ray(cluster: LocalRay) -> None:

@@ -28,7 +28,7 @@ def set_clusters_enabled(enabled: bool) -> None:
     ray_constants.ENABLE_RAY_CLUSTER = enabled
 
 
-def loopback_init_kwargs(temp_dir: str) -> dict[str, str]:
+def loopback_init_kwargs(temp_dir: str) -> dict[str, Any]:
     """`ray.init` arguments for a loopback node with its own session directory.
 
     Why private: `ray.init` documents `_node_ip_address` and `_temp_dir` only as underscore

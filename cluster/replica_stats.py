@@ -23,19 +23,18 @@ No Ray here; `CacheIndexActor` holds one board (tests drive it directly).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
-from cluster.messages import STAT_TIMESTAMP_S
+from cluster.messages import STAT_TIMESTAMP_S, StatsDict
 
-ReplicaSnapshot = dict[str, dict[str, Any] | None]  # replica id -> flat stats, None: down
+ReplicaSnapshot = dict[str, StatsDict | None]  # replica id -> flat stats, None: down
 
 
 @dataclass(frozen=True, slots=True)
 class _Sample:
     incarnation: str
-    stats: dict[str, Any]
+    stats: StatsDict
     received_s: float  # board clock (the actor's), not the replica's
 
 
@@ -45,7 +44,7 @@ class ReplicaStatsBoard:
         self._samples: dict[str, _Sample] = {}
 
     def report(
-        self, worker_id: str, incarnation: str, stats: Mapping[str, Any], *, register: bool
+        self, worker_id: str, incarnation: str, stats: StatsDict, *, register: bool
     ) -> bool:
         """Keep `stats` as the replica's latest sample; False when it was ignored (an older
         sample of the same incarnation, or an unregistered replica and `register=False`)."""

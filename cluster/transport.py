@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
+from typing import cast
 
 import ray
 from ray.actor import ActorHandle
@@ -43,6 +44,7 @@ from cluster.messages import (
     Delta,
     EventBatch,
     PushAck,
+    StatsDict,
     WorkerMeta,
     WorkerRemoved,
     WorkerResync,
@@ -85,7 +87,7 @@ class CacheIndexActor:
         return changed
 
     async def report_stats(
-        self, worker_id: str, incarnation: str, stats: dict[str, object], register: bool
+        self, worker_id: str, incarnation: str, stats: StatsDict, register: bool
     ) -> bool:
         return self._stats.report(worker_id, incarnation, stats, register=register)
 
@@ -133,7 +135,7 @@ def get_or_create_index_actor(
     """The named index actor, created on first use (idempotent across processes)."""
     limits = limits or IndexLimits()
     remote_cls = ray.remote(CacheIndexActor)
-    return remote_cls.options(
+    actor = remote_cls.options(
         name=name,
         namespace=INDEX_NAMESPACE,
         lifetime="detached",
@@ -141,6 +143,7 @@ def get_or_create_index_actor(
         num_cpus=0,
         max_restarts=-1,
     ).remote(limits.max_pages_per_worker, limits.max_workers, max_log)
+    return cast(ActorHandle, actor)  # Ray's stubs type .remote() of a class as a union
 
 
 def find_index_actor(name: str) -> ActorHandle | None:
@@ -212,7 +215,7 @@ class EventPublisher:
             if ack.resync_needed:
                 await self._resync()
 
-    async def report_stats(self, stats: dict[str, object], *, register: bool) -> None:
+    async def report_stats(self, stats: StatsDict, *, register: bool) -> None:
         """Send one stats sample for `/metrics` and `/health` (`register`: see
         `cluster.replica_stats`); best effort, a failure is only logged."""
         try:

@@ -195,7 +195,7 @@ def _wait_running(progress: Progress, timeout_s: float) -> None:
         status = str(getattr(app, "status", "NOT_STARTED"))
         if status.endswith("RUNNING"):
             return
-        if status.endswith("DEPLOY_FAILED") or status.endswith("UNHEALTHY"):
+        if app is not None and (status.endswith("DEPLOY_FAILED") or status.endswith("UNHEALTHY")):
             raise RuntimeError(f"deployment failed: {app.message or _deployment_messages(app)}")
         line = _describe(app)
         if line != last or time.monotonic() - last_said > 10:

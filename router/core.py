@@ -56,12 +56,12 @@ class RouterCore:
         decision = RoutingDecision(
             self.policy.name,
             tuple(
-                RankedWorker(views[r.index].worker_id, predicted(views[r.index]), r.cost)
+                RankedWorker(views[r.position].worker_id, predicted(views[r.position]), r.cost)
                 for r in ranked
             ),
         )
         if request_key is not None and ranked:
-            best = views[ranked[0].index]
+            best = views[ranked[0].position]
             uncached = max(0, len(token_ids) - best.valid_cached)
             self.inflight.record(request_key, best.worker_id, uncached, now or time.time())
         return decision

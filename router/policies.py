@@ -35,7 +35,7 @@ class RequestView:
 
 
 class Ranked(NamedTuple):  # one per candidate per request: a NamedTuple is cheap to build
-    index: int  # into the views the policy was given
+    position: int  # index into the views the policy was given
     cost: float
 
 
@@ -56,7 +56,7 @@ class Policy(ABC):
             request: prompt length and the expected number of new tokens.
             views: the candidates, in a stable order (sorted by worker id).
         Returns:
-            `Ranked(index into views, cost)`, lowest cost first.
+            `Ranked(position in views, cost)`, lowest cost first.
         """
 
     def predicted(self, view: WorkerView) -> int:

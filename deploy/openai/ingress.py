@@ -18,6 +18,7 @@ from __future__ import annotations
 import hmac
 import logging
 import time
+from collections.abc import MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -133,7 +134,7 @@ class GuardMiddleware:
         path = scope["path"]
         status = {"code": 500}
 
-        async def counting_send(message: dict) -> None:
+        async def counting_send(message: MutableMapping[str, Any]) -> None:
             if message["type"] == "http.response.start":
                 status["code"] = message["status"]
             await send(message)

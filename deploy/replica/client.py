@@ -15,14 +15,18 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
-from cluster.messages import StreamStart, WorkerInfo
+from cluster.messages import RoutedRequest, StreamStart, WorkerInfo
 from cluster.replica_stats import ReplicaSnapshot
 from worker.outputs import StreamDelta
 
 if TYPE_CHECKING:
+    from ray import ObjectRef
     from ray.actor import ActorHandle
+    from ray.serve.handle import DeploymentHandle
+
+    from deploy.replica.worker import WorkerDeployment
 
 log = logging.getLogger("swaserve.ingress")
 
@@ -33,7 +37,7 @@ STATS_FORGET_AFTER_S = 30.0
 
 
 class WorkerClient(Protocol):
-    def stream(self, request: Any) -> AsyncIterator[StreamStart | StreamDelta]: ...
+    def stream(self, request: RoutedRequest) -> AsyncIterator[StreamStart | StreamDelta]: ...
 
     async def info(self) -> WorkerInfo: ...
 
@@ -45,7 +49,7 @@ class ServeWorkerClient:
 
     def __init__(
         self,
-        handle: Any,
+        handle: DeploymentHandle[WorkerDeployment],
         stats_timeout_s: float = 3.0,
         stale_after_s: float = STATS_STALE_AFTER_S,
         forget_after_s: float = STATS_FORGET_AFTER_S,
@@ -61,8 +65,11 @@ class ServeWorkerClient:
         self._index_name = index_actor_name(handle.app_name, handle.deployment_name)
         self._index: ActorHandle | None = None
 
-    async def stream(self, request: Any) -> AsyncIterator[StreamStart | StreamDelta]:
+    async def stream(self, request: RoutedRequest) -> AsyncIterator[StreamStart | StreamDelta]:
+        from ray.serve.handle import DeploymentResponseGenerator
+
         gen = self._stream_handle.remote(request)
+        assert isinstance(gen, DeploymentResponseGenerator), "the stream handle streams"
         try:
             async for item in gen:
                 yield item
@@ -87,7 +94,9 @@ class ServeWorkerClient:
             self._index = await asyncio.to_thread(find_index_actor, self._index_name)
             if self._index is None:
                 return {}
-        ref = self._index.replica_stats.remote(self._stale_after_s, self._forget_after_s)
+        ref: ObjectRef[ReplicaSnapshot] = self._index.replica_stats.remote(
+            self._stale_after_s, self._forget_after_s
+        )
         try:
             return await asyncio.wait_for(ref, self._stats_timeout_s)
         except (asyncio.TimeoutError, RayError) as exc:

@@ -14,16 +14,24 @@ import asyncio
 import logging
 import threading
 import uuid
-from typing import Any
 
-from cluster.messages import CacheSnapshot, EventBatch, WorkerMeta
+from cluster.messages import CacheSnapshot, EventBatch, StatsDict, WorkerMeta
 from cluster.transport import EventPublisher, get_or_create_index_actor, index_actor_name
+from worker.cache.events import CacheEvent, PageState
+from worker.engine.protocols import EngineClient
 
 log = logging.getLogger("swaserve.worker.events")
 
 
 class CacheEventPump:
-    def __init__(self, engine: Any, worker_id: str, app_name: str, deployment_name: str, interval_s: float = 0.25) -> None:
+    def __init__(
+        self,
+        engine: EngineClient,
+        worker_id: str,
+        app_name: str,
+        deployment_name: str,
+        interval_s: float = 0.25,
+    ) -> None:
         self._engine = engine
         self._incarnation = uuid.uuid4().hex[:12]
         self._worker_id = worker_id
@@ -73,11 +81,8 @@ class CacheEventPump:
                 self._seq += 1
             return CacheSnapshot(self._worker_id, self._incarnation, self._seq, dict(pages))
 
-    def _drain_and_snapshot(self) -> tuple[list[Any], dict[int, Any]]:
-        both = getattr(self._engine, "drain_and_snapshot", None)
-        if both is not None:
-            return both()
-        return self._engine.drain_cache_events(), self._engine.cache_snapshot()
+    def _drain_and_snapshot(self) -> tuple[list[CacheEvent], dict[int, PageState]]:
+        return self._engine.drain_and_snapshot()
 
     def _drain_batch(self) -> EventBatch | None:
         with self._seq_lock:
@@ -98,7 +103,7 @@ class CacheEventPump:
             if batch is not None:
                 await self._publisher.publish(batch)
 
-    def report_stats(self, stats: dict[str, Any], *, register: bool) -> None:
+    def report_stats(self, stats: StatsDict, *, register: bool) -> None:
         """Send a stats sample to the index actor in the background (once started; no wait)."""
         if self._publisher is None:
             return
@@ -106,7 +111,7 @@ class CacheEventPump:
         self._reports.add(task)
         task.add_done_callback(self._reports.discard)
 
-    async def _report(self, stats: dict[str, Any], register: bool) -> None:
+    async def _report(self, stats: StatsDict, register: bool) -> None:
         # NOTE: a report that starts after close() would register the replica again.
         if self._publisher is not None and not self._closed:
             await self._publisher.report_stats(stats, register=register)

@@ -19,19 +19,30 @@ import dataclasses
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from cluster.load import routing_stats
-from cluster.messages import RoutedRequest, StreamStart, WorkerInfo, WorkerUnavailableError
+from cluster.messages import (
+    RoutedRequest,
+    StatsDict,
+    StreamStart,
+    WorkerInfo,
+    WorkerUnavailableError,
+)
 from deploy.metrics import flatten_stats
 from worker.config import EngineConfig
 from worker.engine.protocols import EngineClient
 from worker.outputs import StreamDelta
+from worker.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from ray.serve.context import ReplicaContext
+
     from deploy.replica.events import CacheEventPump
+
+_DeltaQueue = asyncio.Queue[StreamDelta | BaseException | None]
 
 log = logging.getLogger("swaserve.worker")
 
@@ -51,7 +62,7 @@ def _default_engine(config: EngineConfig) -> EngineClient:
     return AsyncEngine(config)
 
 
-def _replica_context() -> Any:
+def _replica_context() -> ReplicaContext | None:
     try:
         from ray import serve
 
@@ -95,13 +106,16 @@ class WorkerDeployment:
 
     # -- requests --------------------------------------------------------------------------
 
-    async def generate(self, request: RoutedRequest) -> AsyncIterator[StreamStart | StreamDelta]:
+    async def generate(
+        self, request: RoutedRequest
+    ) -> AsyncGenerator[StreamStart | StreamDelta, None]:
         """Stream one request: a `StreamStart`, then coalesced `StreamDelta`s until finished.
 
         Cancelling the caller (client disconnect, stop string at the ingress) cancels this
         generator; the pump task is cancelled with it and the engine aborts the request.
         """
-        token_ids, params, rid = list(request.token_ids), request.params, request.request_id
+        token_ids, rid = list(request.token_ids), request.request_id
+        params = request.params if request.params is not None else SamplingParams()
         refusal = self._refusal(token_ids, params)
         if refusal is not None:
             yield refusal
@@ -114,7 +128,7 @@ class WorkerDeployment:
             predicted_cached_tokens=routing.predicted_for(self.replica_id) if routing else None,
             routing_policy=routing.policy if routing else None,
         )
-        queue: asyncio.Queue[StreamDelta | BaseException | None] = asyncio.Queue()  # None: ended
+        queue: _DeltaQueue = asyncio.Queue()  # None: ended
         pump = asyncio.create_task(self._pump(token_ids, params, rid, queue))
         self._inflight.add(rid)
         try:
@@ -137,7 +151,7 @@ class WorkerDeployment:
                 pump.cancel()
                 await asyncio.gather(pump, return_exceptions=True)
 
-    async def _next_delta(self, queue: asyncio.Queue, rid: str) -> StreamDelta:
+    async def _next_delta(self, queue: _DeltaQueue, rid: str) -> StreamDelta:
         """Everything queued since the last call, merged into one delta (fewer Ray stream items
         when the consumer is slower than the engine). Raises what the engine raised, or
         `WorkerUnavailableError` when the request was aborted here rather than by the caller
@@ -155,7 +169,9 @@ class WorkerDeployment:
             raise WorkerUnavailableError(f"request {rid} was aborted on worker {self.replica_id}; retry")
         return delta
 
-    async def _pump(self, token_ids: list[int], params: Any, rid: str, queue: asyncio.Queue) -> None:
+    async def _pump(
+        self, token_ids: list[int], params: SamplingParams, rid: str, queue: _DeltaQueue
+    ) -> None:
         gen = self._engine.generate(token_ids, params, rid)
         try:
             async for delta in gen:
@@ -166,7 +182,7 @@ class WorkerDeployment:
             queue.put_nowait(None)
             await gen.aclose()
 
-    def _refusal(self, token_ids: list[int], params: Any) -> StreamStart | None:
+    def _refusal(self, token_ids: list[int], params: SamplingParams) -> StreamStart | None:
         if self._draining:
             return StreamStart(self.replica_id, "unavailable", "worker replica is shutting down; retry")
         if self._engine.error is not None:  # Serve replaces us at the next health check
@@ -187,7 +203,7 @@ class WorkerDeployment:
             page_size=int(self._engine.config.page_size),
         )
 
-    async def record_routing_stats(self) -> dict[str, Any]:
+    async def record_routing_stats(self) -> StatsDict:
         """`cluster.load`'s routing stats (the router's contract) plus every engine number for
         `/metrics`; all values are flat numbers except `worker_id`. Serve calls this on RUNNING
         replicas only, so it also (re)registers the replica with the index actor's stats board."""
@@ -198,15 +214,15 @@ class WorkerDeployment:
                 log.exception("registering with the cache index failed; retrying next time")
         return self._report_stats(register=True)
 
-    def _report_stats(self, *, register: bool) -> dict[str, Any]:
+    def _report_stats(self, *, register: bool) -> StatsDict:
         sample = self._stats_sample()
         if self._events is not None:
             self._events.report_stats(sample, register=register)
         return sample
 
-    def _stats_sample(self) -> dict[str, Any]:
+    def _stats_sample(self) -> StatsDict:
         s = self._engine.stats()  # plain reads: no wait for the engine's step
-        out: dict[str, Any] = routing_stats(s, self.replica_id, time.time())
+        out = routing_stats(s, self.replica_id, time.time())
         out.update(flatten_stats(s))
         out["inflight"] = float(len(self._inflight))
         out["draining"] = 1.0 if self._draining else 0.0

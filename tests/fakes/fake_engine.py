@@ -10,13 +10,13 @@ from __future__ import annotations
 import asyncio
 import random
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, Sequence
 from pathlib import Path
-from typing import Any
 
 from worker.cache.events import CacheEvent, PageState
 from worker.config import EngineConfig
 from worker.outputs import EngineStats, PoolStats, StreamDelta, TokenLogprob
+from worker.sampling_params import SamplingParams
 
 
 class FakeEngine:
@@ -50,7 +50,7 @@ class FakeEngine:
 
     # -- interface -------------------------------------------------------------------------
 
-    def validate(self, token_ids: list[int], params: Any) -> None:
+    def validate(self, token_ids: Sequence[int], params: SamplingParams) -> None:
         if not token_ids:
             raise ValueError("prompt is empty: send at least one token")
         if len(token_ids) >= self.max_model_len:
@@ -64,8 +64,8 @@ class FakeEngine:
             )
 
     async def generate(
-        self, token_ids: list[int], params: Any, request_id: str
-    ) -> AsyncIterator[StreamDelta]:
+        self, token_ids: list[int], params: SamplingParams, request_id: str
+    ) -> AsyncGenerator[StreamDelta, None]:
         self.validate(token_ids, params)
         cached = self._admit(request_id, token_ids)
         rng = random.Random(params.seed if params.seed is not None else 0)
@@ -146,7 +146,7 @@ class FakeEngine:
 
     # -- internals -------------------------------------------------------------------------
 
-    def _next(self, last: int, params: Any, rng: random.Random) -> int:
+    def _next(self, last: int, params: SamplingParams, rng: random.Random) -> int:
         if not params.temperature:
             return (last * 31 + 7) % self._vocab
         return rng.randrange(self._vocab)

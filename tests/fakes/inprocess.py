@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import AsyncIterator
-from typing import Any
 
-from cluster.messages import StreamStart, WorkerInfo
+from cluster.messages import RoutedRequest, StreamStart, WorkerInfo
+from cluster.replica_stats import ReplicaSnapshot
 from deploy.replica.worker import WorkerDeployment
 from worker.outputs import StreamDelta
 
@@ -17,17 +17,17 @@ class InProcessWorkerClient:
         self.workers = workers
         self._next = itertools.cycle(range(len(workers)))
 
-    async def stream(self, request: Any) -> AsyncIterator[StreamStart | StreamDelta]:
+    async def stream(self, request: RoutedRequest) -> AsyncIterator[StreamStart | StreamDelta]:
         worker = self.workers[next(self._next)]
         gen = worker.generate(request)
         try:
             async for item in gen:
                 yield item
         finally:
-            await gen.aclose()  # type: ignore[attr-defined]  # an async generator, typed as its iterator
+            await gen.aclose()
 
     async def info(self) -> WorkerInfo:
         return self.workers[0].info()
 
-    async def replica_stats(self) -> dict[str, dict[str, Any] | None]:
+    async def replica_stats(self) -> ReplicaSnapshot:
         return {w.replica_id: await w.record_routing_stats() for w in self.workers}

@@ -12,9 +12,9 @@ import asyncio
 import concurrent.futures
 import logging
 import threading
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from worker.cache.events import CacheEvent, PageState
 from worker.config import EngineConfig
@@ -38,7 +38,8 @@ class AsyncEngine:
         self.window: int | None = self.spec.window if self.spec.has_swa else None
         self._wake = threading.Event()
         self._stop = threading.Event()
-        self._calls: list[tuple[Callable[[], Any], concurrent.futures.Future]] = []
+        # (run it, fail it): closures over each call's typed future, run on the step thread
+        self._calls: list[tuple[Callable[[], None], Callable[[BaseException], None]]] = []
         self._calls_lock = threading.Lock()
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._loop, name="swaserve-engine", daemon=True)
@@ -50,7 +51,7 @@ class AsyncEngine:
 
     async def generate(
         self, token_ids: list[int], params: SamplingParams, request_id: str
-    ) -> AsyncIterator[StreamDelta]:
+    ) -> AsyncGenerator[StreamDelta, None]:
         """Stream the request's deltas; stopping the iteration (or cancelling) aborts it."""
         self._check_alive()
         loop = asyncio.get_running_loop()
@@ -98,9 +99,16 @@ class AsyncEngine:
     def call(self, fn: Callable[[], T], timeout: float | None = 60.0) -> T:
         """Run `fn` on the step thread between steps and return its result."""
         self._check_alive()
-        fut: concurrent.futures.Future = concurrent.futures.Future()
+        fut: concurrent.futures.Future[T] = concurrent.futures.Future()
+
+        def run() -> None:
+            try:
+                fut.set_result(fn())
+            except Exception as exc:  # noqa: BLE001 - handed to the caller
+                fut.set_exception(exc)
+
         with self._calls_lock:
-            self._calls.append((fn, fut))
+            self._calls.append((run, fut.set_exception))
         self._wake.set()
         return fut.result(timeout=timeout)
 
@@ -127,17 +135,14 @@ class AsyncEngine:
     def _run_calls(self) -> None:
         with self._calls_lock:
             calls, self._calls = self._calls, []
-        for fn, fut in calls:
-            try:
-                fut.set_result(fn())
-            except Exception as exc:  # noqa: BLE001 - handed to the caller
-                fut.set_exception(exc)
+        for run, _ in calls:
+            run()
 
     def _fail_pending(self, exc: BaseException) -> None:
         with self._calls_lock:
             calls, self._calls = self._calls, []
-        for _, fut in calls:
-            fut.set_exception(RuntimeError(f"engine stopped: {exc!r}"))
+        for _, fail in calls:
+            fail(RuntimeError(f"engine stopped: {exc!r}"))
         self.engine.fail_all(f"engine failure: {exc!r}")
 
     def _check_alive(self) -> None:

@@ -8,7 +8,7 @@ needs of an engine. Implementations are checked against them by the type checker
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from pathlib import Path
 from typing import Protocol
 
@@ -45,11 +45,24 @@ class EngineClient(Protocol):
     Every method may be called from the replica's event loop thread; state reads are snapshots.
     """
 
-    config: EngineConfig
-    max_model_len: int
-    model_dir: Path | None
-    window: int | None  # keys to the left when the model has SWA layers, else None
-    error: BaseException | None  # set when the step thread died; the replica reports unhealthy
+    @property
+    def config(self) -> EngineConfig: ...
+
+    @property
+    def max_model_len(self) -> int: ...
+
+    @property
+    def model_dir(self) -> Path | None: ...
+
+    @property
+    def window(self) -> int | None:
+        """Keys to the left when the model has SWA layers, else None."""
+        ...
+
+    @property
+    def error(self) -> BaseException | None:
+        """Set when the step thread died; the replica then reports unhealthy."""
+        ...
 
     def validate(self, token_ids: Sequence[int], params: SamplingParams) -> None:
         """Raise ValueError (the message says what to change) for a request that can never run."""
@@ -57,7 +70,7 @@ class EngineClient(Protocol):
 
     def generate(
         self, token_ids: list[int], params: SamplingParams, request_id: str
-    ) -> AsyncIterator[StreamDelta]:
+    ) -> AsyncGenerator[StreamDelta, None]:
         """Stream the request's deltas; closing the iterator early aborts it."""
         ...
 

@@ -9,7 +9,6 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -20,6 +19,7 @@ from worker.engine.protocols import Runner
 from worker.errors import ConfigError
 from worker.kv.hybrid_allocator import HybridAllocator
 from worker.kv.memory_plan import PoolPlan, plan_pools
+from worker.models.model_dir import Tokenizer, load_tokenizer, resolve_model_dir
 from worker.models.spec import ModelSpec
 
 logger = logging.getLogger(__name__)
@@ -38,7 +38,7 @@ class EngineParts:
     runner: Runner  # a ModelRunner, or a compute-free stand-in (bench.sim_runner.SimRunner)
     max_model_len: int
     eos_token_ids: tuple[int, ...] = ()
-    tokenizer_loader: Callable[[], Any] | None = None
+    tokenizer_loader: Callable[[], Tokenizer] | None = None
     model_dir: Path | None = None
     plan: PoolPlan | None = None
 
@@ -46,12 +46,6 @@ class EngineParts:
     def cache_window(self) -> int | None:
         """The window the cache and scheduler budget with: None without a separate SWA pool."""
         return self.spec.window if self.allocator.hybrid else None
-
-
-def resolve_model_dir(model: str) -> Path:
-    from worker.models.model_dir import resolve_model_dir as resolve  # the one owner
-
-    return resolve(model)
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -96,7 +90,7 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         runner=runner,
         max_model_len=max_len,
         eos_token_ids=eos_token_ids(model_dir),
-        tokenizer_loader=lambda: _load_tokenizer(model_dir),
+        tokenizer_loader=lambda: load_tokenizer(model_dir),
         model_dir=model_dir,
         plan=plan,
     )
@@ -139,9 +133,3 @@ def eos_token_ids(model_dir: Path) -> tuple[int, ...]:
             if value is not None:
                 return tuple(value) if isinstance(value, list) else (int(value),)
     return ()
-
-
-def _load_tokenizer(model_dir: Path) -> Any:
-    from worker.models.model_dir import load_tokenizer  # the one owner
-
-    return load_tokenizer(model_dir)

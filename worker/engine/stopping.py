@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
+from worker.models.model_dir import Tokenizer
 from worker.outputs import FinishReason
 from worker.scheduler.request import Req
 
 
 class StopChecker:
-    def __init__(self, eos_token_ids: tuple[int, ...], tokenizer_loader: Callable[[], Any] | None) -> None:
+    def __init__(
+        self, eos_token_ids: tuple[int, ...], tokenizer_loader: Callable[[], Tokenizer] | None
+    ) -> None:
         self.eos = frozenset(eos_token_ids)
         self._loader = tokenizer_loader
-        self._tokenizer: Any = None
+        self._tokenizer: Tokenizer | None = None
         self._load_error = ""
 
     def check(self, req: Req) -> FinishReason | None:
@@ -49,7 +51,7 @@ class StopChecker:
                 "use stop_token_ids"
             )
 
-    def _get_tokenizer(self) -> Any:
+    def _get_tokenizer(self) -> Tokenizer | None:
         if self._tokenizer is None and self._loader is not None:
             try:
                 self._tokenizer = self._loader()

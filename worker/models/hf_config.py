@@ -142,8 +142,8 @@ def _layer_kinds(text: Any, arch: str) -> tuple[LayerKind, ...]:
     sliding_window = getattr(text, "sliding_window", None)
     if arch == "mistral":  # NOTE: MistralConfig has no layer_types; every layer uses sliding_window
         return ((LayerKind.SWA if sliding_window is not None else LayerKind.FULL),) * n
-    types = getattr(text, "layer_types", None)
-    if not _valid_layer_types(types, n):
+    types: list[str] | None = getattr(text, "layer_types", None)
+    if types is None or not _valid_layer_types(types, n):
         if sliding_window is None and types is None:
             return (LayerKind.FULL,) * n
         raise ConfigError(

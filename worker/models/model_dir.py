@@ -10,11 +10,17 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from worker.errors import ConfigError
 
 TINY = "tiny"  # the built-in model (worker.models.tiny), built on first use
+
+
+class Tokenizer(Protocol):
+    """What the engine uses of a transformers tokenizer: decoding, for stop strings."""
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str: ...
 
 
 def resolve_model_dir(model: str | os.PathLike[str]) -> Path:

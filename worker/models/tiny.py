@@ -22,10 +22,16 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
+from worker.models.spec import HFConfig
 from worker.models.tiny_corpus import CORPUS
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
+    from transformers import GenerationConfig
 
 TINY_VERSION = "tiny-v1"
 CACHE_ENV = "SWASERVE_CACHE_DIR"
@@ -96,7 +102,7 @@ def build_tiny_model(out_dir: Path) -> None:
 
 
 # ---- tokenizer ----------------------------------------------------------------------------------
-def _train_tokenizer():
+def _train_tokenizer() -> Tokenizer:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     tok = Tokenizer(models.BPE())
@@ -113,7 +119,7 @@ def _train_tokenizer():
     return tok
 
 
-def _save_tokenizer(tok, out_dir: Path) -> None:
+def _save_tokenizer(tok: Tokenizer, out_dir: Path) -> None:
     from transformers import PreTrainedTokenizerFast
 
     fast = PreTrainedTokenizerFast(
@@ -123,7 +129,7 @@ def _save_tokenizer(tok, out_dir: Path) -> None:
     fast.save_pretrained(out_dir)
 
 
-def _generation_config(tok):
+def _generation_config(tok: Tokenizer) -> GenerationConfig:
     from transformers import GenerationConfig
 
     return GenerationConfig(
@@ -134,7 +140,7 @@ def _generation_config(tok):
 
 
 # ---- model --------------------------------------------------------------------------------------
-def _config(vocab: int, tok):
+def _config(vocab: int, tok: Tokenizer) -> HFConfig:
     from transformers import MiMoV2FlashConfig
 
     layer_types = ["full_attention"] + ["sliding_attention"] * 4 + ["full_attention"]
@@ -162,7 +168,7 @@ def _config(vocab: int, tok):
     )
 
 
-def _save_weights(config, out_dir: Path) -> None:
+def _save_weights(config: HFConfig, out_dir: Path) -> None:
     from safetensors.torch import save_file
 
     from worker.models.hf_config import spec_from_hf_config

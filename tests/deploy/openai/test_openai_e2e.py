@@ -210,8 +210,12 @@ def test_client_disconnect_frees_kv(server: Server) -> None:
         lines = r.iter_lines()
         got = [next(lines) for _ in range(6)]
         assert all(g.startswith("data: ") or not g for g in got)
-        used = sum(_per_replica(_metrics(server), "swaserve_kv_used_tokens", "full").values())
-        assert used > 0
+        # The replicas report their stats to the index actor asynchronously: wait for the sample
+        # that shows this request holding KV (it is still streaming, so it holds it).
+        deadline = time.monotonic() + 30
+        while not sum(_per_replica(_metrics(server), "swaserve_kv_used_tokens", "full").values()):
+            assert time.monotonic() < deadline, "no replica reported KV in use while streaming"
+            time.sleep(0.1)  # waits on the replica's next stats report
     deadline = time.monotonic() + 30
     while True:
         fam = _metrics(server)
@@ -220,7 +224,7 @@ def test_client_disconnect_frees_kv(server: Server) -> None:
         if used == 0 and aborts > aborts_before:
             break
         assert time.monotonic() < deadline, f"KV still used ({used}) or no abort ({aborts}) after 30s"
-        time.sleep(0.5)
+        time.sleep(0.5)  # waits on the KV being freed and reported
 
 
 def test_bad_inputs_table_then_still_serving(server: Server) -> None:
