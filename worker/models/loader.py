@@ -1,13 +1,16 @@
 """Load a model from a local Hugging Face directory (safetensors; no remote code, no network).
 
 The module tree is created on the meta device, materialised empty on the target device in the
-target dtype, then every parameter and persistent buffer is filled from the checkpoint by name.
-Missing or unexpected tensors and shape mismatches raise with the names involved.
+target dtype, then every parameter and persistent buffer is filled from the checkpoint by name,
+one shard at a time. Quantized checkpoints (config.json's `quantization_config`) are dequantized
+into the parameters as their parts arrive (docs/design.md §16). Missing or unexpected tensors and
+shape mismatches raise with the names involved.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +18,7 @@ import torch
 from safetensors import safe_open
 
 from worker.models.causal_lm import CausalLM
+from worker.models.quant import Part, QuantFormat, quant_format
 from worker.models.registry import model_class
 from worker.models.spec import ModelSpec
 
@@ -42,10 +46,11 @@ def build_model(
     cls = model_class(config.model_type)
     with torch.device("meta"):
         model = cls(config, spec)
+        # Cast while still on meta: `to_empty` then allocates each parameter once, in its dtype.
+        for name, param in model.named_parameters():
+            target = torch.float32 if any(k in name for k in cls.keep_fp32) else dtype
+            param.data = param.data.to(target)
     model.to_empty(device=device)
-    for name, param in model.named_parameters():
-        target = torch.float32 if any(k in name for k in cls.keep_fp32) else dtype
-        param.data = param.data.to(target)
     model.tie_weights()
     return model.eval()
 
@@ -64,33 +69,80 @@ def _shard_files(model_dir: Path) -> list[Path]:
     )
 
 
-def load_weights(model: CausalLM, model_dir: str | Path) -> None:
-    """Fill `model` from the directory's safetensors files, strictly by name."""
-    targets: dict[str, torch.Tensor] = dict(model.named_parameters())
-    targets.update(dict(model.named_buffers()))
-    tied = model.tie_word_embeddings
-    ignored = _IGNORED_PREFIXES + model.ignored_prefixes
-    seen: set[str] = set()
-    unexpected: list[str] = []
-    for path in _shard_files(Path(model_dir)):
+def load_weights(model: CausalLM, model_dir: str | Path, quant: QuantFormat | None = None) -> None:
+    """Fill `model` from the directory's safetensors files, strictly by name.
+
+    With `quant`, the stored parts of each quantized parameter are held (packed) until the last
+    one is read, then dequantized straight into the parameter: beyond the model, the host holds
+    one shard's packed tensors and one dequantized slice at a time (docs/design.md §16).
+    """
+    shards = _shard_files(Path(model_dir))
+    names = {n for s, n in _stored_names(shards, model) if not _skipped(s, n, model)}
+    fill = _Fill(model, quant, quant.plan(names) if quant is not None else {})
+    for path in shards:
         with safe_open(str(path), framework="pt") as f:
             for stored in f.keys():
                 name = _rename(stored, model.checkpoint_prefixes)
-                if stored.startswith(ignored) or (tied and name == "lm_head.weight"):
-                    continue
-                if name not in targets:
-                    unexpected.append(stored)
-                    continue
-                _copy(targets[name], f.get_tensor(stored), name)
-                seen.add(name)
-    skip = {"lm_head.weight"} if tied else set()
-    missing = sorted(set(targets) - seen - skip)
-    if missing or unexpected:
-        raise ValueError(
-            f"checkpoint in {model_dir} does not match {type(model).__name__}: "
-            f"missing {missing[:8]}{'…' if len(missing) > 8 else ''}, "
-            f"unexpected {unexpected[:8]}{'…' if len(unexpected) > 8 else ''}"
-        )
+                if not _skipped(stored, name, model):
+                    fill.take(stored, name, f.get_tensor)
+    fill.check(model_dir, model)
+
+
+class _Fill:
+    """The parameters of one model being filled: which are done, which wait for parts."""
+
+    def __init__(self, model: CausalLM, quant: QuantFormat | None, plan: dict[str, Part]) -> None:
+        self.targets: dict[str, torch.Tensor] = dict(model.named_parameters())
+        self.targets.update(dict(model.named_buffers()))
+        self.quant, self.plan = quant, plan
+        self.pending: dict[str, dict[str, torch.Tensor]] = {}  # target -> role -> stored part
+        self.seen: set[str] = set()
+        self.unexpected: list[str] = []
+
+    def take(self, stored: str, name: str, read: Callable[[str], torch.Tensor]) -> None:
+        part = self.plan.get(name)
+        target = name if part is None else part.target
+        if target not in self.targets:
+            self.unexpected.append(stored)
+        elif part is None:
+            _copy(self.targets[name], read(stored), name)
+            self.seen.add(name)
+        else:
+            assert self.quant is not None, "a plan comes from a format"
+            parts = self.pending.setdefault(target, {})
+            parts[part.role] = read(stored)
+            if len(parts) == len(self.quant.parts):
+                with torch.no_grad():
+                    self.quant.dequantize_into(
+                        self.targets[target], self.pending.pop(target), target
+                    )
+                self.seen.add(target)
+
+    def check(self, model_dir: str | Path, model: CausalLM) -> None:
+        skip = {"lm_head.weight"} if model.tie_word_embeddings else set()
+        missing = sorted(set(self.targets) - self.seen - skip)
+        unexpected = self.unexpected
+        if missing or unexpected:
+            raise ValueError(
+                f"checkpoint in {model_dir} does not match {type(model).__name__}: "
+                f"missing {missing[:8]}{'…' if len(missing) > 8 else ''}, "
+                f"unexpected {unexpected[:8]}{'…' if len(unexpected) > 8 else ''}"
+            )
+
+
+def _stored_names(shards: list[Path], model: CausalLM) -> list[tuple[str, str]]:
+    """(stored, renamed) for every tensor; reads the headers only, no tensor data."""
+    names: list[tuple[str, str]] = []
+    for path in shards:
+        with safe_open(str(path), framework="pt") as f:
+            names.extend((k, _rename(k, model.checkpoint_prefixes)) for k in f.keys())
+    return names
+
+
+def _skipped(stored: str, name: str, model: CausalLM) -> bool:
+    if stored.startswith(_IGNORED_PREFIXES + model.ignored_prefixes):
+        return True
+    return model.tie_word_embeddings and name == "lm_head.weight"
 
 
 def _rename(name: str, prefixes: tuple[tuple[str, str], ...]) -> str:
@@ -121,12 +173,14 @@ def load_model(
     """Build the architecture named by config.json and load its weights.
 
     Args:
-        model_dir: a local HF directory (config.json + model.safetensors[.index.json]).
+        model_dir: a local HF directory (config.json + model.safetensors[.index.json]); its
+            weights may be quantized as `worker.models.quant.SUPPORTED` lists.
         spec: the model spec built from the same config (`worker.models.hf_config`).
         dtype / device: where and how the weights live.
         config: an already loaded HF config (else read from `model_dir`).
     """
     config = config if config is not None else load_hf_config(model_dir)
+    quant = quant_format(config)  # refuses an unknown method before anything is allocated
     model = build_model(config, spec, dtype=dtype, device=device)
-    load_weights(model, model_dir)
+    load_weights(model, model_dir, quant)
     return model
