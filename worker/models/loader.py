@@ -26,15 +26,6 @@ from worker.models.spec import ModelSpec
 _IGNORED_PREFIXES = ("model.mtp.",)
 
 
-def load_hf_config(model_dir: str | Path) -> Any:
-    """The directory's config.json through transformers, offline and without remote code."""
-    from transformers import AutoConfig
-
-    return AutoConfig.from_pretrained(
-        str(model_dir), local_files_only=True, trust_remote_code=False
-    )
-
-
 def build_model(
     config: Any,
     spec: ModelSpec,
@@ -179,7 +170,12 @@ def load_model(
         dtype / device: where and how the weights live.
         config: an already loaded HF config (else read from `model_dir`).
     """
-    config = config if config is not None else load_hf_config(model_dir)
+    if config is None:
+        from worker.models.hf_config import (
+            load_hf_config,  # lazy: hf_config builds "tiny" with this loader
+        )
+
+        config = load_hf_config(model_dir)
     quant = quant_format(config)  # refuses an unknown method before anything is allocated
     model = build_model(config, spec, dtype=dtype, device=device)
     load_weights(model, model_dir, quant)

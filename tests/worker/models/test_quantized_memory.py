@@ -84,7 +84,8 @@ def _largest_dequantized_shard(path: Path, model: CausalLM) -> int:
 
 def measure(path: str) -> dict[str, int]:
     """Run in a fresh process: peak RSS of `load_model` on `path` (bfloat16) and the sizes."""
-    from worker.models.loader import load_hf_config, load_model
+    from worker.models.hf_config import load_hf_config
+    from worker.models.loader import load_model
     from worker.models.quant.mxfp4 import Mxfp4Format
 
     torch.set_num_threads(1)
