@@ -64,7 +64,11 @@ class FakeEngine:
             )
 
     async def generate(
-        self, token_ids: list[int], params: SamplingParams, request_id: str
+        self,
+        token_ids: list[int],
+        params: SamplingParams,
+        request_id: str,
+        follows: str | None = None,
     ) -> AsyncGenerator[StreamDelta, None]:
         self.validate(token_ids, params)
         cached = self._admit(request_id, token_ids)
