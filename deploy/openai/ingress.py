@@ -15,6 +15,7 @@ a `ServeWorkerClient` around the worker handle) and hands Serve the app through
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import time
@@ -29,10 +30,14 @@ from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deploy.metrics import CONTENT_TYPE, IngressMetrics
-from deploy.openai.schema import APIError
+from deploy.openai.bodies import ChatCompletionResponse, CompletionResponse
+from deploy.openai.openapi import body_spec, install_openapi
+from deploy.openai.schema import APIError, ChatCompletionRequest, CompletionRequest
 from deploy.openai.service import OpenAIService, Reply, ServiceOptions
+from deploy.openai.utility_routes import add_utility_routes
 
 log = logging.getLogger("swaserve.ingress")
+CLIENT_CLOSED = 499  # nginx's status for a client that hung up before the response
 
 
 @dataclass(frozen=True)
@@ -67,7 +72,8 @@ async def _read_body(request: Request, limit: int) -> bytes:
 
 
 def create_app(service: OpenAIService, options: IngressOptions) -> FastAPI:
-    app = FastAPI(title="swaserve", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="swaserve", docs_url="/docs", redoc_url=None, openapi_url="/openapi.json")
+    install_openapi(app)
     metrics = service.metrics
 
     app.add_middleware(GuardMiddleware, options=options, metrics=metrics)
@@ -88,12 +94,12 @@ def create_app(service: OpenAIService, options: IngressOptions) -> FastAPI:
         log.exception("unhandled error")
         return error_response(APIError(500, f"internal error: {type(e).__name__}: {e}", type="server_error"))
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=body_spec(CompletionRequest, CompletionResponse))
     async def completions(request: Request) -> Response:
         raw = await _read_body(request, options.max_request_bytes)
         return to_response(await service.completions(raw))
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=body_spec(ChatCompletionRequest, ChatCompletionResponse))
     async def chat(request: Request) -> Response:
         raw = await _read_body(request, options.max_request_bytes)
         return to_response(await service.chat(raw))
@@ -101,6 +107,9 @@ def create_app(service: OpenAIService, options: IngressOptions) -> FastAPI:
     @app.get("/v1/models")
     async def models() -> Response:
         return Response((await service.models()).model_dump_json(), media_type="application/json")
+
+    add_utility_routes(app, service, options.service.model_name,
+                       lambda request: _read_body(request, options.max_request_bytes))  # fmt: skip
 
     @app.get("/health")
     async def health() -> Response:
@@ -132,11 +141,11 @@ class GuardMiddleware:
             await self._app(scope, receive, send)
             return
         path = scope["path"]
-        status = {"code": 500}
+        status = {"code": 500, "started": 0}
 
         async def counting_send(message: MutableMapping[str, Any]) -> None:
             if message["type"] == "http.response.start":
-                status["code"] = message["status"]
+                status["code"], status["started"] = message["status"], 1
             await send(message)
 
         try:
@@ -147,7 +156,12 @@ class GuardMiddleware:
         except APIError as e:
             await error_response(e)(scope, receive, counting_send)
         else:
-            await self._app(scope, receive, counting_send)
+            try:
+                await self._app(scope, receive, counting_send)
+            except asyncio.CancelledError:
+                if not status["started"]:
+                    status["code"] = CLIENT_CLOSED  # the client left before the headers
+                raise
         finally:
             self._metrics.requests.labels(_endpoint(path), str(status["code"])).inc()
 
@@ -184,8 +198,12 @@ class IngressDeployment:
         from worker.models.model_dir import load_tokenizer, resolve_model_dir
 
         self._options = options
-        tokenizer = load_tokenizer(resolve_model_dir(options.model))
-        self._service = OpenAIService(tokenizer, ServeWorkerClient(worker), options.service)
+        from deploy.openai.chat_format import chat_format_for
+
+        model_dir = resolve_model_dir(options.model)
+        tokenizer = load_tokenizer(model_dir)
+        chat = chat_format_for(tokenizer, str(model_dir))
+        self._service = OpenAIService(tokenizer, ServeWorkerClient(worker), options.service, chat_format=chat)
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         return create_app(self._service, self._options)

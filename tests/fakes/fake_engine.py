@@ -47,6 +47,7 @@ class FakeEngine:
         self._counters = {"prompt": 0, "generated": 0, "hits": 0, "aborts": 0, "steps": 0}
         self._peak = 0
         self.shut_down = False
+        self.seen: list[tuple[str, SamplingParams, str | None]] = []  # (id, params, follows) per request
 
     # -- interface -------------------------------------------------------------------------
 
@@ -71,10 +72,19 @@ class FakeEngine:
         follows: str | None = None,
     ) -> AsyncGenerator[StreamDelta, None]:
         self.validate(token_ids, params)
+        self.seen.append((request_id, params, follows))
         cached = self._admit(request_id, token_ids)
         rng = random.Random(params.seed if params.seed is not None else 0)
         last, produced, done = token_ids[-1], 0, False
+        prompt_lps: list[TokenLogprob | None] | None = None
+        if params.prompt_logprobs is not None:
+            prompt_lps = [None] + [TokenLogprob(t, -1.0 - 0.01 * i, ()) for i, t in enumerate(token_ids[1:])]
         try:
+            if params.max_tokens == 0:
+                done = True
+                yield StreamDelta(request_id, [], True, "length", len(token_ids), cached, 0,
+                                  prompt_logprobs=prompt_lps)  # fmt: skip
+                return
             while True:
                 await asyncio.sleep(self._step_s)
                 if request_id in self._aborted:
@@ -98,6 +108,7 @@ class FakeEngine:
                     cached_tokens=cached,
                     completion_tokens=produced,
                     logprobs=lps,
+                    prompt_logprobs=prompt_lps if produced == 1 else None,
                 )
                 if done:
                     return

@@ -76,7 +76,13 @@ class Engine:
 
     # ---- requests -------------------------------------------------------------------------------
     def validate(self, token_ids: Sequence[int], params: SamplingParams) -> None:
-        """Raise ValueError (message names what to change) for a request that can never run."""
+        """Raise ValueError (message names what to change) for a request that can never run
+        (a grammar is compiled to check it: call off the step thread)."""
+        self._check(token_ids, params)
+        if params.grammar is not None:
+            self.grammars.compile(params.grammar)
+
+    def _check(self, token_ids: Sequence[int], params: SamplingParams) -> None:
         params.validate()
         if params.stop:
             self.stopper.check_stop_strings_supported()
@@ -119,7 +125,7 @@ class Engine:
         return req.rid
 
     def _new_req(self, token_ids: Sequence[int], params: SamplingParams, rid: str | None) -> Req:
-        self.validate(token_ids, params)
+        self._check(token_ids, params)
         rid = rid or f"req-{next(self._ids)}"
         req = Req(rid=rid, prompt=list(token_ids), params=params, key=seed_key(params.seed))
         if params.prompt_logprobs is not None:
