@@ -73,7 +73,7 @@ async def _read_body(request: Request, limit: int) -> bytes:
 
 def create_app(service: OpenAIService, options: IngressOptions) -> FastAPI:
     app = FastAPI(title="swaserve", docs_url="/docs", redoc_url=None, openapi_url="/openapi.json")
-    install_openapi(app)
+    install_openapi(app, options.service.model_name)
     metrics = service.metrics
 
     app.add_middleware(GuardMiddleware, options=options, metrics=metrics)

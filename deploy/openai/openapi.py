@@ -58,8 +58,9 @@ def body_spec(request: type[BaseModel], response: type[BaseModel]) -> dict[str, 
     }
 
 
-def install_openapi(app: FastAPI) -> None:
-    """Make `app.openapi()` include the request/response models of the generation routes."""
+def install_openapi(app: FastAPI, model_name: str) -> None:
+    """Make `app.openapi()` include the request/response models of the generation routes; the
+    `model` field lists the one served name (anything else is a 404)."""
     models = (CompletionRequest, ChatCompletionRequest, CompletionResponse, ChatCompletionResponse)
 
     def openapi() -> dict[str, Any]:
@@ -70,6 +71,8 @@ def install_openapi(app: FastAPI) -> None:
             for model in models:
                 schema = model.model_json_schema(ref_template="#/components/schemas/{model}", by_alias=True)
                 schemas.update(schema.pop("$defs", {}))
+                if "model" in schema.get("properties", {}) and model.__name__.endswith("Request"):
+                    schema["properties"]["model"]["enum"] = [model_name]
                 schemas[model.__name__] = schema
             app.openapi_schema = doc
         return app.openapi_schema
