@@ -30,6 +30,7 @@ class FakeEngine:
         step_s: float = 0.002,
         max_model_len: int = 512,
         total_tokens: int = 4096,
+        script: list[int] | None = None,
     ) -> None:
         self.config = config
         self.model_dir = model_dir or Path(".")
@@ -40,6 +41,7 @@ class FakeEngine:
         self._eos = eos_token_id
         self._step_s = step_s
         self._total = total_tokens
+        self._script = script  # when set: every request generates exactly these tokens
         self._lock = threading.Lock()
         self._held: dict[str, int] = {}  # request id -> KV tokens held
         self._aborted: set[str] = set()
@@ -89,11 +91,12 @@ class FakeEngine:
                 await asyncio.sleep(self._step_s)
                 if request_id in self._aborted:
                     return
-                tok = self._next(last, params, rng)
+                tok = self._next(last, params, rng, produced)
                 produced, last = produced + 1, tok
                 self._grow(request_id)
                 stop = tok == self._eos and not params.ignore_eos
                 stop = stop or tok in (params.stop_token_ids or ())
+                stop = stop or (self._script is not None and produced >= len(self._script))  # "EOS"
                 done = stop or produced >= params.max_tokens
                 lps = None
                 if params.logprobs is not None:
@@ -161,7 +164,9 @@ class FakeEngine:
 
     # -- internals -------------------------------------------------------------------------
 
-    def _next(self, last: int, params: SamplingParams, rng: random.Random) -> int:
+    def _next(self, last: int, params: SamplingParams, rng: random.Random, produced: int = 0) -> int:
+        if self._script is not None:
+            return self._script[min(produced, len(self._script) - 1)]
         if not params.temperature:
             return (last * 31 + 7) % self._vocab
         return rng.randrange(self._vocab)

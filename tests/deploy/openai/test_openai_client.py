@@ -177,7 +177,7 @@ def test_structured_output_spellings(tokenizer: Any, body: dict[str, Any], gramm
 def test_tool_choice_named_and_required_force_a_call(tokenizer: Any) -> None:
     """Named: the function's parameters schema is the grammar, the output its arguments;
     required: a JSON list of calls; none: plain content."""
-    h = make_harness(tokenizer)
+    h = make_harness(tokenizer, max_model_len=400)
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
         "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]  # fmt: skip
     msgs = [{"role": "user", "content": "Weather?"}]
@@ -210,6 +210,57 @@ def test_assistant_tool_calls_and_tool_messages_render(tokenizer: Any) -> None:
     out = _run(h, lambda c: c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=2,
                                                       extra_body={"chat_template_kwargs": {"x": 1}}))  # fmt: skip
     assert out.choices[0].message.role == "assistant"
+    prompt = tokenizer.decode(h.engines[0]._history[0])
+    assert '<tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call>' in prompt and "<|tool|>42" in prompt
+
+
+def test_auto_tool_calls_parsed_from_the_model_output(tokenizer: Any) -> None:
+    """tool_choice auto: tools reach the template; a Hermes call in the output becomes tool_calls,
+    streamed as a tool_calls delta too; the text before it is content."""
+    text = 'Sure.<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>'
+    h = make_harness(tokenizer, script=tokenizer(text)["input_ids"], max_model_len=400)
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    msgs = [{"role": "user", "content": "Weather?"}]
+
+    async def go(c: openai.AsyncOpenAI) -> tuple[Any, list[Any]]:
+        whole = await c.chat.completions.create(model=MODEL, messages=msgs, tools=tools, max_tokens=200)
+        chunks = [x async for x in await c.chat.completions.create(model=MODEL, messages=msgs, tools=tools,
+                                                                   max_tokens=200, stream=True)]  # fmt: skip
+        return whole, chunks
+
+    whole, chunks = _run(h, go)
+    msg = whole.choices[0].message
+    assert msg.content == "Sure." and whole.choices[0].finish_reason == "tool_calls"
+    assert msg.tool_calls[0].function.name == "get_weather" and json.loads(msg.tool_calls[0].function.arguments) == {"city": "Oslo"}
+    assert "get_weather" in tokenizer.decode(h.engines[0]._history[0])
+    deltas = [tc for ch in chunks for x in ch.choices for tc in (x.delta.tool_calls or [])]
+    assert [d.function.name for d in deltas] == ["get_weather"]
+    assert [x.finish_reason for ch in chunks for x in ch.choices if x.finish_reason] == ["tool_calls"]
+
+
+def test_guard_counts_a_client_gone_before_headers_as_499(tokenizer: Any) -> None:
+    """The request counter records 499 when the handler is cancelled before the response starts."""
+    from deploy.openai.ingress import GuardMiddleware, IngressOptions
+    from deploy.openai.service import ServiceOptions
+
+    h = make_harness(tokenizer)
+    started = asyncio.Event()
+
+    async def slow_app(scope: Any, receive: Any, send: Any) -> None:
+        started.set()
+        await asyncio.Event().wait()
+
+    guard = GuardMiddleware(slow_app, IngressOptions(service=ServiceOptions(model_name=MODEL)), h.service.metrics)
+
+    async def go() -> None:
+        scope = {"type": "http", "path": "/v1/completions", "headers": []}
+        task = asyncio.create_task(guard(scope, None, None))
+        await started.wait()
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+    asyncio.run(go())
+    assert h.service.metrics.requests.labels("/v1/completions", "499")._value.get() == 1
 
 
 def test_seeds_beyond_64_bits(tokenizer: Any) -> None:
