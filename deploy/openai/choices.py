@@ -88,6 +88,20 @@ def usage_of(choices: Sequence[ChoiceState]) -> Usage:
     )
 
 
+def best_of(choices: Sequence[ChoiceState], prompts: Sequence[int], keep: int) -> list[ChoiceState]:
+    """best_of > n: per prompt the `keep` choices with the highest cumulative logprob, reindexed
+    (prompt * keep + rank); all of them when every prompt has exactly `keep`."""
+    if len(choices) == keep * len(prompts):
+        return list(choices)
+    kept = []
+    for p in prompts:
+        mine = sorted((c for c in choices if c.prompt_index == p), key=lambda c: -c.cumulative_logprob)
+        for rank, c in enumerate(mine[:keep]):
+            c.index = p * keep + rank
+            kept.append(c)
+    return kept
+
+
 # ----------------------------------------------------------------------------------------------
 # logprobs in OpenAI's two shapes, and vLLM's prompt_logprobs
 

@@ -24,7 +24,7 @@ from deploy.metrics import IngressMetrics
 from deploy.openai.bodies import ModelCard, ModelList
 from deploy.openai.chat_format import ChatFormat, TemplateChat
 from deploy.openai.checks import check_chat, check_completion, sampling_params, sibling_params
-from deploy.openai.choices import ChoiceState, usage_of
+from deploy.openai.choices import ChoiceState, best_of, usage_of
 from deploy.openai.detokenize import StopTextStream
 from deploy.openai.fanout import Fanout, PromptStream
 from deploy.openai.headers import PREDICTED_CACHED_TOKENS_HEADER, REPLICA_HEADER
@@ -218,7 +218,7 @@ class OpenAIService:
             return Reply(headers, events=events)
         try:
             await self._collect(run, timer)
-            kept = self._best(run)
+            kept = best_of(run.choices, [st.prompt_index for st in run.fanout.streams], run.keep)
             body = run.builder.final(kept, usage_of(run.choices))
             self._count_tokens(run)
             return Reply(headers, body=body)
@@ -234,19 +234,6 @@ class OpenAIService:
         if any(p is not None for p in predicted):
             headers[PREDICTED_CACHED_TOKENS_HEADER] = ",".join("" if p is None else str(p) for p in predicted)
         return headers
-
-    def _best(self, run: _Run) -> list[ChoiceState]:
-        """best_of > n: per prompt the n choices with the highest cumulative logprob, reindexed."""
-        per_prompt = len(run.choices) // len(run.fanout.streams)
-        if per_prompt == run.keep:
-            return run.choices
-        kept = []
-        for s in run.fanout.streams:
-            mine = [c for c in run.choices if c.prompt_index == s.prompt_index]
-            for rank, c in enumerate(sorted(mine, key=lambda c: -c.cumulative_logprob)[: run.keep]):
-                c.index = s.prompt_index * run.keep + rank
-                kept.append(c)
-        return kept
 
     async def _start(self, fanout: Fanout) -> None:
         starts = await asyncio.gather(*(self._open(s) for s in fanout.streams))

@@ -134,3 +134,29 @@ def test_vocab_file_from_a_tokenizer_json_is_byte_identical(vocab_dir: Path, tmp
     harmony.write_vocab(tmp_path / "tokenizer.json", tmp_path / harmony.VOCAB_FILE)
     written = (tmp_path / harmony.VOCAB_FILE).read_bytes()
     assert hashlib.sha256(written).digest() == hashlib.sha256(original).digest()
+
+
+def test_openai_client_reads_reasoning_and_calls(vocab_dir: Path) -> None:
+    """Through the openai package, streamed and not: reasoning_content, the tool call, its
+    finish reason."""
+    import httpx
+    import openai
+
+    h, _ = _chat(vocab_dir, COMPLETION)
+
+    async def go() -> tuple[Any, list[Any]]:
+        http = httpx.AsyncClient(transport=httpx.ASGITransport(app=h.app), base_url="http://ingress")
+        async with openai.AsyncOpenAI(base_url="http://ingress/v1", api_key="x", http_client=http) as c:
+            kw: dict[str, Any] = {"model": MODEL, "messages": [{"role": "user", "content": "Weather?"}],
+                                  "tools": TOOLS, "max_tokens": 64}  # fmt: skip
+            whole = await c.chat.completions.create(**kw)
+            chunks = [x async for x in await c.chat.completions.create(stream=True, **kw)]
+            return whole, chunks
+
+    whole, chunks = asyncio.run(go())
+    msg = whole.choices[0].message
+    assert msg.reasoning_content == "The user wants weather." and msg.tool_calls[0].function.name == "get_weather"  # type: ignore[attr-defined]
+    deltas = [x.delta for ch in chunks for x in ch.choices]
+    assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == "The user wants weather."
+    assert [tc.function.arguments for d in deltas for tc in (d.tool_calls or [])] == ['{"city": "Oslo"}']
+    assert [x.finish_reason for ch in chunks for x in ch.choices if x.finish_reason] == ["tool_calls"]

@@ -309,3 +309,81 @@ def test_text_offset_skips_special_tokens(tokenizer: Any) -> None:
     lp, text = out.choices[0].logprobs, out.choices[0].text
     assert lp.text_offset[0] == lp.text_offset[1] == 0 and lp.tokens[0].startswith("<|")
     assert all(o <= len(text) for o in lp.text_offset) and text.startswith(lp.tokens[1])
+
+
+ROWS = [
+    ("n=2", {"n": 2, "seed": 5}),
+    ("controls", {"presence_penalty": 0.5, "frequency_penalty": 0.2, "logit_bias": {"9": 3},
+                  "extra_body": {"repetition_penalty": 1.1, "min_tokens": 1, "ignore_eos": True}, "stop": ["q"] * 6}),
+    ("seed 2**64", {"seed": 2**64 + 9}),
+    ("json_object", {"extra_body": {"response_format": {"type": "json_object"}}}),
+    ("guided_choice", {"extra_body": {"guided_choice": ["a", "b"]}}),
+    ("prompt_logprobs", {"extra_body": {"prompt_logprobs": 1}}),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("row", ROWS, ids=[r[0] for r in ROWS])
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+def test_every_row_streams_as_it_answers(tokenizer: Any, row: tuple[str, dict[str, Any]], chat: bool) -> None:
+    """Each row through the openai client, completions and chat: the streamed text of every
+    choice equals the non-streamed one, with the same finish reasons."""
+    h = make_harness(tokenizer)
+    kw = {"model": MODEL, "max_tokens": 5, **row[1]}
+
+    async def go(c: openai.AsyncOpenAI) -> tuple[Any, dict[int, str], dict[int, str]]:
+        if chat:
+            msgs = [{"role": "user", "content": "Hi"}]
+            whole = await c.chat.completions.create(messages=msgs, **kw)
+            stream = await c.chat.completions.create(messages=msgs, stream=True, **kw)
+        else:
+            whole = await c.completions.create(prompt="Hello", **kw)
+            stream = await c.completions.create(prompt="Hello", stream=True, **kw)
+        texts, finish = {}, {}
+        async for chunk in stream:
+            for ch in chunk.choices:
+                piece = (ch.delta.content or "") if chat else ch.text
+                texts[ch.index] = texts.get(ch.index, "") + piece
+                if ch.finish_reason:
+                    finish[ch.index] = ch.finish_reason
+        return whole, texts, finish
+
+    whole, texts, finish = _run(h, go)
+    want = {ch.index: (ch.message.content if chat else ch.text) for ch in whole.choices}
+    assert texts == want and finish == {ch.index: ch.finish_reason for ch in whole.choices}
+
+
+def test_streamed_echo_starts_with_the_prompt(tokenizer: Any) -> None:
+    """echo while streaming: each choice's first chunk starts with the prompt (and its logprobs)."""
+    h = make_harness(tokenizer)
+
+    async def go(c: openai.AsyncOpenAI) -> list[Any]:
+        stream = await c.completions.create(model=MODEL, prompt="Hello", n=2, echo=True, logprobs=0, max_tokens=3,
+                                            stream=True)  # fmt: skip
+        return [chunk async for chunk in stream]
+
+    chunks = _run(h, go)
+    firsts = {}
+    for chunk in chunks:
+        for ch in chunk.choices:
+            firsts.setdefault(ch.index, ch)
+    assert sorted(firsts) == [0, 1]
+    n_prompt = len(tokenizer("Hello")["input_ids"])
+    for ch in firsts.values():
+        assert ch.text.startswith("Hello") and ch.logprobs.token_logprobs[0] is None
+        assert len(ch.logprobs.tokens) >= n_prompt
+
+
+def test_best_of_ranks_by_cumulative_logprob() -> None:
+    """best_of keeps, per prompt, the choices with the highest summed logprob, reindexed."""
+    from deploy.openai.choices import ChoiceState, best_of
+    from worker.outputs import TokenLogprob
+
+    def choice(index: int, prompt: int, lps: list[float]) -> ChoiceState:
+        c = ChoiceState(index, prompt, f"r{index}", None)  # type: ignore[arg-type]
+        c.logprobs = [TokenLogprob(1, v) for v in lps]
+        return c
+
+    cs = [choice(0, 0, [-1, -1]), choice(1, 0, [-0.1, -0.2]), choice(2, 0, [-3]),
+          choice(3, 1, [-5]), choice(4, 1, [-0.5]), choice(5, 1, [-9])]  # fmt: skip
+    kept = best_of(cs, [0, 1], keep=1)
+    assert [(c.request_id, c.index) for c in kept] == [("r1", 0), ("r4", 1)]
