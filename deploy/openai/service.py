@@ -185,7 +185,8 @@ class OpenAIService:
             for k, cid in enumerate(request.choice_ids):
                 text = StopTextStream(self._tok, list(params.stop), context_ids=ids,
                                       skip_special_tokens=req.skip_special_tokens,
-                                      include_stop=req.include_stop_str_in_output)  # fmt: skip
+                                      include_stop=req.include_stop_str_in_output,
+                                      min_tokens=req.min_tokens)  # fmt: skip
                 parser = self._chat.parser(req) if isinstance(req, ChatCompletionRequest) else None
                 choices.append(ChoiceState(p_idx * total + k, p_idx, cid, text, parser))
         echo = bool(getattr(req, "echo", False))

@@ -207,6 +207,8 @@ class Scheduler:
     def _next_waiting(self) -> Req | None:
         """The first waiting request that may start: a sibling of a multi-choice request waits
         until the first one's prompt is in the tree, then reuses it (one prefill for all)."""
+        # NOTE: a first choice this scheduler does not know (finished, or not added yet because
+        # its grammar compiled slower) holds nothing back: sharing is an optimisation only.
         for req in self.waiting:
             first = self.reqs.get(req.follows) if req.follows else None
             if first is None or first.computed >= len(first.prompt) or not self.limits.radix:
