@@ -11,6 +11,8 @@ a `ServeWorkerClient` around the worker handle) and hands Serve the app through
 | body size | `GuardMiddleware` (Content-Length) and `_read_body` (actual bytes) | 413 |
 | overload | `OpenAIService._admit` (in-flight bound) / worker backpressure | 429 / 503 + `Retry-After` |
 | any error | `APIError` handler, plus 404/405/500 mapped to the same shape | `{"error": {...}}` |
+| client gone before headers | `GuardMiddleware` | counted as 499 in `/metrics` |
+| schema | `deploy.openai.openapi` (`/openapi.json`, `/docs`); `/tokenize` etc. in `utility_routes` | |
 """
 
 from __future__ import annotations
@@ -194,12 +196,11 @@ class IngressDeployment:
     `__serve_build_asgi_app__` (Serve calls it after `__init__`)."""
 
     def __init__(self, worker: DeploymentHandle, options: IngressOptions) -> None:
+        from deploy.openai.chat_format import chat_format_for
         from deploy.replica.client import ServeWorkerClient
         from worker.models.model_dir import load_tokenizer, resolve_model_dir
 
         self._options = options
-        from deploy.openai.chat_format import chat_format_for
-
         model_dir = resolve_model_dir(options.model)
         tokenizer = load_tokenizer(model_dir)
         chat = chat_format_for(tokenizer, str(model_dir))
