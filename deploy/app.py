@@ -91,7 +91,6 @@ def ingress_options(cfg: ServeConfig, ingress: IngressSettings) -> IngressOption
         model_name=cfg.served_model_name or cfg.model,
         max_inflight=ingress.max_inflight,
         retry_after_s=ingress.retry_after_s,
-        model_root=cfg.model,
     )
     api_key = cfg.api_key.get_secret_value() if cfg.api_key is not None else None
     return IngressOptions(

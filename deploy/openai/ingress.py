@@ -18,6 +18,7 @@ a `ServeWorkerClient` around the worker handle) and hands Serve the app through
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import logging
 import time
@@ -204,7 +205,9 @@ class IngressDeployment:
         model_dir = resolve_model_dir(options.model)
         tokenizer = load_tokenizer(model_dir)
         chat = chat_format_for(tokenizer, str(model_dir))
-        self._service = OpenAIService(tokenizer, ServeWorkerClient(worker), options.service, chat_format=chat)
+        # `root` names what is loaded where a client can load its tokenizer from (vLLM's clients do)
+        service = dataclasses.replace(options.service, model_root=str(model_dir))
+        self._service = OpenAIService(tokenizer, ServeWorkerClient(worker), service, chat_format=chat)
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         return create_app(self._service, self._options)

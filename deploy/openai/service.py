@@ -51,7 +51,7 @@ class ServiceOptions:
     max_inflight: int = 256  # generation requests in flight at this ingress; more -> 429
     retry_after_s: int = 1
     default_max_tokens: int = 16  # /v1/completions without max_tokens (OpenAI's default)
-    model_root: str | None = None  # what /v1/models reports as `root` (the model setting)
+    model_root: str | None = None  # what /v1/models reports as `root`: the model directory
 
 
 @dataclass(frozen=True)

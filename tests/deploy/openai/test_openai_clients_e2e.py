@@ -172,7 +172,8 @@ def test_utility_routes_and_model_card(server: Server) -> None:
     """/openapi.json, /docs, /tokenize, /detokenize, models.retrieve, and `root` in /v1/models."""
     c = _client(server)
     assert c.models.retrieve(MODEL).id == MODEL
-    assert httpx.get(f"{server.url}/v1/models", timeout=30).json()["data"][0]["root"] == MODEL
+    root = httpx.get(f"{server.url}/v1/models", timeout=30).json()["data"][0]["root"]
+    assert (Path(root) / "config.json").is_file()  # where a client loads the tokenizer from
     spec = httpx.get(f"{server.url}/openapi.json", timeout=30).json()
     assert {"/v1/completions", "/v1/chat/completions", "/tokenize"} <= set(spec["paths"])
     assert httpx.get(f"{server.url}/docs", timeout=30).status_code == 200
