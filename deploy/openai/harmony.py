@@ -88,6 +88,10 @@ class HarmonyChat:
         check_tools(req)
         if req.continue_final_message or not req.add_generation_prompt:
             raise bad_request("GPT-OSS chats always end with a new assistant turn", param="continue_final_message")
+        extra = set(req.chat_template_kwargs or {}) - {"reasoning_effort"}
+        if extra:
+            raise bad_request(f"harmony (GPT-OSS) takes only reasoning_effort here, not {sorted(extra)}",
+                              param="chat_template_kwargs")  # fmt: skip
         convo = Conversation.from_messages(self._messages(req))
         return list(self.encoding.render_conversation_for_completion(convo, Role.ASSISTANT))
 
@@ -107,7 +111,10 @@ class HarmonyChat:
             ToolDescription,
         )
 
-        effort = ReasoningEffort[(req.reasoning_effort or "medium").upper()]
+        effort_name = req.reasoning_effort or (req.chat_template_kwargs or {}).get("reasoning_effort") or "medium"
+        if str(effort_name).upper() not in ReasoningEffort.__members__:
+            raise bad_request("reasoning_effort must be low, medium or high", param="chat_template_kwargs")
+        effort = ReasoningEffort[str(effort_name).upper()]
         out = [Message.from_role_and_content(Role.SYSTEM, SystemContent.new().with_reasoning_effort(effort))]
         instructions = "\n".join(m.text() for m in req.messages if m.role in ("system", "developer"))
         dev = DeveloperContent.new()

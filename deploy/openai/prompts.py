@@ -76,9 +76,6 @@ class PromptBuilder:
         self._check_ids(ids, "messages")
         return ids
 
-    def text_of(self, ids: list[int]) -> str:
-        return str(self._tok.decode(ids, skip_special_tokens=False))
-
     def _check_ids(self, ids: list[int], param: str) -> None:
         if not ids:
             raise bad_request("prompt is empty; send text or token ids", param=param)

@@ -59,7 +59,6 @@ class ResponseBuilder:
         self.shape = shape
         self.created = now()
         self._prompts = prompts
-        self._echoes: dict[int, tuple[str, OffsetTracker]] = {}  # prompt index -> (text, offsets)
         self._offsets: dict[int, OffsetTracker] = {}  # choice index -> offsets of its tokens
 
     # -- completions ---------------------------------------------------------------------------

@@ -160,3 +160,13 @@ def test_openai_client_reads_reasoning_and_calls(vocab_dir: Path) -> None:
     assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == "The user wants weather."
     assert [tc.function.arguments for d in deltas for tc in (d.tool_calls or [])] == ['{"city": "Oslo"}']
     assert [x.finish_reason for ch in chunks for x in ch.choices if x.finish_reason] == ["tool_calls"]
+
+
+def test_template_kwargs_carry_only_the_reasoning_effort(vocab_dir: Path) -> None:
+    """chat_template_kwargs.reasoning_effort sets the level; any other key is a 400 naming it."""
+    h, fmt = _chat(vocab_dir, ANSWER)
+    msgs = [{"role": "user", "content": "Hi"}]
+    ok = _post(h, {"messages": msgs, "chat_template_kwargs": {"reasoning_effort": "low"}})
+    bad = _post(h, {"messages": msgs, "chat_template_kwargs": {"enable_thinking": True}})
+    assert ok.status_code == 200 and "Reasoning: low" in fmt.encoding.decode(h.engines[0]._history[0])
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "chat_template_kwargs"
