@@ -26,8 +26,7 @@ from worker.engine.engine import Engine
 from worker.engine.setup import EngineParts
 from worker.models.spec import KindShape, LayerKind, ModelSpec
 from worker.runner.forward_batch import ForwardBatch
-from worker.runner.sampler import SampleOutput
-from worker.sampling_params import SamplingParams
+from worker.runner.sampler import SampleOutput, SampleRow
 
 SIM_VOCAB = 32_000
 SIM_MAX_MODEL_LEN = 65_536
@@ -77,12 +76,9 @@ class SimRunner:
         return torch.empty(batch.num_logits, 0)
 
     def sample(
-        self,
-        logits: torch.Tensor,
-        params: Sequence[SamplingParams],
-        generators: Sequence[torch.Generator | None],
+        self, logits: torch.Tensor, rows: Sequence[SampleRow], bitmask: torch.Tensor | None = None
     ) -> SampleOutput:
-        n = len(params)
+        n = len(rows)
         assert n == logits.shape[0], f"{n} sampling rows for {logits.shape[0]} logits rows"
         return SampleOutput([self.token_id] * n, [None] * n, [None] * n)
 

@@ -296,12 +296,20 @@ class RoutedRequest:
 
     token_ids: list[int]  # the whole prompt (the router hashes token_ids[:-1], as the worker matches)
     request_id: str = ""
-    max_new_tokens: int = 0  # for the capacity estimate; 0 when unknown
+    max_new_tokens: int = 0  # for the capacity estimate (all choices); 0 when unknown
     params: SamplingParams | None = None  # opaque to the router; None: the engine's defaults
     routing: RoutingDecision | None = None  # filled in by the router
+    # More choices of the same prompt, served by the same replica so they share its prefill;
+    # the stream's deltas carry each choice's id (`choice_ids`).
+    sibling_params: tuple[SamplingParams, ...] = ()
 
     def with_routing(self, decision: RoutingDecision) -> RoutedRequest:
         return dataclasses.replace(self, routing=decision)
+
+    @property
+    def choice_ids(self) -> list[str]:
+        """The engine request id of each choice: `request_id`, then `request_id/1`, …."""
+        return [self.request_id] + [f"{self.request_id}/{k}" for k in range(1, 1 + len(self.sibling_params))]
 
 
 RefusalKind = Literal["invalid", "unavailable"]  # -> HTTP 400 / 503

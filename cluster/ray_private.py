@@ -9,6 +9,9 @@ Ray is imported inside each function: importing this module stays cheap.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+from collections.abc import Iterator
 from types import ModuleType
 from typing import Any
 
@@ -37,6 +40,29 @@ def loopback_init_kwargs(temp_dir: str) -> dict[str, Any]:
     jobs apart.
     """
     return {"_node_ip_address": "127.0.0.1", "_temp_dir": temp_dir}
+
+
+@contextlib.contextmanager
+def own_request_id() -> Iterator[None]:
+    """Within the block, handle calls get a fresh Serve internal request id (the
+    `_internal_request_id` of the contextvar `ray.serve.context._serve_request_context`).
+
+    Why private: a handle call made while serving an HTTP request inherits that request's
+    internal id, and Serve's request router indexes pending requests by it, skipping a second
+    one with the same id as a "retry": of several worker calls one HTTP request makes at once
+    (a batch of prompts), all but the first then wait forever. No public API sets the id of a
+    handle call (`.options()` has no such field).
+    """
+    from ray.serve import context
+    from ray.serve._private.utils import generate_request_id
+
+    current = context._get_serve_request_context()
+    var: Any = context._serve_request_context  # typed ContextVar[None] by its default
+    token = var.set(dataclasses.replace(current, _internal_request_id=generate_request_id()))
+    try:
+        yield
+    finally:
+        var.reset(token)
 
 
 # ---- tests only ----------------------------------------------------------------------------

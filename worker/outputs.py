@@ -26,6 +26,8 @@ class Output:
     cached_tokens: int  # prompt tokens served from the prefix cache
     logprobs: list[TokenLogprob] | None = None
     error: str | None = None  # set when the request was refused (finish_reason "abort")
+    # One per prompt token when asked for (SamplingParams.prompt_logprobs); the first is None.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -41,6 +43,8 @@ class StreamDelta:
     completion_tokens: int  # total so far
     logprobs: list[TokenLogprob] | None = None
     error: str | None = None
+    # Sent once, in the first delta after the prompt is computed (see Output.prompt_logprobs).
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass(frozen=True)

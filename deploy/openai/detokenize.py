@@ -19,15 +19,18 @@ _REPLACEMENT = "\ufffd"  # an incomplete UTF-8 sequence decodes to this
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: Any, context_ids: list[int] | None = None) -> None:
+    def __init__(
+        self, tokenizer: Any, context_ids: list[int] | None = None, skip_special_tokens: bool = True
+    ) -> None:
         self._tok = tokenizer
+        self._skip = skip_special_tokens
         # A few prompt tokens as context so the first generated token gets its leading space.
         self._ids: list[int] = list((context_ids or [])[-4:])
         self._prefix = 0
         self._read = len(self._ids)
 
     def _decode(self, ids: list[int]) -> str:
-        return str(self._tok.decode(ids, skip_special_tokens=True))
+        return str(self._tok.decode(ids, skip_special_tokens=self._skip))
 
     def push(self, token_ids: list[int], final: bool = False) -> str:
         """Add tokens; return the newly stable text (everything left when `final`)."""
@@ -50,12 +53,25 @@ class StopTextStream:
     """Detokenizes a choice's tokens and cuts the text at the first stop string.
 
     While a stop string could still be forming, the last `len(longest stop) - 1` characters are
-    held back so the client never sees a partial stop string.
+    held back so the client never sees a partial stop string. The first `min_tokens` tokens'
+    text is never searched (no stop before min_tokens, as the engine does).
     """
 
-    def __init__(self, tokenizer: Any, stop: list[str], context_ids: list[int] | None = None) -> None:
-        self._detok = IncrementalDetokenizer(tokenizer, context_ids)
+    def __init__(
+        self,
+        tokenizer: Any,
+        stop: list[str],
+        context_ids: list[int] | None = None,
+        *,
+        skip_special_tokens: bool = True,
+        include_stop: bool = False,
+        min_tokens: int = 0,
+    ) -> None:
+        self._detok = IncrementalDetokenizer(tokenizer, context_ids, skip_special_tokens)
+        self._unchecked = min_tokens  # tokens still to pass before stop strings count
+        self._floor = 0  # stop strings are searched from here on
         self._stop = [s for s in stop if s]
+        self._include_stop = include_stop
         self._hold = max((len(s) for s in self._stop), default=1) - 1
         self._text = ""
         self._sent = 0
@@ -64,6 +80,14 @@ class StopTextStream:
     def feed(self, token_ids: list[int], final: bool) -> TextPiece:
         if self.stopped:
             return TextPiece("", True)
+        if self._unchecked:
+            head, token_ids = token_ids[: self._unchecked], token_ids[self._unchecked :]
+            self._unchecked -= len(head)
+            self._text += self._detok.push(head, final and not token_ids)
+            self._floor = len(self._text)
+            if not token_ids:
+                piece, self._sent = self._text[self._sent :], len(self._text)
+                return TextPiece(piece, False)
         self._text += self._detok.push(token_ids, final)
         cut = self._find_stop()
         if cut is not None:
@@ -75,10 +99,14 @@ class StopTextStream:
         return TextPiece(piece, False)
 
     def _find_stop(self) -> int | None:
+        """Where the text ends at the first stop string (after it when it is kept)."""
         # Search only where a new match can start: the held-back tail plus the new text.
-        start = max(0, self._sent - self._hold)
-        hits = [i for s in self._stop if (i := self._text.find(s, start)) >= 0]
-        return min(hits) if hits else None
+        start = max(self._floor, self._sent - self._hold)
+        hits = [(i, len(s)) for s in self._stop if (i := self._text.find(s, start)) >= 0]
+        if not hits:
+            return None
+        at, length = min(hits)
+        return at + length if self._include_stop else at
 
     @property
     def text(self) -> str:

@@ -11,10 +11,14 @@ a `ServeWorkerClient` around the worker handle) and hands Serve the app through
 | body size | `GuardMiddleware` (Content-Length) and `_read_body` (actual bytes) | 413 |
 | overload | `OpenAIService._admit` (in-flight bound) / worker backpressure | 429 / 503 + `Retry-After` |
 | any error | `APIError` handler, plus 404/405/500 mapped to the same shape | `{"error": {...}}` |
+| client gone before headers | `GuardMiddleware` | counted as 499 in `/metrics` |
+| schema | `deploy.openai.openapi` (`/openapi.json`, `/docs`); `/tokenize` etc. in `utility_routes` | |
 """
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import hmac
 import logging
 import time
@@ -29,10 +33,14 @@ from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deploy.metrics import CONTENT_TYPE, IngressMetrics
-from deploy.openai.schema import APIError
+from deploy.openai.bodies import ChatCompletionResponse, CompletionResponse
+from deploy.openai.openapi import body_spec, install_openapi
+from deploy.openai.schema import APIError, ChatCompletionRequest, CompletionRequest
 from deploy.openai.service import OpenAIService, Reply, ServiceOptions
+from deploy.openai.utility_routes import add_utility_routes
 
 log = logging.getLogger("swaserve.ingress")
+CLIENT_CLOSED = 499  # nginx's status for a client that hung up before the response
 
 
 @dataclass(frozen=True)
@@ -67,7 +75,8 @@ async def _read_body(request: Request, limit: int) -> bytes:
 
 
 def create_app(service: OpenAIService, options: IngressOptions) -> FastAPI:
-    app = FastAPI(title="swaserve", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="swaserve", docs_url="/docs", redoc_url=None, openapi_url="/openapi.json")
+    install_openapi(app, options.service.model_name)
     metrics = service.metrics
 
     app.add_middleware(GuardMiddleware, options=options, metrics=metrics)
@@ -88,12 +97,12 @@ def create_app(service: OpenAIService, options: IngressOptions) -> FastAPI:
         log.exception("unhandled error")
         return error_response(APIError(500, f"internal error: {type(e).__name__}: {e}", type="server_error"))
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=body_spec(CompletionRequest, CompletionResponse))
     async def completions(request: Request) -> Response:
         raw = await _read_body(request, options.max_request_bytes)
         return to_response(await service.completions(raw))
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=body_spec(ChatCompletionRequest, ChatCompletionResponse))
     async def chat(request: Request) -> Response:
         raw = await _read_body(request, options.max_request_bytes)
         return to_response(await service.chat(raw))
@@ -101,6 +110,9 @@ def create_app(service: OpenAIService, options: IngressOptions) -> FastAPI:
     @app.get("/v1/models")
     async def models() -> Response:
         return Response((await service.models()).model_dump_json(), media_type="application/json")
+
+    add_utility_routes(app, service, options.service.model_name,
+                       lambda request: _read_body(request, options.max_request_bytes))  # fmt: skip
 
     @app.get("/health")
     async def health() -> Response:
@@ -132,11 +144,11 @@ class GuardMiddleware:
             await self._app(scope, receive, send)
             return
         path = scope["path"]
-        status = {"code": 500}
+        status = {"code": 500, "started": 0}
 
         async def counting_send(message: MutableMapping[str, Any]) -> None:
             if message["type"] == "http.response.start":
-                status["code"] = message["status"]
+                status["code"], status["started"] = message["status"], 1
             await send(message)
 
         try:
@@ -147,7 +159,12 @@ class GuardMiddleware:
         except APIError as e:
             await error_response(e)(scope, receive, counting_send)
         else:
-            await self._app(scope, receive, counting_send)
+            try:
+                await self._app(scope, receive, counting_send)
+            except asyncio.CancelledError:
+                if not status["started"]:
+                    status["code"] = CLIENT_CLOSED  # the client left before the headers
+                raise
         finally:
             self._metrics.requests.labels(_endpoint(path), str(status["code"])).inc()
 
@@ -180,12 +197,17 @@ class IngressDeployment:
     `__serve_build_asgi_app__` (Serve calls it after `__init__`)."""
 
     def __init__(self, worker: DeploymentHandle, options: IngressOptions) -> None:
+        from deploy.openai.chat_format import chat_format_for
         from deploy.replica.client import ServeWorkerClient
         from worker.models.model_dir import load_tokenizer, resolve_model_dir
 
         self._options = options
-        tokenizer = load_tokenizer(resolve_model_dir(options.model))
-        self._service = OpenAIService(tokenizer, ServeWorkerClient(worker), options.service)
+        model_dir = resolve_model_dir(options.model)
+        tokenizer = load_tokenizer(model_dir)
+        chat = chat_format_for(tokenizer, str(model_dir))
+        # `root` names what is loaded where a client can load its tokenizer from (vLLM's clients do)
+        service = dataclasses.replace(options.service, model_root=str(model_dir))
+        self._service = OpenAIService(tokenizer, ServeWorkerClient(worker), service, chat_format=chat)
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         return create_app(self._service, self._options)

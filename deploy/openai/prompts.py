@@ -2,15 +2,17 @@
 
 `/v1/completions` takes text (tokenized with the tokenizer's special tokens, e.g. BOS, as vLLM
 does), token ids, or a batch of either; `/v1/chat/completions` renders the tokenizer's chat
-template with the generation prompt and tokenizes the result without adding special tokens again.
+template (tools, tool calls, `chat_template_kwargs`; the generation prompt unless asked not to)
+and tokenizes the result without adding special tokens again. GPT-OSS renders harmony instead
+(`deploy.openai.harmony`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import json
 from typing import Any
 
-from deploy.openai.schema import ChatMessage, bad_request
+from deploy.openai.schema import ChatCompletionRequest, ChatMessage, bad_request
 
 MAX_BATCH = 16  # prompts per /v1/completions request
 
@@ -44,16 +46,30 @@ class PromptBuilder:
             out.append(ids)
         return out
 
-    def chat(self, messages: Sequence[ChatMessage]) -> list[int]:
-        if not any(m.text() for m in messages):
-            raise bad_request("every message is empty; send some content", param="messages")
+    def chat(self, req: ChatCompletionRequest) -> list[int]:
+        """The chat template over the messages (with tools, assistant tool calls, tool results
+        and `chat_template_kwargs`), then tokenized without adding special tokens again."""
         if not getattr(self._tok, "chat_template", None):
             raise bad_request(
                 "this model's tokenizer has no chat template; use /v1/completions", param="messages"
             )
-        convo = [_as_dict(m) for m in messages]
+        if req.continue_final_message and (req.add_generation_prompt or req.messages[-1].role != "assistant"):
+            raise bad_request(
+                "continue_final_message needs add_generation_prompt=false and a last assistant message",
+                param="continue_final_message",
+            )
+        kwargs = dict(req.chat_template_kwargs or {})
+        reserved = {"messages", "tools", "add_generation_prompt", "continue_final_message", "tokenize"}
+        if reserved & set(kwargs):
+            raise bad_request(f"chat_template_kwargs may not set {sorted(reserved & set(kwargs))}",
+                              param="chat_template_kwargs")  # fmt: skip
+        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
         try:
-            text = self._tok.apply_chat_template(convo, add_generation_prompt=True, tokenize=False)
+            text = self._tok.apply_chat_template(
+                [_as_dict(m) for m in req.messages], tools=tools, tokenize=False,
+                add_generation_prompt=req.add_generation_prompt,
+                continue_final_message=req.continue_final_message, **kwargs,
+            )  # fmt: skip
         except Exception as e:  # noqa: BLE001 - templates raise on e.g. bad role order
             raise bad_request(f"the chat template rejected these messages: {e}", param="messages") from None
         ids = list(self._tok(text, add_special_tokens=False)["input_ids"])
@@ -68,8 +84,26 @@ class PromptBuilder:
             raise bad_request(f"token id {bad} is outside the vocabulary [0, {self._vocab})", param=param)
 
 
-def _as_dict(m: ChatMessage) -> dict[str, str]:
-    d = {"role": m.role, "content": m.text()}
+def _as_dict(m: ChatMessage) -> dict[str, Any]:
+    d: dict[str, Any] = {"role": m.role, "content": m.text()}
     if m.name:
         d["name"] = m.name
+    if m.tool_call_id:
+        d["tool_call_id"] = m.tool_call_id
+    if m.reasoning_content:
+        d["reasoning_content"] = m.reasoning_content
+    if m.tool_calls:
+        # Templates read the arguments as a mapping (`| tojson`); clients send a JSON string.
+        d["tool_calls"] = [
+            {"id": c.id, "type": "function",
+             "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments)}}
+            for c in m.tool_calls
+        ]  # fmt: skip
     return d
+
+
+def _arguments(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text

@@ -1,14 +1,19 @@
-"""Builds the OpenAI response bodies and stream chunks for completions and chat completions."""
+"""Builds the OpenAI response bodies and stream chunks for completions and chat completions.
+
+Completions with `echo` put the prompt's text (and, with `logprobs`, its tokens' logprobs, the
+first one null) before the completion; chat choices carry what their `ChatParser` made of the
+text: content, `reasoning_content`, `tool_calls` (finish reason `tool_calls` then).
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from pydantic import BaseModel
 
-from deploy.openai.choices import ChoiceState, chat_logprobs, completion_logprobs
-from deploy.openai.schema import (
+from deploy.openai.bodies import (
     ChatChoice,
     ChatChunkChoice,
     ChatCompletionChunk,
@@ -16,21 +21,103 @@ from deploy.openai.schema import (
     ChatDelta,
     ChatMessageOut,
     CompletionChoice,
+    CompletionLogprobs,
     CompletionResponse,
     Usage,
     now,
 )
-from worker.outputs import StreamDelta
+from deploy.openai.choices import (
+    ChoiceState,
+    OffsetTracker,
+    chat_logprobs,
+    completion_logprobs,
+    prompt_logprobs_body,
+)
+from deploy.openai.detokenize import IncrementalDetokenizer
+from deploy.openai.tools import ChatPiece
+from worker.outputs import StreamDelta, TokenLogprob
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What the client asked to see."""
+
+    logprobs: bool = False  # completion/chat token logprobs
+    echo: bool = False
+    prompt_logprobs: bool = False  # vLLM's prompt_logprobs field
+    skip_special_tokens: bool = True
 
 
 class ResponseBuilder:
-    def __init__(self, tokenizer: Any, response_id: str, model: str, chat: bool) -> None:
+    def __init__(
+        self, tokenizer: Any, response_id: str, model: str, chat: bool, shape: Shape, prompts: list[list[int]]
+    ) -> None:
         self._tok = tokenizer
         self.id = response_id
         self.model = model
         self.chat = chat
+        self.shape = shape
         self.created = now()
-        self._offsets: dict[int, int] = {}  # choice index -> text offset (completion logprobs)
+        self._prompts = prompts
+        self._offsets: dict[int, OffsetTracker] = {}  # choice index -> offsets of its tokens
+
+    # -- completions ---------------------------------------------------------------------------
+
+    def _echo(self, c: ChoiceState) -> tuple[str, OffsetTracker]:
+        """The echoed prompt text, and an offset tracker positioned after it."""
+        ids = self._prompts[c.prompt_index]
+        detok = IncrementalDetokenizer(self._tok, None, self.shape.skip_special_tokens)
+        text = detok.push(ids, final=True)
+        return text, OffsetTracker(self._tok, 0, None, self.shape.skip_special_tokens)
+
+    def _completion_logprobs(self, c: ChoiceState, ids: Sequence[int], lps: Sequence[TokenLogprob | None],
+                             echo_first: bool) -> CompletionLogprobs:  # fmt: skip
+        if c.index not in self._offsets:
+            start = len(self._echo(c)[0]) if self.shape.echo else 0
+            context = self._prompts[c.prompt_index][-4:]
+            self._offsets[c.index] = OffsetTracker(self._tok, start, context, self.shape.skip_special_tokens)
+        out = CompletionLogprobs()
+        if echo_first:
+            prompt_ids = self._prompts[c.prompt_index]
+            _, tracker = self._echo(c)
+            out = completion_logprobs(self._tok, c.prompt_logprobs or [None] * len(prompt_ids), prompt_ids, tracker)
+        gen = completion_logprobs(self._tok, lps, ids, self._offsets[c.index])
+        for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+            getattr(out, name).extend(getattr(gen, name))
+        return out
+
+    def _completion_choice(self, c: ChoiceState, text: str, ids: Sequence[int], lps: Sequence[TokenLogprob],
+                           first: bool, final: bool) -> CompletionChoice:  # fmt: skip
+        echo = self.shape.echo and first
+        logprobs = None
+        if self.shape.logprobs and (ids or echo):
+            logprobs = self._completion_logprobs(c, ids, lps, echo)
+        prompt_lps = None
+        if self.shape.prompt_logprobs and first and c.prompt_logprobs is not None:
+            prompt_lps = prompt_logprobs_body(self._tok, c.prompt_logprobs)
+        prefix = self._echo(c)[0] if echo else ""
+        return CompletionChoice(
+            index=c.index, text=prefix + text, logprobs=logprobs, prompt_logprobs=prompt_lps,
+            finish_reason=c.finish_reason if final else None,
+        )  # fmt: skip
+
+    # -- chat ----------------------------------------------------------------------------------
+
+    def _chat_message(self, c: ChoiceState) -> ChatMessageOut:
+        p = c.parser
+        assert p is not None
+        return ChatMessageOut(
+            content=p.content if (p.content or not p.calls) else None,
+            reasoning_content=p.reasoning or None,
+            tool_calls=p.calls or None,
+        )
+
+    def finish_reason(self, c: ChoiceState) -> str | None:
+        if self.chat and c.parser is not None and c.parser.calls and c.finish_reason == "stop":
+            return "tool_calls"
+        return c.finish_reason
+
+    # -- bodies and chunks ---------------------------------------------------------------------
 
     def final(self, choices: Sequence[ChoiceState], usage: Usage) -> BaseModel:
         ordered = sorted(choices, key=lambda c: c.index)
@@ -39,46 +126,47 @@ class ResponseBuilder:
                 id=self.id, created=self.created, model=self.model, usage=usage,
                 choices=[
                     ChatChoice(
-                        index=c.index, message=ChatMessageOut(content=c.text.text),
-                        finish_reason=c.finish_reason,
-                        logprobs=chat_logprobs(self._tok, c.logprobs) if c.logprobs else None,
+                        index=c.index, message=self._chat_message(c), finish_reason=self.finish_reason(c),
+                        logprobs=chat_logprobs(self._tok, c.logprobs) if self.shape.logprobs else None,
+                        prompt_logprobs=self._prompt_lps(c),
                     )
                     for c in ordered
                 ],
             )  # fmt: skip
         return CompletionResponse(
             id=self.id, created=self.created, model=self.model, usage=usage,
-            choices=[
-                CompletionChoice(
-                    index=c.index, text=c.text.text, finish_reason=c.finish_reason,
-                    logprobs=completion_logprobs(self._tok, c.logprobs, 0) if c.logprobs else None,
-                )
-                for c in ordered
-            ],
+            choices=[self._completion_choice(c, c.text.text, c.token_ids, c.logprobs, True, True) for c in ordered],
         )  # fmt: skip
+
+    def _prompt_lps(self, c: ChoiceState) -> Any:
+        if self.shape.prompt_logprobs and c.prompt_logprobs is not None:
+            return prompt_logprobs_body(self._tok, c.prompt_logprobs)
+        return None
 
     def first_chunk(self, c: ChoiceState) -> BaseModel:
         choice = ChatChunkChoice(index=c.index, delta=ChatDelta(role="assistant", content=""))
         return ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[choice])
 
-    def chunk(self, c: ChoiceState, text: str, delta: StreamDelta) -> BaseModel | None:
+    def chat_chunk(self, c: ChoiceState, piece: ChatPiece, delta: StreamDelta, final: bool) -> BaseModel | None:
         """The chunk for one delta, or None when it carries nothing the client can see yet."""
-        finish = c.finish_reason
-        lps = delta.logprobs or []
-        if not text and finish is None and not lps:
+        lps = (delta.logprobs or []) if self.shape.logprobs else []
+        finish = self.finish_reason(c) if final else None
+        if not piece and finish is None and not lps:
             return None
-        if self.chat:
-            choice = ChatChunkChoice(
-                index=c.index, delta=ChatDelta(content=text), finish_reason=finish,
-                logprobs=chat_logprobs(self._tok, lps) if lps else None,
-            )  # fmt: skip
-            return ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[choice])
-        offset = self._offsets.get(c.index, 0)
-        logprobs = completion_logprobs(self._tok, lps, offset) if lps else None
-        if logprobs is not None:
-            self._offsets[c.index] = offset + sum(len(t) for t in logprobs.tokens)
-        text_choice = CompletionChoice(index=c.index, text=text, finish_reason=finish, logprobs=logprobs)
-        return CompletionResponse(id=self.id, created=self.created, model=self.model, choices=[text_choice])
+        choice = ChatChunkChoice(
+            index=c.index,
+            delta=ChatDelta(content=piece.content or None, reasoning_content=piece.reasoning or None,
+                            tool_calls=piece.tool_calls or None),
+            finish_reason=finish, logprobs=chat_logprobs(self._tok, lps) if lps else None,
+        )  # fmt: skip
+        return ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[choice])
+
+    def completion_chunk(self, c: ChoiceState, text: str, delta: StreamDelta, first: bool, final: bool) -> BaseModel | None:
+        lps = delta.logprobs or []
+        if not text and not final and not (self.shape.logprobs and lps) and not (first and self.shape.echo):
+            return None
+        choice = self._completion_choice(c, text, delta.token_ids, lps, first, final)
+        return CompletionResponse(id=self.id, created=self.created, model=self.model, choices=[choice])
 
     def usage_chunk(self, usage: Usage) -> BaseModel:
         if self.chat:

@@ -1,14 +1,14 @@
-"""OpenAI-compatible request/response models and the error shape (docs/design.md §4.2).
+"""OpenAI-compatible request models and the error shape (docs/design.md §4.2).
 
 Requests are parsed strictly (`strict=True`, unknown fields rejected) so a typo such as
 `"tempreature"` or `"max_tokens": "5"` is a 400 naming the field, never silently ignored.
 Only the common no-op fields OpenAI clients send (`user`, `metadata`, `store`, …) are accepted
-without effect. Responses are pydantic models serialised with `model_dump(exclude_none=True)`.
+without effect. vLLM's extensions real clients send (`top_k`, `repetition_penalty`, `guided_json`,
+…) are honoured. The response models are in `deploy.openai.bodies`.
 """
 
 from __future__ import annotations
 
-import time
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -89,6 +89,7 @@ def parse_request(model: type[BaseModel], raw: bytes) -> Any:
 # Requests
 
 _STRICT = ConfigDict(strict=True, extra="forbid")
+LOGPROBS_MAX = 20
 
 
 class StreamOptions(BaseModel):
@@ -97,26 +98,61 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool = Field(False, description="Accepted; usage comes in the final chunk only.")
 
 
-class _CommonRequest(BaseModel):
+class JsonSchemaFormat(BaseModel):
     model_config = _STRICT
+    name: str = Field("response", description="A name for the schema.")
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema", description="The JSON schema.")
+    strict: bool | None = Field(None, description="Accepted; the output always follows the schema.")
+
+
+class ResponseFormat(BaseModel):
+    model_config = _STRICT
+    type: Literal["text", "json_object", "json_schema"] = Field(description="Output format.")
+    json_schema: JsonSchemaFormat | None = Field(None, description="Required with type json_schema.")
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's `structured_outputs` object (the newer spelling of the guided_* fields)."""
+
+    model_config = _STRICT
+    json_: dict[str, Any] | str | None = Field(None, alias="json", description="A JSON schema.")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = Field(None, description="A Lark grammar.")
+
+
+class _CommonRequest(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid", populate_by_name=True)
 
     model: str = Field(description="Served model name (see /v1/models).")
-    max_tokens: int | None = Field(None, ge=1, description="Upper bound on generated tokens.")
+    max_tokens: int | None = Field(None, ge=0, description="Upper bound on generated tokens (0: prompt only).")
     temperature: float | None = Field(None, ge=0.0, le=2.0, description="0 means greedy.")
     top_p: float | None = Field(None, gt=0.0, le=1.0, description="Nucleus sampling mass.")
     n: int = Field(1, ge=1, le=16, description="Choices per prompt.")
     stream: bool = Field(False, description="Server-sent events instead of one JSON body.")
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = Field(None, description="Up to 4 stop strings.")
-    seed: int | None = Field(None, description="Per-request sampling seed.")
-    presence_penalty: float = Field(0.0, description="Only 0 is supported.")
-    frequency_penalty: float = Field(0.0, description="Only 0 is supported.")
-    logit_bias: dict[str, float] | None = Field(None, description="Not supported; must be empty.")
+    stop: str | list[str] | None = Field(None, description="Stop strings (any number).")
+    seed: int | None = Field(None, description="Sampling seed (any integer).")
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0, description="Penalty on tokens already generated.")
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0, description="Penalty per occurrence in the output.")
+    logit_bias: dict[str, float] | None = Field(None, description="Token id (as a string) -> bias in [-100, 100].")
+    response_format: ResponseFormat | None = Field(None, description="text, json_object or json_schema.")
     # vLLM/SGLang-style extensions
-    top_k: int | None = Field(None, description="Sample among the k most likely tokens (-1/0: off).")
+    top_k: int | None = Field(None, ge=-1, description="Sample among the k most likely tokens (-1/0: off).")
     min_p: float | None = Field(None, ge=0.0, le=1.0, description="Minimum probability relative to the top token.")
+    repetition_penalty: float | None = Field(None, gt=0.0, description="vLLM's repetition penalty (1: off).")
+    min_tokens: int = Field(0, ge=0, description="No EOS or stop before this many tokens.")
     ignore_eos: bool = Field(False, description="Keep generating past EOS.")
     stop_token_ids: list[int] | None = Field(None, description="Token ids that end generation.")
+    skip_special_tokens: bool = Field(True, description="Leave special tokens out of the text.")
+    include_stop_str_in_output: bool = Field(False, description="Keep the stop string at the end of the text.")
+    prompt_logprobs: int | None = Field(None, ge=0, le=LOGPROBS_MAX, description="Logprobs of each prompt token.")
+    guided_json: dict[str, Any] | str | None = Field(None, description="Output follows this JSON schema.")
+    guided_regex: str | None = Field(None, description="Output matches this regular expression.")
+    guided_choice: list[str] | None = Field(None, description="Output is exactly one of these strings.")
+    guided_grammar: str | None = Field(None, description="Output follows this Lark grammar.")
+    structured_outputs: StructuredOutputs | None = None
     # accepted, no effect
     user: str | None = None
     metadata: dict[str, str] | None = None
@@ -133,10 +169,10 @@ class CompletionRequest(_CommonRequest):
     prompt: str | list[int] | list[str] | list[list[int]] = Field(
         description="Text, token ids, or a batch of either."
     )
-    echo: bool = Field(False, description="Not supported; must be false.")
-    logprobs: int | None = Field(None, ge=0, le=20, description="Top-n logprobs per token.")
+    echo: bool = Field(False, description="Return the prompt before the completion (and its logprobs).")
+    logprobs: int | None = Field(None, ge=0, le=LOGPROBS_MAX, description="Top-n logprobs per token.")
     suffix: str | None = Field(None, description="Not supported; must be null.")
-    best_of: int | None = Field(None, description="Must equal n when set.")
+    best_of: int | None = Field(None, ge=1, le=16, description="Generate this many, return the n most likely.")
 
 
 class TextPart(BaseModel):
@@ -145,11 +181,27 @@ class TextPart(BaseModel):
     text: str
 
 
+class FunctionCall(BaseModel):
+    model_config = _STRICT
+    name: str
+    arguments: str = Field(description="The arguments as a JSON string.")
+
+
+class ToolCall(BaseModel):
+    model_config = _STRICT
+    id: str = ""
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = _STRICT
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = Field(None, description="An assistant's earlier tool calls.")
+    tool_call_id: str | None = Field(None, description="The call a tool message answers.")
+    reasoning_content: str | None = Field(None, description="An assistant's earlier reasoning.")
 
     def text(self) -> str:
         if self.content is None:
@@ -159,123 +211,42 @@ class ChatMessage(BaseModel):
         return "".join(p.text for p in self.content)
 
 
+class FunctionDef(BaseModel):
+    model_config = _STRICT
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = Field(None, description="A JSON schema of the arguments.")
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    model_config = _STRICT
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(BaseModel):
+    model_config = _STRICT
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = _STRICT
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatCompletionRequest(_CommonRequest):
     messages: list[ChatMessage] = Field(min_length=1, description="The conversation so far.")
-    max_completion_tokens: int | None = Field(None, ge=1, description="Alias of max_tokens.")
+    max_completion_tokens: int | None = Field(None, ge=0, description="Alias of max_tokens.")
     logprobs: bool = Field(False, description="Return per-token logprobs.")
-    top_logprobs: int | None = Field(None, ge=0, le=20, description="Top-n alternatives per token.")
-    tools: list[dict[str, Any]] | None = Field(None, description="Not supported; must be empty.")
-    tool_choice: str | dict[str, Any] | None = Field(None, description="Only 'none' is supported.")
-    response_format: dict[str, Any] | None = Field(None, description="Only {'type': 'text'}.")
-    parallel_tool_calls: bool | None = None
-
-
-# ----------------------------------------------------------------------------------------------
-# Responses
-
-
-def now() -> int:
-    return int(time.time())
-
-
-class PromptTokensDetails(BaseModel):
-    cached_tokens: int
-
-
-class Usage(BaseModel):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-    prompt_tokens_details: PromptTokensDetails
-
-
-class CompletionLogprobs(BaseModel):
-    tokens: list[str] = []
-    token_logprobs: list[float] = []
-    top_logprobs: list[dict[str, float]] = []
-    text_offset: list[int] = []
-
-
-class CompletionChoice(BaseModel):
-    index: int
-    text: str
-    logprobs: CompletionLogprobs | None = None
-    finish_reason: str | None = None
-
-
-class CompletionResponse(BaseModel):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
-    choices: list[CompletionChoice]
-    usage: Usage | None = None
-
-
-class TopLogprob(BaseModel):
-    token: str
-    logprob: float
-    bytes: list[int]
-
-
-class ChatTokenLogprob(TopLogprob):
-    top_logprobs: list[TopLogprob] = []
-
-
-class ChatLogprobs(BaseModel):
-    content: list[ChatTokenLogprob] = []
-
-
-class ChatMessageOut(BaseModel):
-    role: Literal["assistant"] = "assistant"
-    content: str
-
-
-class ChatChoice(BaseModel):
-    index: int
-    message: ChatMessageOut
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-
-
-class ChatCompletionResponse(BaseModel):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
-    choices: list[ChatChoice]
-    usage: Usage | None = None
-
-
-class ChatDelta(BaseModel):
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-
-
-class ChatChunkChoice(BaseModel):
-    index: int
-    delta: ChatDelta
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-
-
-class ChatCompletionChunk(BaseModel):
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    choices: list[ChatChunkChoice]
-    usage: Usage | None = None
-
-
-class ModelCard(BaseModel):
-    id: str
-    object: Literal["model"] = "model"
-    created: int
-    owned_by: str = "swaserve"
-    max_model_len: int | None = None
-
-
-class ModelList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]
+    top_logprobs: int | None = Field(None, ge=0, le=LOGPROBS_MAX, description="Top-n alternatives per token.")
+    tools: list[Tool] | None = Field(None, description="Functions the model may call.")
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None, description="none, auto (default with tools), required, or a named function."
+    )
+    parallel_tool_calls: bool | None = Field(None, description="Allow more than one call (required mode).")
+    reasoning_effort: Literal["low", "medium", "high"] | None = Field(None, description="GPT-OSS reasoning level.")
+    chat_template_kwargs: dict[str, Any] | None = Field(None, description="Extra chat template variables.")
+    add_generation_prompt: bool = Field(True, description="End the prompt with the assistant's turn header.")
+    continue_final_message: bool = Field(False, description="Continue the last (assistant) message.")

@@ -1,16 +1,16 @@
 """The OpenAI endpoints' logic, independent of FastAPI and Ray.
 
 A request goes: admission (bounded in-flight counter -> 429) -> strict parse -> tokenize (chat
-template for chat) -> `SamplingParams` -> one worker stream per choice -> the first item of each
-stream (`StreamStart`: replica id, or a refusal -> 400/503) -> a JSON body or SSE events.
-Leaving early (client gone, stop string) closes the worker streams, which aborts the requests
-on the workers and frees their KV.
+format for chat) -> `SamplingParams` -> one worker stream per prompt carrying all of its choices
+(`n`, or `best_of`; they share one prefill on one replica) -> the first item of each stream
+(`StreamStart`: replica id, or a refusal -> 400/503) -> a JSON body or SSE events. Leaving early
+(client gone) closes the worker streams, which aborts the requests on the workers and frees
+their KV.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import time
 import weakref
 from collections.abc import AsyncIterator, Callable
@@ -21,23 +21,25 @@ from pydantic import BaseModel
 
 from cluster.messages import RoutedRequest, StreamStart
 from deploy.metrics import IngressMetrics
-from deploy.openai.checks import check_chat, check_completion, sampling_params
-from deploy.openai.choices import ChoiceState, merged, usage_of
+from deploy.openai.bodies import ModelCard, ModelList
+from deploy.openai.chat_format import ChatFormat, TemplateChat
+from deploy.openai.checks import check_chat, check_completion, sampling_params, sibling_params
+from deploy.openai.choices import ChoiceState, best_of, usage_of
 from deploy.openai.detokenize import StopTextStream
+from deploy.openai.fanout import Fanout, PromptStream
 from deploy.openai.headers import PREDICTED_CACHED_TOKENS_HEADER, REPLICA_HEADER
 from deploy.openai.prompts import PromptBuilder
-from deploy.openai.responses import ResponseBuilder
+from deploy.openai.responses import ResponseBuilder, Shape
 from deploy.openai.schema import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
-    ModelCard,
-    ModelList,
     bad_request,
     overloaded,
     parse_request,
 )
 from deploy.openai.streaming import RequestTimer, from_model, sse, translate_worker_error
+from deploy.openai.structured import request_grammar
 from deploy.replica.client import ReplicaSnapshot, WorkerClient
 from router import ingress_signal
 from router.metrics import default_metrics as routing_metrics
@@ -49,6 +51,7 @@ class ServiceOptions:
     max_inflight: int = 256  # generation requests in flight at this ingress; more -> 429
     retry_after_s: int = 1
     default_max_tokens: int = 16  # /v1/completions without max_tokens (OpenAI's default)
+    model_root: str | None = None  # what /v1/models reports as `root`: the model directory
 
 
 @dataclass(frozen=True)
@@ -60,6 +63,17 @@ class Reply:
     events: AsyncIterator[str] | None = None
 
 
+@dataclass
+class _Run:
+    """One generation request in flight: its streams, choices and how to answer."""
+
+    req: CompletionRequest | ChatCompletionRequest
+    fanout: Fanout
+    choices: list[ChoiceState]
+    builder: ResponseBuilder
+    keep: int  # choices returned per prompt (n); more were generated when best_of > n
+
+
 class OpenAIService:
     def __init__(
         self,
@@ -67,24 +81,36 @@ class OpenAIService:
         client: WorkerClient,
         options: ServiceOptions,
         metrics: IngressMetrics | None = None,
+        chat_format: ChatFormat | None = None,
     ) -> None:
         self._tok = tokenizer
         self._client = client
         self._opts = options
         self.metrics = metrics or IngressMetrics()
         self._prompts = PromptBuilder(tokenizer)
+        self._chat = chat_format or TemplateChat(tokenizer, "")
         self._inflight = 0
         self._created = int(time.time())
+
+    @property
+    def tokenizer(self) -> Any:
+        return self._tok
 
     # -- endpoints -------------------------------------------------------------------------
 
     async def replica_stats(self) -> ReplicaSnapshot:
         return await self._client.replica_stats()
 
-    async def models(self) -> ModelList:
+    async def model_card(self) -> ModelCard:
         info = await self._client.info()
-        card = ModelCard(id=self._opts.model_name, created=self._created, max_model_len=info.max_model_len)
-        return ModelList(data=[card])
+        root = self._opts.model_root or self._opts.model_name
+        return ModelCard(id=self._opts.model_name, created=self._created, root=root, max_model_len=info.max_model_len)
+
+    async def models(self) -> ModelList:
+        return ModelList(data=[await self.model_card()])
+
+    async def max_model_len(self) -> int:
+        return (await self._client.info()).max_model_len
 
     async def completions(self, raw: bytes) -> Reply:
         with_release = self._admit()
@@ -92,7 +118,7 @@ class OpenAIService:
             req: CompletionRequest = parse_request(CompletionRequest, raw)
             check_completion(req, self._opts.model_name)
             prompts = self._prompts.completion(req.prompt)
-            return await self._run(req, prompts, chat=False, release=with_release)
+            return await self._run(req, prompts, request_grammar(req), with_release)
         except BaseException:
             with_release()
             raise
@@ -102,8 +128,12 @@ class OpenAIService:
         try:
             req: ChatCompletionRequest = parse_request(ChatCompletionRequest, raw)
             check_chat(req, self._opts.model_name)
-            prompts = [self._prompts.chat(req.messages)]
-            return await self._run(req, prompts, chat=True, release=with_release)
+            prompts = [self._chat.prompt(req)]
+            grammar, forced = request_grammar(req), self._chat.grammar(req)
+            if grammar is not None and forced is not None:
+                raise bad_request("tool_choice required/named cannot be combined with an output format",
+                                  param="tool_choice")  # fmt: skip
+            return await self._run(req, prompts, grammar or forced, with_release)
         except BaseException:
             with_release()
             raise
@@ -136,150 +166,181 @@ class OpenAIService:
 
     # -- running -----------------------------------------------------------------------------
 
-    async def _run(
-        self,
-        req: CompletionRequest | ChatCompletionRequest,
-        prompts: list[list[int]],
-        chat: bool,
-        release: Callable[[], None],
-    ) -> Reply:
-        t0 = time.monotonic()
+    async def _plan(self, req: CompletionRequest | ChatCompletionRequest, prompts: list[list[int]],
+                    grammar: Any) -> _Run:  # fmt: skip
+        chat = isinstance(req, ChatCompletionRequest)
         base_id = f"{'chatcmpl' if chat else 'cmpl'}-{time.time_ns():x}{id(req) & 0xFFFF:04x}"
-        choices = []
+        total = req.n if chat else (req.best_of or req.n)  # type: ignore[union-attr]
+        info = await self._client.info()
+        extra_stops = self._chat.stop_token_ids if chat else ()
+        streams, choices = [], []
         for p_idx, ids in enumerate(prompts):
-            info = await self._client.info()
-            params = sampling_params(req, len(ids), info.max_model_len, chat, self._opts.default_max_tokens)
-            for k in range(req.n):
-                seeded = params if params.seed is None or k == 0 else dataclasses.replace(params, seed=params.seed + k)
-                index = p_idx * req.n + k
-                request = RoutedRequest(
-                    token_ids=ids, request_id=f"{base_id}-{index}", max_new_tokens=seeded.max_tokens, params=seeded
-                )
-                text = StopTextStream(self._tok, list(params.stop), context_ids=ids)
-                choices.append(ChoiceState(index, p_idx, request, text))
-        builder = ResponseBuilder(self._tok, base_id, self._opts.model_name, chat)
-        endpoint = "chat" if chat else "completions"
+            params = sampling_params(req, len(ids), info.max_model_len, self._opts.default_max_tokens,
+                                     grammar, extra_stops)  # fmt: skip
+            request = RoutedRequest(
+                token_ids=ids, request_id=f"{base_id}-{p_idx}", max_new_tokens=params.max_tokens * total,
+                params=params, sibling_params=tuple(sibling_params(params, k) for k in range(1, total)),
+            )  # fmt: skip
+            streams.append(PromptStream(p_idx, request))
+            for k, cid in enumerate(request.choice_ids):
+                text = StopTextStream(self._tok, list(params.stop), context_ids=ids,
+                                      skip_special_tokens=req.skip_special_tokens,
+                                      include_stop=req.include_stop_str_in_output,
+                                      min_tokens=req.min_tokens)  # fmt: skip
+                parser = self._chat.parser(req) if isinstance(req, ChatCompletionRequest) else None
+                choices.append(ChoiceState(p_idx * total + k, p_idx, cid, text, parser))
+        echo = bool(getattr(req, "echo", False))
+        shape = Shape(
+            logprobs=bool(req.logprobs is not None if not chat else req.logprobs),
+            echo=echo, prompt_logprobs=req.prompt_logprobs is not None,
+            skip_special_tokens=req.skip_special_tokens,
+        )  # fmt: skip
+        builder = ResponseBuilder(self._tok, base_id, self._opts.model_name, chat, shape, prompts)
+        return _Run(req, Fanout(streams), choices, builder, keep=req.n)
+
+    async def _run(self, req: CompletionRequest | ChatCompletionRequest, prompts: list[list[int]],
+                   grammar: Any, release: Callable[[], None]) -> Reply:  # fmt: skip
+        t0 = time.monotonic()
+        run = await self._plan(req, prompts, grammar)
+        endpoint = "chat" if run.builder.chat else "completions"
         try:
-            await self._start(choices)
+            await self._start(run.fanout)
         except BaseException:
-            await _close_all(choices)
+            await run.fanout.close_all()
             raise
-        headers = {REPLICA_HEADER: ",".join(dict.fromkeys(c.replica for c in choices))}
-        predicted = [c.start.predicted_cached_tokens if c.start else None for c in choices]
-        if any(p is not None for p in predicted):
-            headers[PREDICTED_CACHED_TOKENS_HEADER] = ",".join("" if p is None else str(p) for p in predicted)
         timer = RequestTimer(self.metrics, endpoint, t0)
+        headers = self._headers(run)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            events = self._events(choices, builder, timer, include_usage, release)
+            events = self._events(run, timer, include_usage, release)
             # NOTE: a generator that is never iterated (client gone before the body started)
             # never runs its `finally`; release the slot when it is collected instead.
             weakref.finalize(events, release)
             return Reply(headers, events=events)
         try:
-            await self._collect(choices, timer)
-            body = builder.final(choices, usage_of(choices))
-            self._count_tokens(choices)
+            await self._collect(run, timer)
+            kept = best_of(run.choices, [st.prompt_index for st in run.fanout.streams], run.keep)
+            body = run.builder.final(kept, usage_of(run.choices))
+            self._count_tokens(run)
             return Reply(headers, body=body)
         finally:
             timer.done()
-            await _close_all(choices)
+            await run.fanout.close_all()
             release()
 
-    async def _start(self, choices: list[ChoiceState]) -> None:
-        starts = await asyncio.gather(*(self._open(c) for c in choices))
+    def _headers(self, run: _Run) -> dict[str, str]:
+        streams = run.fanout.streams
+        headers = {REPLICA_HEADER: ",".join(dict.fromkeys(s.replica for s in streams))}
+        predicted = [s.start.predicted_cached_tokens if s.start else None for s in streams]
+        if any(p is not None for p in predicted):
+            headers[PREDICTED_CACHED_TOKENS_HEADER] = ",".join("" if p is None else str(p) for p in predicted)
+        return headers
+
+    async def _start(self, fanout: Fanout) -> None:
+        starts = await asyncio.gather(*(self._open(s) for s in fanout.streams))
         refused = [s for s in starts if s.refusal is not None]
         if refused:
             s = refused[0]
             if s.refusal == "invalid":
-                raise bad_request(s.message or "invalid request")
+                message = s.message or "invalid request"
+                param = message.split(" ", 1)[0] if message.startswith(("grammar", "prompt")) else None
+                raise bad_request(message, param=param)
             raise overloaded(503, s.message or "worker unavailable", self._opts.retry_after_s)
 
-    async def _open(self, c: ChoiceState) -> StreamStart:
-        c.stream = self._client.stream(c.request)
+    async def _open(self, s: PromptStream) -> StreamStart:
+        s.stream = self._client.stream(s.request)
         try:
-            first = await c.stream.__anext__()
+            first = await s.stream.__anext__()
         except StopAsyncIteration:
             raise APIError(500, "worker stream ended before it started", type="server_error") from None
         except Exception as e:  # noqa: BLE001 - translated into an HTTP status
             raise translate_worker_error(e, self._opts.retry_after_s) from e
         if not isinstance(first, StreamStart):
             raise APIError(500, f"worker sent {type(first).__name__} before StreamStart", type="server_error")
-        c.replica, c.start = first.replica_id, first
+        s.start = first
         return first
 
-    async def _collect(self, choices: list[ChoiceState], timer: RequestTimer) -> None:
+    async def _deltas(self, run: _Run, timer: RequestTimer) -> AsyncIterator[tuple[ChoiceState, Any]]:
+        """(choice, text piece) per worker delta, until every choice is done; a stream whose
+        choices are all done is closed at once (stop strings end choices before the worker)."""
+        by_id = {c.request_id: c for c in run.choices}
         try:
-            async for c, delta in merged(choices):
+            async for s, delta in run.fanout.deltas():
                 if delta.error:
                     raise APIError(500, f"generation failed: {delta.error}", type="server_error")
+                c = by_id[delta.request_id]
+                if delta.prompt_logprobs is not None:  # every choice of the prompt shows them
+                    for other in run.choices:
+                        if other.prompt_index == c.prompt_index and other.prompt_logprobs is None:
+                            other.prompt_logprobs = delta.prompt_logprobs
                 timer.tokens(len(delta.token_ids))
-                c.consume(delta)
-                if c.done:
-                    await c.close()  # a stop string ends it early; harmless when finished
-                    if all(x.done for x in choices):
-                        return
+                piece = c.consume(delta)
+                yield c, (piece, delta)
+                mine = [x for x in run.choices if x.prompt_index == s.prompt_index]
+                if all(x.done for x in mine):
+                    await run.fanout.close(s)
+                if all(x.done for x in run.choices):
+                    return
         except APIError:
             raise
         except Exception as e:  # noqa: BLE001
             raise translate_worker_error(e, self._opts.retry_after_s) from e
 
-    async def _events(
-        self,
-        choices: list[ChoiceState],
-        builder: ResponseBuilder,
-        timer: RequestTimer,
-        include_usage: bool,
-        release: Callable[[], None],
-    ) -> AsyncIterator[str]:
+    async def _collect(self, run: _Run, timer: RequestTimer) -> None:
+        async for c, (piece, delta) in self._deltas(run, timer):
+            if c.parser is not None:
+                c.parser.feed(piece.text, delta.token_ids)
+                if c.done:
+                    c.parser.finish()
+
+    async def _events(self, run: _Run, timer: RequestTimer, include_usage: bool,
+                      release: Callable[[], None]) -> AsyncIterator[str]:  # fmt: skip
+        builder, started = run.builder, set()
         try:
             if builder.chat:  # OpenAI opens each chat choice with a role-only delta
-                for c in choices:
+                for c in run.choices:
                     yield from_model(builder.first_chunk(c))
-            async for c, delta in merged(choices):
-                if delta.error:
-                    yield sse(APIError(500, f"generation failed: {delta.error}", type="server_error").body())
-                    return
-                timer.tokens(len(delta.token_ids))
-                piece = c.consume(delta)
-                chunk = builder.chunk(c, piece.text, delta)
+            async for c, (piece, delta) in self._deltas(run, timer):
+                chunk: BaseModel | None
+                if c.parser is not None:
+                    chat_piece = c.parser.feed(piece.text, delta.token_ids)
+                    if c.done:
+                        tail = c.parser.finish()
+                        chat_piece.content += tail.content
+                        chat_piece.reasoning += tail.reasoning
+                        chat_piece.tool_calls += tail.tool_calls
+                    chunk = builder.chat_chunk(c, chat_piece, delta, final=c.done)
+                else:
+                    first = c.index not in started
+                    chunk = builder.completion_chunk(c, piece.text, delta, first=first, final=c.done)
+                    if chunk is not None:
+                        started.add(c.index)
                 if chunk is not None:
                     yield from_model(chunk)
-                if c.done:
-                    await c.close()
-                    if all(x.done for x in choices):
-                        break
             if include_usage:
-                yield from_model(builder.usage_chunk(usage_of(choices)))
-            self._count_tokens(choices)
+                yield from_model(builder.usage_chunk(usage_of(run.choices)))
+            self._count_tokens(run)
             yield "data: [DONE]\n\n"
         except Exception as e:  # noqa: BLE001 - the status line is gone; report in-band
             err = e if isinstance(e, APIError) else translate_worker_error(e, self._opts.retry_after_s)
             yield sse(err.body())
         finally:
             timer.done()
-            await _close_all(choices)
+            await run.fanout.close_all()
             release()
 
-    def _count_tokens(self, choices: list[ChoiceState]) -> None:
+    def _count_tokens(self, run: _Run) -> None:
         """Token counters, and the router's prediction against what the worker really reused."""
-        for c in choices:
+        cached = {c.request_id: c.cached_tokens for c in run.choices}
+        for s in run.fanout.streams:
             # Before the client has its answer: tells the routers in this process that the
             # request is done and its cache events published (router/ingress_signal.py).
-            ingress_signal.note_finished(c.request.request_id)
-            if c.start and c.start.predicted_cached_tokens is not None and c.start.routing_policy:
+            ingress_signal.note_finished(s.request.request_id)
+            if s.start and s.start.predicted_cached_tokens is not None and s.start.routing_policy:
                 routing_metrics().observe_outcome(
-                    c.start.routing_policy, c.start.predicted_cached_tokens, c.cached_tokens
+                    s.start.routing_policy, s.start.predicted_cached_tokens, cached.get(s.request.request_id, 0)
                 )
-        u = usage_of(choices)
+        u = usage_of(run.choices)
         self.metrics.prompt_tokens.inc(u.prompt_tokens)
         self.metrics.cached_tokens.inc(u.prompt_tokens_details.cached_tokens)
         self.metrics.completion_tokens.inc(u.completion_tokens)
-
-
-async def _close_all(choices: list[ChoiceState]) -> None:
-    for c in choices:
-        try:
-            await c.close()
-        except Exception:  # noqa: BLE001, S110 - closing must not mask the original outcome
-            pass

@@ -68,7 +68,10 @@ class ServeWorkerClient:
     async def stream(self, request: RoutedRequest) -> AsyncIterator[StreamStart | StreamDelta]:
         from ray.serve.handle import DeploymentResponseGenerator
 
-        gen = self._stream_handle.remote(request)
+        from cluster.ray_private import own_request_id
+
+        with own_request_id():  # one HTTP request makes several worker calls at once
+            gen = self._stream_handle.remote(request)
         assert isinstance(gen, DeploymentResponseGenerator), "the stream handle streams"
         try:
             async for item in gen:

@@ -42,7 +42,7 @@ if TYPE_CHECKING:
 
     from deploy.replica.events import CacheEventPump
 
-_DeltaQueue = asyncio.Queue[StreamDelta | BaseException | None]
+_DeltaQueue = asyncio.Queue[tuple[str, StreamDelta | BaseException | None]]
 
 log = logging.getLogger("swaserve.worker")
 
@@ -109,14 +109,16 @@ class WorkerDeployment:
     async def generate(
         self, request: RoutedRequest
     ) -> AsyncGenerator[StreamStart | StreamDelta, None]:
-        """Stream one request: a `StreamStart`, then coalesced `StreamDelta`s until finished.
+        """Stream one prompt: a `StreamStart`, then coalesced `StreamDelta`s until every choice
+        finished (each delta's `request_id` names its choice, `RoutedRequest.choice_ids`).
 
         Cancelling the caller (client disconnect, stop string at the ingress) cancels this
-        generator; the pump task is cancelled with it and the engine aborts the request.
+        generator; the pump tasks are cancelled with it and the engine aborts the requests.
         """
-        token_ids, rid = list(request.token_ids), request.request_id
+        token_ids = list(request.token_ids)
         params = request.params if request.params is not None else SamplingParams()
-        refusal = self._refusal(token_ids, params)
+        choices = list(zip(request.choice_ids, (params, *request.sibling_params)))
+        refusal = await self._refusal(token_ids, params)
         if refusal is not None:
             yield refusal
             return
@@ -128,67 +130,86 @@ class WorkerDeployment:
             predicted_cached_tokens=routing.predicted_for(self.replica_id) if routing else None,
             routing_policy=routing.policy if routing else None,
         )
-        queue: _DeltaQueue = asyncio.Queue()  # None: ended
-        pump = asyncio.create_task(self._pump(token_ids, params, rid, queue))
-        self._inflight.add(rid)
+        queue: _DeltaQueue = asyncio.Queue()  # (choice id, delta | error | None: ended)
+        first = choices[0][0]
+        pumps = [
+            asyncio.create_task(self._pump(token_ids, p, cid, queue, None if cid == first else first))
+            for cid, p in choices
+        ]
+        open_ids = {cid for cid, _ in choices}
+        self._inflight.update(open_ids)
         try:
-            first = True
-            while True:
-                delta = await self._next_delta(queue, rid)
-                if delta.finished and self._events is not None:
-                    # The cache this request leaves behind reaches the index before the
-                    # client hears back, so its follow-up is routed with it.
-                    await self._events.flush()
-                if first or delta.finished:
-                    self._report_stats(register=False)
-                    first = False
-                yield delta
-                if delta.finished:
-                    return
+            reported = False
+            while open_ids:
+                for delta in await self._next_deltas(queue):
+                    if delta.finished:
+                        open_ids.discard(delta.request_id)
+                    if not open_ids and self._events is not None:
+                        # The cache these requests leave behind reaches the index before the
+                        # client hears back, so a follow-up is routed with it.
+                        await self._events.flush()
+                    if not reported or not open_ids:
+                        self._report_stats(register=False)
+                        reported = True
+                    yield delta
         finally:
-            self._inflight.discard(rid)
-            if not pump.done():
-                pump.cancel()
-                await asyncio.gather(pump, return_exceptions=True)
+            self._inflight.difference_update(cid for cid, _ in choices)
+            live = [p for p in pumps if not p.done()]
+            for p in live:
+                p.cancel()
+            await asyncio.gather(*live, return_exceptions=True)
 
-    async def _next_delta(self, queue: _DeltaQueue, rid: str) -> StreamDelta:
-        """Everything queued since the last call, merged into one delta (fewer Ray stream items
+    async def _next_deltas(self, queue: _DeltaQueue) -> list[StreamDelta]:
+        """Everything queued since the last call, merged per choice (fewer Ray stream items
         when the consumer is slower than the engine). Raises what the engine raised, or
-        `WorkerUnavailableError` when the request was aborted here rather than by the caller
+        `WorkerUnavailableError` when a request was aborted here rather than by the caller
         (a caller that cancels is gone and never sees this): that is shutdown."""
         batch = [await queue.get()]
         while not queue.empty():
             batch.append(queue.get_nowait())
-        errors = [b for b in batch if isinstance(b, BaseException)]
+        errors = [item for _, item in batch if isinstance(item, BaseException)]
         if errors:
             raise errors[0]
-        deltas = [b for b in batch if isinstance(b, StreamDelta)]
-        delta = merge_deltas(deltas) if deltas else None
-        ended_early = len(deltas) < len(batch) and not (delta and delta.finished)
-        if delta is None or ended_early or (delta.finish_reason == "abort" and not delta.error):
-            raise WorkerUnavailableError(f"request {rid} was aborted on worker {self.replica_id}; retry")
-        return delta
+        per_choice: dict[str, list[StreamDelta]] = {}
+        for cid, item in batch:
+            if isinstance(item, StreamDelta):
+                per_choice.setdefault(cid, []).append(item)
+        merged = {cid: merge_deltas(ds) for cid, ds in per_choice.items()}
+        for cid, item in batch:
+            delta = merged.get(cid)
+            ended_early = item is None and not (delta and delta.finished)
+            if ended_early or (delta and delta.finish_reason == "abort" and not delta.error):
+                raise WorkerUnavailableError(f"request {cid} was aborted on worker {self.replica_id}; retry")
+        return list(merged.values())
 
     async def _pump(
-        self, token_ids: list[int], params: SamplingParams, rid: str, queue: _DeltaQueue
+        self,
+        token_ids: list[int],
+        params: SamplingParams,
+        rid: str,
+        queue: _DeltaQueue,
+        follows: str | None,
     ) -> None:
-        gen = self._engine.generate(token_ids, params, rid)
+        gen = self._engine.generate(token_ids, params, rid, follows)
         try:
             async for delta in gen:
-                queue.put_nowait(delta)
+                queue.put_nowait((rid, delta))
         except Exception as e:  # noqa: BLE001 - forwarded to the consumer, raised there
-            queue.put_nowait(e)
+            queue.put_nowait((rid, e))
         finally:
-            queue.put_nowait(None)
+            queue.put_nowait((rid, None))
             await gen.aclose()
 
-    def _refusal(self, token_ids: list[int], params: SamplingParams) -> StreamStart | None:
+    async def _refusal(self, token_ids: list[int], params: SamplingParams) -> StreamStart | None:
         if self._draining:
             return StreamStart(self.replica_id, "unavailable", "worker replica is shutting down; retry")
         if self._engine.error is not None:  # Serve replaces us at the next health check
             return StreamStart(self.replica_id, "unavailable", "worker engine failed; retry")
         try:
-            self._engine.validate(token_ids, params)
+            if params.grammar is None:
+                self._engine.validate(token_ids, params)
+            else:  # checking a grammar compiles it: off the event loop
+                await asyncio.to_thread(self._engine.validate, token_ids, params)
         except ValueError as e:
             return StreamStart(self.replica_id, "invalid", str(e))
         return None
@@ -283,4 +304,5 @@ def merge_deltas(deltas: list[StreamDelta]) -> StreamDelta:
     logprobs = None
     if any(d.logprobs is not None for d in deltas):
         logprobs = [lp for d in deltas for lp in (d.logprobs or [])]
-    return dataclasses.replace(last, token_ids=tokens, logprobs=logprobs)
+    prompt_logprobs = next((d.prompt_logprobs for d in deltas if d.prompt_logprobs is not None), None)
+    return dataclasses.replace(last, token_ids=tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs)

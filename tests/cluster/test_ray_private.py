@@ -82,3 +82,23 @@ def test_serve_common_types_build_as_the_router_tests_build_them() -> None:
     assert common.DeploymentHandleSource.REPLICA.value == "REPLICA"
     meta = common.RequestMetadata(request_id="r", internal_request_id="r")
     assert meta.internal_request_id == "r"
+
+
+def test_own_request_id_gives_each_call_a_fresh_internal_id() -> None:
+    """Inside `own_request_id`, Serve's request metadata gets a new internal id; after, the
+    request context is back as it was."""
+    from ray.serve import context
+    from ray.serve._private.default_impl import get_request_metadata
+    from ray.serve._private.handle_options import DynamicHandleOptions, InitHandleOptions
+
+    context._set_request_context(request_id="http-1", _internal_request_id="shared")
+
+    ids = []
+    for _ in range(2):
+        with ray_private.own_request_id():
+            meta = get_request_metadata(InitHandleOptions.create(), DynamicHandleOptions())
+            ids.append(meta.internal_request_id)
+            assert meta.request_id == "http-1"
+    assert len(set(ids)) == 2 and "shared" not in ids
+    assert context._get_serve_request_context()._internal_request_id == "shared"
+    context._unset_request_context()

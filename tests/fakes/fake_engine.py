@@ -30,6 +30,7 @@ class FakeEngine:
         step_s: float = 0.002,
         max_model_len: int = 512,
         total_tokens: int = 4096,
+        script: list[int] | None = None,
     ) -> None:
         self.config = config
         self.model_dir = model_dir or Path(".")
@@ -40,6 +41,7 @@ class FakeEngine:
         self._eos = eos_token_id
         self._step_s = step_s
         self._total = total_tokens
+        self._script = script  # when set: every request generates exactly these tokens
         self._lock = threading.Lock()
         self._held: dict[str, int] = {}  # request id -> KV tokens held
         self._aborted: set[str] = set()
@@ -47,6 +49,7 @@ class FakeEngine:
         self._counters = {"prompt": 0, "generated": 0, "hits": 0, "aborts": 0, "steps": 0}
         self._peak = 0
         self.shut_down = False
+        self.seen: list[tuple[str, SamplingParams, str | None]] = []  # (id, params, follows) per request
 
     # -- interface -------------------------------------------------------------------------
 
@@ -64,22 +67,36 @@ class FakeEngine:
             )
 
     async def generate(
-        self, token_ids: list[int], params: SamplingParams, request_id: str
+        self,
+        token_ids: list[int],
+        params: SamplingParams,
+        request_id: str,
+        follows: str | None = None,
     ) -> AsyncGenerator[StreamDelta, None]:
         self.validate(token_ids, params)
+        self.seen.append((request_id, params, follows))
         cached = self._admit(request_id, token_ids)
         rng = random.Random(params.seed if params.seed is not None else 0)
         last, produced, done = token_ids[-1], 0, False
+        prompt_lps: list[TokenLogprob | None] | None = None
+        if params.prompt_logprobs is not None:
+            prompt_lps = [None] + [TokenLogprob(t, -1.0 - 0.01 * i, ()) for i, t in enumerate(token_ids[1:])]
         try:
+            if params.max_tokens == 0:
+                done = True
+                yield StreamDelta(request_id, [], True, "length", len(token_ids), cached, 0,
+                                  prompt_logprobs=prompt_lps)  # fmt: skip
+                return
             while True:
                 await asyncio.sleep(self._step_s)
                 if request_id in self._aborted:
                     return
-                tok = self._next(last, params, rng)
+                tok = self._next(last, params, rng, produced)
                 produced, last = produced + 1, tok
                 self._grow(request_id)
                 stop = tok == self._eos and not params.ignore_eos
                 stop = stop or tok in (params.stop_token_ids or ())
+                stop = stop or (self._script is not None and produced >= len(self._script))  # "EOS"
                 done = stop or produced >= params.max_tokens
                 lps = None
                 if params.logprobs is not None:
@@ -94,6 +111,7 @@ class FakeEngine:
                     cached_tokens=cached,
                     completion_tokens=produced,
                     logprobs=lps,
+                    prompt_logprobs=prompt_lps if produced == 1 else None,
                 )
                 if done:
                     return
@@ -146,7 +164,9 @@ class FakeEngine:
 
     # -- internals -------------------------------------------------------------------------
 
-    def _next(self, last: int, params: SamplingParams, rng: random.Random) -> int:
+    def _next(self, last: int, params: SamplingParams, rng: random.Random, produced: int = 0) -> int:
+        if self._script is not None:
+            return self._script[min(produced, len(self._script) - 1)]
         if not params.temperature:
             return (last * 31 + 7) % self._vocab
         return rng.randrange(self._vocab)

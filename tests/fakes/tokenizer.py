@@ -8,8 +8,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+# Tools and tool calls in the Hermes style (what TemplateChat's default parser reads back).
 CHAT_TEMPLATE = (
-    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
+    "{% if tools %}<|system|>Tools: {{ tools | tojson }}<|end|>{% endif %}"
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}"
+    "{% for c in m.get('tool_calls') or [] %}<tool_call>{{ c['function'] | tojson }}</tool_call>{% endfor %}"
+    "<|end|>{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
 _CORPUS = [

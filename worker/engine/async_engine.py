@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import logging
 import threading
 from collections.abc import AsyncGenerator, Callable, Sequence
@@ -50,9 +51,14 @@ class AsyncEngine:
         self.engine.validate(token_ids, params)
 
     async def generate(
-        self, token_ids: list[int], params: SamplingParams, request_id: str
+        self,
+        token_ids: list[int],
+        params: SamplingParams,
+        request_id: str,
+        follows: str | None = None,
     ) -> AsyncGenerator[StreamDelta, None]:
-        """Stream the request's deltas; stopping the iteration (or cancelling) aborts it."""
+        """Stream the request's deltas; stopping the iteration (or cancelling) aborts it.
+        `follows`: another choice of the same prompt, already added (see `Engine.add_request`)."""
         self._check_alive()
         loop = asyncio.get_running_loop()
         deltas: asyncio.Queue[StreamDelta] = asyncio.Queue()
@@ -60,7 +66,14 @@ class AsyncEngine:
         def sink(delta: StreamDelta) -> None:
             loop.call_soon_threadsafe(deltas.put_nowait, delta)
 
-        self.engine.add_request(token_ids, params, request_id=request_id, on_delta=sink)
+        add = functools.partial(
+            self.engine.add_request, token_ids, params, request_id, sink, follows
+        )
+        # A grammar compiles in add_request: off the event loop (and off the step thread).
+        if params.grammar is None:
+            add()
+        else:
+            await asyncio.to_thread(add)
         self._wake.set()
         finished = False
         try:
@@ -116,6 +129,7 @@ class AsyncEngine:
         self._stop.set()
         self._wake.set()
         self._thread.join(timeout=10)
+        self.engine.masks.close()
 
     # ---- the step thread ------------------------------------------------------------------------
     def _loop(self) -> None:

@@ -25,15 +25,18 @@ from worker.cache.events import CacheEvent, PageState
 from worker.config import EngineConfig
 from worker.engine.setup import EngineParts, build_engine_parts
 from worker.engine.stats import EngineCounters, PoolPeaks, snapshot
+from worker.engine.step_io import record_prompt_logprobs, sample_row, split_logits
 from worker.engine.stopping import StopChecker
 from worker.kv.pages import ceil_page
 from worker.outputs import EngineStats, Output, StreamDelta, TokenLogprob
 from worker.runner.forward_batch import ForwardBatch
-from worker.runner.sampler import make_generator
+from worker.runner.noise import seed_key
 from worker.sampling_params import SamplingParams
 from worker.scheduler.plan import SchedulerLimits, StepWork
 from worker.scheduler.request import Req, ReqState
 from worker.scheduler.scheduler import Scheduler
+from worker.structured.grammar import GrammarCompiler
+from worker.structured.masks import MaskFiller
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +64,8 @@ class Engine:
             self.cache,
         )
         self.stopper = StopChecker(p.eos_token_ids, p.tokenizer_loader)
+        self.grammars = GrammarCompiler(p.tokenizer_loader, self.spec.vocab_size)
+        self.masks = MaskFiller(self.spec.vocab_size)
         self.peaks = PoolPeaks()
         self.counters = EngineCounters()
         self.last_step_seconds = 0.0
@@ -71,7 +76,13 @@ class Engine:
 
     # ---- requests -------------------------------------------------------------------------------
     def validate(self, token_ids: Sequence[int], params: SamplingParams) -> None:
-        """Raise ValueError (message names what to change) for a request that can never run."""
+        """Raise ValueError (message names what to change) for a request that can never run
+        (a grammar is compiled to check it: call off the step thread)."""
+        self._check(token_ids, params)
+        if params.grammar is not None:
+            self.grammars.compile(params.grammar)
+
+    def _check(self, token_ids: Sequence[int], params: SamplingParams) -> None:
         params.validate()
         if params.stop:
             self.stopper.check_stop_strings_supported()
@@ -101,18 +112,27 @@ class Engine:
         params: SamplingParams,
         request_id: str | None = None,
         on_delta: DeltaSink | None = None,
+        follows: str | None = None,
     ) -> str:
-        """Queue a request (thread-safe). Raises ValueError if it can never run."""
+        """Queue a request (thread-safe; a grammar is compiled in the caller's thread). Raises
+        ValueError if it can never run. `follows`: the id of an earlier request with the same
+        prompt (another choice of it): this one starts once that prompt is in the cache."""
         if request_id is not None and request_id in self.scheduler.reqs:
             raise ValueError(f"duplicate request id {request_id!r}: it is still running")
         req = self._new_req(token_ids, params, request_id)
+        req.follows = follows
         self._inbox.put((req, on_delta))
         return req.rid
 
     def _new_req(self, token_ids: Sequence[int], params: SamplingParams, rid: str | None) -> Req:
-        self.validate(token_ids, params)
+        self._check(token_ids, params)
         rid = rid or f"req-{next(self._ids)}"
-        return Req(rid=rid, prompt=list(token_ids), params=params, generator=make_generator(params))
+        req = Req(rid=rid, prompt=list(token_ids), params=params, key=seed_key(params.seed))
+        if params.prompt_logprobs is not None:
+            req.prompt_logprobs = []
+        if params.grammar is not None:
+            req.grammar = self.grammars.compile(params.grammar)
+        return req
 
     def abort(self, request_id: str) -> None:
         """Cancel a request wherever it is; its KV is freed at the next step (thread-safe)."""
@@ -140,13 +160,17 @@ class Engine:
         return deltas
 
     def _run(self, work: list[StepWork]) -> list[StreamDelta]:
-        logits = self.runner.forward(ForwardBatch(tuple(w.forward_req() for w in work)))
         samplers = [w.req for w in work if w.samples]
-        sampled = self.runner.sample(
-            logits, [r.params for r in samplers], [r.generator for r in samplers]
-        )
+        masks = self.masks.start([r.grammar for r in samplers])  # fills during the forward
+        logits = self.runner.forward(ForwardBatch(tuple(w.forward_req() for w in work)))
+        sample_logits, prompt_rows = split_logits(work, logits)
+        for w, prompt_logits in zip(work, prompt_rows):
+            if prompt_logits is not None:
+                record_prompt_logprobs(w, prompt_logits)
+        rows = [sample_row(r, self.stopper.eos) for r in samplers]
+        sampled = self.runner.sample(sample_logits, rows, masks.result() if masks else None)
         self.scheduler.commit(work)
-        deltas = []
+        deltas = [self._prompt_only_done(w.req) for w in work if w.reaches_end and not w.samples]
         for i, req in enumerate(samplers):
             token, lp = sampled.token_ids[i], sampled.logprobs[i]
             top = sampled.top_logprobs[i] or ()
@@ -157,15 +181,25 @@ class Engine:
     def _on_token(self, req: Req, token: int, logprob: TokenLogprob | None) -> StreamDelta:
         self.scheduler.append_token(req, token, logprob)
         self.counters.generated_tokens += 1
-        reason = self.stopper.check(req)
-        if reason is not None:
+        if req.grammar is not None and req.grammar.failed:
+            self.scheduler.finish(req, "abort", error=f"structured output: {req.grammar.failed}")
+        elif (reason := self.stopper.check(req)) is not None:
             self.scheduler.finish(req, reason)
+        return self._delta(req)
+
+    def _prompt_only_done(self, req: Req) -> StreamDelta:
+        self.scheduler.finish(req, "length")  # max_tokens 0: the prompt was all there was to do
         return self._delta(req)
 
     def _delta(self, req: Req) -> StreamDelta:
         new = req.output[req.emitted :]
         lps = req.logprobs[req.emitted :] if req.logprobs is not None else None
         req.emitted = len(req.output)
+        prompt_lps = None
+        if req.prompt_logprobs is not None and not req.prompt_logprobs_sent:
+            if len(req.prompt_logprobs) >= len(req.prompt) - 1:
+                req.prompt_logprobs_sent = True
+                prompt_lps = [None, *req.prompt_logprobs]
         delta = StreamDelta(
             request_id=req.rid,
             token_ids=new,
@@ -176,6 +210,7 @@ class Engine:
             completion_tokens=len(req.output),
             logprobs=lps,
             error=req.error,
+            prompt_logprobs=prompt_lps,
         )
         sink = self._sinks.get(req.rid)
         if sink is not None:
@@ -282,4 +317,5 @@ def _output(req: Req) -> Output:
         cached_tokens=max(req.cached_tokens, 0),
         logprobs=req.logprobs,
         error=req.error,
+        prompt_logprobs=None if req.prompt_logprobs is None else [None, *req.prompt_logprobs],
     )

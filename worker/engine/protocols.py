@@ -18,7 +18,7 @@ from worker.cache.events import CacheEvent, PageState
 from worker.config import EngineConfig
 from worker.outputs import EngineStats, StreamDelta
 from worker.runner.forward_batch import ForwardBatch
-from worker.runner.sampler import SampleOutput
+from worker.runner.sampler import SampleOutput, SampleRow
 from worker.sampling_params import SamplingParams
 
 
@@ -30,12 +30,11 @@ class Runner(Protocol):
         ...
 
     def sample(
-        self,
-        logits: torch.Tensor,
-        params: Sequence[SamplingParams],
-        generators: Sequence[torch.Generator | None],
+        self, logits: torch.Tensor, rows: Sequence[SampleRow], bitmask: torch.Tensor | None = None
     ) -> SampleOutput:
-        """One token per logits row, for the requests whose params are given, in order."""
+        """One token per logits row, for the requests whose rows are given, in order; `bitmask`
+        (int32 ``[len(rows), ceil(vocab / 32)]``) holds the grammar's allowed tokens for rows
+        marked `masked`."""
         ...
 
 
@@ -69,9 +68,14 @@ class EngineClient(Protocol):
         ...
 
     def generate(
-        self, token_ids: list[int], params: SamplingParams, request_id: str
+        self,
+        token_ids: list[int],
+        params: SamplingParams,
+        request_id: str,
+        follows: str | None = None,
     ) -> AsyncGenerator[StreamDelta, None]:
-        """Stream the request's deltas; closing the iterator early aborts it."""
+        """Stream the request's deltas; closing the iterator early aborts it. `follows`: the id
+        of an earlier choice of the same prompt; this one starts once that prompt is cached."""
         ...
 
     def abort(self, request_id: str) -> None: ...

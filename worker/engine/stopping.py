@@ -1,4 +1,5 @@
-"""When a request stops: max_tokens, EOS, stop token ids, stop strings."""
+"""When a request stops: max_tokens, EOS, stop token ids, stop strings (none of these three
+before `min_tokens`), a finished grammar."""
 
 from __future__ import annotations
 
@@ -21,10 +22,13 @@ class StopChecker:
     def check(self, req: Req) -> FinishReason | None:
         """Called after each new token of `req`."""
         p, last = req.params, req.output[-1]
-        if last in p.stop_token_ids or (not p.ignore_eos and last in self.eos):
-            return "stop"
-        if p.stop and self._hits_stop_string(req):
-            return "stop"
+        if len(req.output) >= p.min_tokens:
+            if last in p.stop_token_ids or (not p.ignore_eos and last in self.eos):
+                return "stop"
+            if p.stop and self._hits_stop_string(req):
+                return "stop"
+        if req.grammar is not None and req.grammar.done:
+            return "stop"  # the structured output is complete: only EOS could follow
         if len(req.output) >= p.max_tokens:
             return "length"
         return None

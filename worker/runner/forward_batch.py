@@ -15,6 +15,8 @@ A batch mixes prefill chunks and decodes. For each request (`ForwardReq`):
   by the caller (``HybridAllocator.alloc_extend`` / ``alloc_decode``, which also set their SWA
   mapping). The runner writes the new K/V there; the caller owns the slots.
 - ``need_logits``: False for a non-final prefill chunk (no token is sampled from it).
+- ``all_logits``: logits for every new token, not only the last (prompt logprobs); each of
+  its rows is the distribution of the token after that position.
 
 What must hold when `ModelRunner.forward` is called:
 
@@ -25,8 +27,9 @@ What must hold when `ModelRunner.forward` is called:
   ``free_out_of_window``) and reused by other requests; the runner never reads them.
 - A request appears at most once per batch.
 
-What the runner returns: float32 logits ``[number of requests with need_logits, vocab]``, in
-batch order. It allocates and frees nothing.
+What the runner returns: float32 logits ``[batch.num_logits, vocab]``, in batch order: per
+request ``len(token_ids)`` rows when ``all_logits``, else one row when ``need_logits``, else
+none (``ForwardReq.logit_rows``). It allocates and frees nothing.
 
 ::
 
@@ -57,6 +60,12 @@ class ForwardReq:
     prefix_len: int
     table: torch.Tensor  # int64, CPU: full-pool slots by position
     need_logits: bool = True
+    all_logits: bool = False  # a row per new token (prompt logprobs), the last one included
+
+    @property
+    def logit_rows(self) -> int:
+        """Rows of the forward's logits that belong to this request."""
+        return len(self.token_ids) if self.all_logits else int(self.need_logits)
 
     @property
     def seq_len(self) -> int:
@@ -90,7 +99,7 @@ class ForwardBatch:
 
     @property
     def num_logits(self) -> int:
-        return sum(r.need_logits for r in self.reqs)
+        return sum(r.logit_rows for r in self.reqs)
 
 
 @dataclass(frozen=True)

@@ -18,13 +18,12 @@ import torch
 from worker.attention.base import AttentionBackend, AttnBatch, KVView
 from worker.models.spec import LayerKind, ModelSpec
 from worker.runner.forward_batch import ForwardBatch, ForwardContext
-from worker.runner.sampler import SampleOutput, Sampler
+from worker.runner.sampler import SampleOutput, Sampler, SampleRow
 
 if TYPE_CHECKING:
     from worker.kv.hybrid_allocator import HybridAllocator
     from worker.kv.pool import HybridKVPool
     from worker.models.causal_lm import CausalLM
-    from worker.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -110,13 +109,10 @@ class ModelRunner:
         return self.model.compute_logits(hidden[host.logit_rows.to(dev)]).float()
 
     def sample(
-        self,
-        logits: torch.Tensor,
-        params: Sequence[SamplingParams],
-        generators: Sequence[torch.Generator | None] | None = None,
+        self, logits: torch.Tensor, rows: Sequence[SampleRow], bitmask: torch.Tensor | None = None
     ) -> SampleOutput:
         """Pick one token per logits row (see `Sampler.sample`)."""
-        return self.sampler.sample(logits, params, generators)
+        return self.sampler.sample(logits, rows, bitmask)
 
     # ---- host-side preparation -------------------------------------------------------------------
     def _prepare(self, batch: ForwardBatch) -> _HostInputs:
@@ -154,7 +150,11 @@ class ModelRunner:
             )
         if self.check_slots:
             _check_slots(views, out_loc, swa_out_loc)
-        rows = [q_off[i + 1] - 1 for i, r in enumerate(reqs) if r.need_logits]
+        rows = [
+            row
+            for i, r in enumerate(reqs)
+            for row in range(q_off[i + 1] - r.logit_rows, q_off[i + 1])
+        ]
         return _HostInputs(
             ids, positions, out_loc, swa_out_loc, views, torch.tensor(rows, dtype=torch.int64)
         )

@@ -1,12 +1,15 @@
-"""Token sampling: greedy, temperature, top-k, top-p, min-p, per-request seeds, logprobs.
+"""Token sampling: logit controls, greedy, temperature, top-k, top-p, min-p, seeded noise,
+logprobs (docs/design.md §4.1).
 
-The filters run vectorised over the batch. The draw uses the exponential race
-(``argmax(p / E)`` with ``E ~ Exp(1)``, equivalent to sampling from ``p``): rows whose request has
-a seed draw their noise from that request's own `torch.Generator`, so a seeded request yields the
-same tokens whatever else shares its batch.
+Every step goes the same way for the whole batch, each stage vectorised over the rows that use
+it: logit controls (`worker.runner.logit_controls`: bias, banned tokens, penalties, grammar
+bitmask), then greedy rows take the argmax and the others draw with the exponential race
+(``argmax(p / E)`` with ``E ~ Exp(1)``, equivalent to sampling from ``p``). The noise is a pure
+function of each request's key and step (`worker.runner.noise`), so a seeded request yields
+the same tokens whatever else shares its batch, on any device.
 
-Logprobs are those of the model's distribution (``log_softmax`` of the raw logits, before
-temperature and filters), as vLLM reports them by default.
+Logprobs are those of the model's distribution (``log_softmax`` of the raw logits, before the
+controls, temperature and filters), as vLLM reports them by default.
 """
 
 from __future__ import annotations
@@ -16,7 +19,28 @@ from dataclasses import dataclass
 
 import torch
 
+from worker.outputs import TokenLogprob
+from worker.runner.logit_controls import (
+    apply_banned,
+    apply_bitmask,
+    apply_logit_bias,
+    apply_penalties,
+)
+from worker.runner.noise import exponential_noise
 from worker.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class SampleRow:
+    """What the sampler needs of one request this step (the engine builds it from the request)."""
+
+    params: SamplingParams
+    key: int  # the request's noise key (`noise.seed_key`)
+    step: int  # tokens generated so far: the draw's counter
+    output_ids: Sequence[int] = ()  # for the penalties
+    prompt_ids: Sequence[int] = ()  # for the repetition penalty
+    banned: Sequence[int] = ()  # may not be picked this step (min_tokens: EOS and stop ids)
+    masked: bool = False  # its row of the step's grammar bitmask applies
 
 
 @dataclass(frozen=True)
@@ -24,17 +48,6 @@ class SampleOutput:
     token_ids: list[int]
     logprobs: list[float | None]  # chosen token's logprob, None where the request asked for none
     top_logprobs: list[list[tuple[int, float]] | None]  # top-n (token, logprob), best first
-
-
-def make_generator(
-    params: SamplingParams, device: str | torch.device = "cpu"
-) -> torch.Generator | None:
-    """A request's own generator when it has a seed (create once per request, keep it)."""
-    if params.seed is None:
-        return None
-    gen = torch.Generator(device=device)
-    gen.manual_seed(params.seed)
-    return gen
 
 
 def _column(values: Sequence[float], device: torch.device) -> torch.Tensor:
@@ -64,58 +77,60 @@ def _min_p(logits: torch.Tensor, ms: list[float]) -> torch.Tensor:
     return logits.masked_fill(probs < floor, float("-inf"))
 
 
-def _exponential_noise(
-    shape: torch.Size, generators: Sequence[torch.Generator | None], device: torch.device
-) -> torch.Tensor:
-    noise = torch.empty(shape, dtype=torch.float32, device=device).exponential_()
-    for row, gen in enumerate(generators):
-        if gen is None:
-            continue
-        if gen.device == noise.device:
-            noise[row].exponential_(generator=gen)
-        else:
-            # A CPU generator for a GPU batch: draw where the generator lives, then copy. Also
-            # keeps a seed's samples identical across devices.
-            row_noise = torch.empty(shape[-1], dtype=torch.float32, device=gen.device)
-            noise[row] = row_noise.exponential_(generator=gen).to(device)
-    return noise
+def controlled(logits: torch.Tensor, rows: Sequence[SampleRow], bitmask: torch.Tensor | None) -> torch.Tensor:
+    """`logits` after every row's logit controls (a copy when any applies)."""
+    biased = [i for i, r in enumerate(rows) if r.params.logit_bias]
+    banned = [i for i, r in enumerate(rows) if r.banned]
+    penal = [i for i, r in enumerate(rows) if r.params.penalized]
+    masked = [i for i, r in enumerate(rows) if r.masked]
+    if not (biased or banned or penal or masked):
+        return logits
+    out = logits.clone()
+    if biased:
+        apply_logit_bias(out, biased, [rows[i].params.logit_bias for i in biased])
+    if banned:
+        apply_banned(out, banned, [rows[i].banned for i in banned])
+    if penal:
+        p = [rows[i].params for i in penal]
+        apply_penalties(
+            out, penal, [rows[i].output_ids for i in penal], [rows[i].prompt_ids for i in penal],
+            [x.presence_penalty for x in p], [x.frequency_penalty for x in p],
+            [x.repetition_penalty for x in p],
+        )  # fmt: skip
+    if masked:
+        assert bitmask is not None, "rows marked masked need the step's bitmask"
+        apply_bitmask(out, masked, bitmask[masked])
+    return out
 
 
 class Sampler:
-    """Stateless: per-request randomness lives in the generators the caller keeps."""
+    """Stateless: per-request state (history, key, step) arrives in each `SampleRow`."""
 
     def sample(
-        self,
-        logits: torch.Tensor,
-        params: Sequence[SamplingParams],
-        generators: Sequence[torch.Generator | None] | None = None,
+        self, logits: torch.Tensor, rows: Sequence[SampleRow], bitmask: torch.Tensor | None = None
     ) -> SampleOutput:
-        """One token per row of ``logits [B, vocab]`` (float32) for ``params[i]``.
+        """One token per row of ``logits [B, vocab]`` (float32).
 
         Args:
             logits: model logits, one row per request that samples this step.
-            params: each row's sampling parameters.
-            generators: each row's generator (from `make_generator`), or None for the global RNG.
+            rows: each row's request state and parameters.
+            bitmask: int32 ``[B, ceil(vocab / 32)]`` allowed-token bits, read for rows with
+                `masked` (the grammar's; CPU or the logits' device).
         Returns:
             Chosen token ids, their logprobs and top-n logprobs where requested.
         """
-        if logits.shape[0] != len(params):
-            raise ValueError(f"{logits.shape[0]} logits rows for {len(params)} sampling params")
-        gens = list(generators) if generators is not None else [None] * len(params)
-        logits = logits.float()
-        chosen = logits.argmax(dim=-1)
-        random_rows = [i for i, p in enumerate(params) if not p.greedy]
+        if logits.shape[0] != len(rows):
+            raise ValueError(f"{logits.shape[0]} logits rows for {len(rows)} sampling rows")
+        raw = logits.float()
+        work = controlled(raw, rows, bitmask)
+        chosen = work.argmax(dim=-1)
+        random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
         if random_rows:
-            chosen[random_rows] = self._draw(
-                logits[random_rows],
-                [params[i] for i in random_rows],
-                [gens[i] for i in random_rows],
-            )
-        return _with_logprobs(logits, chosen, params)
+            chosen[random_rows] = self._draw(work[random_rows], [rows[i] for i in random_rows])
+        return _with_logprobs(raw, chosen, [r.params for r in rows])
 
-    def _draw(
-        self, logits: torch.Tensor, params: list[SamplingParams], gens: list[torch.Generator | None]
-    ) -> torch.Tensor:
+    def _draw(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+        params = [r.params for r in rows]
         logits = logits / _column([p.temperature for p in params], logits.device)
         if any(0 < p.top_k < logits.shape[-1] for p in params):
             logits = _top_k(logits, [p.top_k for p in params])
@@ -124,7 +139,7 @@ class Sampler:
         if any(p.min_p > 0.0 for p in params):
             logits = _min_p(logits, [p.min_p for p in params])
         probs = torch.softmax(logits, dim=-1)
-        noise = _exponential_noise(probs.shape, gens, logits.device)
+        noise = exponential_noise([r.key for r in rows], [r.step for r in rows], probs.shape[-1], logits.device)
         return (probs / noise).argmax(dim=-1)
 
 
@@ -148,3 +163,19 @@ def _with_logprobs(
             continue
         tops.append(list(zip(top_ids[row, :n].tolist(), top_vals[row, :n].tolist())))
     return SampleOutput(ids, lps, tops)
+
+
+def token_logprobs(logits: torch.Tensor, next_ids: Sequence[int], top_n: int) -> list[TokenLogprob]:
+    """The logprob of ``next_ids[i]`` under row i of ``logits [k, vocab]``, with the row's top
+    `top_n` (prompt logprobs: row i is position p, `next_ids[i]` the prompt token at p + 1)."""
+    if not next_ids:
+        return []
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    ids = torch.tensor(list(next_ids), dtype=torch.int64, device=logp.device)
+    picked = logp.gather(1, ids[:, None])[:, 0].tolist()
+    if top_n:
+        vals, tops = logp.topk(top_n, dim=-1)
+        pairs = [list(zip(t.tolist(), v.tolist())) for t, v in zip(tops, vals)]
+    else:
+        pairs = [[] for _ in next_ids]
+    return [TokenLogprob(t, lp, tuple(p)) for t, lp, p in zip(next_ids, picked, pairs)]

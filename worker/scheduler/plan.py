@@ -28,14 +28,21 @@ class StepWork:
     decode: bool = False  # a decoding request's one token (else a prefill chunk)
 
     @property
-    def samples(self) -> bool:
-        """The chunk ends at the last token: the step samples the next one."""
+    def reaches_end(self) -> bool:
+        """The chunk ends at the last token."""
         return self.start + self.n == self.req.num_tokens
+
+    @property
+    def samples(self) -> bool:
+        """The step samples the request's next token (not for a prompt-only request)."""
+        return self.reaches_end and self.req.params.max_tokens > 0
 
     def forward_req(self) -> ForwardReq:
         kv = self.req.kv
         assert kv is not None, f"request {self.req.rid} was scheduled without KV"
-        return ForwardReq(kv.tokens[self.start : self.start + self.n], self.start, kv.table, self.samples)
+        tokens = kv.tokens[self.start : self.start + self.n]
+        all_logits = bool(self.req.prompt_rows(self.start, self.n))
+        return ForwardReq(tokens, self.start, kv.table, self.samples, all_logits=all_logits)
 
 
 @dataclass(slots=True)

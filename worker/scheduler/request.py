@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-
-import torch
+from typing import TYPE_CHECKING
 
 from worker.cache.req_kv import ReqKV
 from worker.outputs import FinishReason, TokenLogprob
 from worker.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from worker.structured.grammar import GrammarMatcher
 
 
 class ReqState(enum.Enum):
@@ -33,7 +35,7 @@ class Req:
     rid: str
     prompt: list[int]
     params: SamplingParams
-    generator: torch.Generator | None = None
+    key: int = 0  # the noise key of its draws (worker.runner.noise.seed_key)
     output: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] | None = None
     kv: ReqKV | None = None  # set while the request holds KV (running)
@@ -43,6 +45,11 @@ class Req:
     error: str | None = None
     emitted: int = 0  # output tokens already handed out as stream deltas
     retractions: int = 0
+    # prompt_logprobs[p]: the logprob of prompt token p + 1 (the rows computed so far)
+    prompt_logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs_sent: bool = False
+    grammar: GrammarMatcher | None = None
+    follows: str | None = None  # a sibling: admitted once that request's prompt is in the tree
 
     @property
     def num_tokens(self) -> int:
@@ -68,3 +75,16 @@ class Req:
 
     def all_tokens(self) -> list[int]:
         return self.prompt + self.output
+
+    @property
+    def reusable(self) -> int:
+        """How many leading tokens may come from the prefix cache: all but the last, except
+        the prompt rows whose logprobs are still to compute (their logits are needed)."""
+        n = self.num_tokens - 1
+        return n if self.prompt_logprobs is None else min(n, len(self.prompt_logprobs))
+
+    def prompt_rows(self, start: int, n: int) -> range:
+        """Positions in ``[start, start + n)`` whose logits give prompt logprobs still missing."""
+        if self.prompt_logprobs is None:
+            return range(0)
+        return range(max(start, len(self.prompt_logprobs)), min(start + n, len(self.prompt) - 1))

@@ -109,6 +109,8 @@ class Scheduler:
         req.output.append(token)
         assert req.kv is not None
         req.kv.tokens.append(token)
+        if req.grammar is not None:
+            req.grammar.accept(token)
         if logprob is not None:
             if req.logprobs is None:
                 req.logprobs = []
@@ -192,14 +194,26 @@ class Scheduler:
             if item is not None:
                 work.append(item)
                 budget -= item.n
-        while budget > 0 and self.waiting and len(self.running) < self.limits.max_running_requests:
-            item = self._admit(self.waiting[0], budget)
-            if item is None:
+        while budget > 0 and len(self.running) < self.limits.max_running_requests:
+            ready = self._next_waiting()
+            item = self._admit(ready, budget) if ready is not None else None
+            if ready is None or item is None:
                 break
-            self.waiting.popleft()
+            self.waiting.remove(ready)
             work.append(item)
             budget -= item.n
         return work
+
+    def _next_waiting(self) -> Req | None:
+        """The first waiting request that may start: a sibling of a multi-choice request waits
+        until the first one's prompt is in the tree, then reuses it (one prefill for all)."""
+        # NOTE: a first choice this scheduler does not know (finished, or not added yet because
+        # its grammar compiled slower) holds nothing back: sharing is an optimisation only.
+        for req in self.waiting:
+            first = self.reqs.get(req.follows) if req.follows else None
+            if first is None or first.computed >= len(first.prompt) or not self.limits.radix:
+                return req
+        return None
 
     # ---- decode ---------------------------------------------------------------------------------
     def _schedule_decodes(self) -> list[StepWork]:
@@ -249,7 +263,7 @@ class Scheduler:
 
     def _admit(self, req: Req, budget: int) -> StepWork | None:
         tokens = req.all_tokens()
-        match = self.cache.match_prefix(tokens[: len(tokens) - 1])
+        match = self.cache.match_prefix(tokens[: req.reusable])
         receipt = self.cache.lock(match.node)
         kv = ReqKV(tokens=tokens, table=torch.zeros(req.max_len + self.limits.page_size, dtype=torch.int64))
         kv.table[: match.length] = match.indices

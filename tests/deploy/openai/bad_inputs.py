@@ -18,6 +18,7 @@ class BadInput:
     param: str | None = None
     code: str | None = None
     method: str = "POST"
+    real_engine: bool = False  # refused by the real engine only (the fake one checks no grammar)
 
 
 def _j(obj: Any) -> bytes:
@@ -37,7 +38,7 @@ def bad_inputs(model: str, max_model_len: int) -> list[BadInput]:
         BadInput("temperature not a number", c, _j({**ok, "temperature": "hot"}), 400, param="temperature"),
         BadInput("top_p zero", c, _j({**ok, "top_p": 0}), 400, param="top_p"),
         BadInput("top_k below -1", c, _j({**ok, "top_k": -5}), 400, param="top_k"),
-        BadInput("max_tokens zero", c, _j({**ok, "max_tokens": 0}), 400, param="max_tokens"),
+        BadInput("max_tokens negative", c, _j({**ok, "max_tokens": -1}), 400, param="max_tokens"),
         BadInput("max_tokens as string", c, _j({**ok, "max_tokens": "5"}), 400, param="max_tokens"),
         BadInput("max_tokens beyond context", c, _j({**ok, "max_tokens": max_model_len + 10}), 400,
                  param="max_tokens", code="context_length_exceeded"),
@@ -49,17 +50,38 @@ def bad_inputs(model: str, max_model_len: int) -> list[BadInput]:
         BadInput("unknown field", c, _j({**ok, "tempreature": 0.5}), 400, param="tempreature"),
         BadInput("n zero", c, _j({**ok, "n": 0}), 400, param="n"),
         BadInput("logprobs too many", c, _j({**ok, "logprobs": 21}), 400, param="logprobs"),
-        BadInput("five stop strings", c, _j({**ok, "stop": ["a", "b", "c", "d", "e"]}), 400, param="stop"),
-        BadInput("presence penalty", c, _j({**ok, "presence_penalty": 0.5}), 400, param="presence_penalty"),
+        BadInput("stop not strings", c, _j({**ok, "stop": ["a", 5]}), 400, param="stop"),
+        BadInput("presence penalty out of range", c, _j({**ok, "presence_penalty": 2.5}), 400, param="presence_penalty"),
+        BadInput("repetition penalty zero", c, _j({**ok, "repetition_penalty": 0}), 400, param="repetition_penalty"),
+        BadInput("logit_bias key not a token id", c, _j({**ok, "logit_bias": {"hello": 1}}), 400, param="logit_bias"),
+        BadInput("logit_bias value too big", c, _j({**ok, "logit_bias": {"5": 300}}), 400, param="logit_bias"),
+        BadInput("min_tokens above max_tokens", c, _j({**ok, "min_tokens": 9}), 400, param="min_tokens"),
+        BadInput("best_of below n", c, _j({**ok, "n": 3, "best_of": 2}), 400, param="best_of"),
+        BadInput("best_of streamed", c, _j({**ok, "n": 1, "best_of": 2, "stream": True}), 400, param="best_of"),
+        BadInput("suffix", c, _j({**ok, "suffix": "end"}), 400, param="suffix"),
+        BadInput("prompt_logprobs too many", c, _j({**ok, "prompt_logprobs": 21}), 400, param="prompt_logprobs"),
+        BadInput("json_schema without schema", c, _j({**ok, "response_format": {"type": "json_schema"}}), 400,
+                 param="response_format.json_schema"),
+        BadInput("two output constraints", c, _j({**ok, "guided_regex": "a+", "guided_choice": ["x"]}), 400,
+                 param="guided_choice"),
+        BadInput("guided_json not JSON", c, _j({**ok, "guided_json": "{nope"}), 400, param="guided_json"),
+        BadInput("bad regex", c, _j({**ok, "guided_regex": "[a-"}), 400, param="grammar", real_engine=True),
         BadInput("stream_options without stream", c, _j({**ok, "stream_options": {"include_usage": True}}),
                  400, param="stream_options"),
         BadInput("chat without messages", ch, _j({"model": model, "messages": []}), 400, param="messages"),
         BadInput("chat bad role", ch, _j({"model": model, "messages": [{"role": "wizard", "content": "x"}]}),
                  400, param="messages.0.role"),
-        BadInput("chat empty content", ch, _j({"model": model, "messages": [{"role": "user", "content": ""}]}),
-                 400, param="messages"),
-        BadInput("chat with tools", ch, _j({"model": model, "messages": msgs, "tools": [{"type": "function"}]}),
-                 400, param="tools"),
+        BadInput("chat tool without function", ch, _j({"model": model, "messages": msgs, "tools": [{"type": "function"}]}),
+                 400, param="tools.0.function"),
+        BadInput("chat image content", ch, _j({"model": model, "messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "x"}}]}]}), 400, param="messages.0.content"),
+        BadInput("chat tool_choice without tools", ch, _j({"model": model, "messages": msgs, "tool_choice": "required"}),
+                 400, param="tool_choice"),
+        BadInput("chat unknown named tool", ch, _j({"model": model, "messages": msgs, "tools": [
+            {"type": "function", "function": {"name": "f"}}], "tool_choice": {"type": "function", "function": {"name": "g"}}}),
+            400, param="tool_choice"),
+        BadInput("chat continue without assistant", ch, _j({"model": model, "messages": msgs,
+                 "continue_final_message": True, "add_generation_prompt": False}), 400, param="continue_final_message"),
         BadInput("chat unknown model", ch, _j({"model": "nope", "messages": msgs}), 404, param="model",
                  code="model_not_found"),
         BadInput("GET on a POST route", c, b"", 405, method="GET"),

@@ -40,17 +40,20 @@ def make_harness(
     api_key: str | None = None,
     max_request_bytes: int = 64 * 1024,
     step_s: float = 0.001,
+    script: list[int] | None = None,
+    chat_format: Any = None,
+    max_model_len: int = MAX_MODEL_LEN,
 ) -> Harness:
     engines: list[FakeEngine] = []
 
     def factory(cfg: EngineConfig) -> FakeEngine:
-        engines.append(FakeEngine(cfg, vocab_size=len(tokenizer), step_s=step_s, model_dir=Path(".")))
+        engines.append(FakeEngine(cfg, vocab_size=len(tokenizer), step_s=step_s, model_dir=Path("."), script=script))
         return engines[-1]
 
-    cfg = EngineConfig(page_size=4, max_model_len=MAX_MODEL_LEN)
+    cfg = EngineConfig(page_size=4, max_model_len=max_model_len)
     deployments = [WorkerDeployment(cfg, engine_factory=factory, replica_id=f"w{i}") for i in range(workers)]
     options = ServiceOptions(model_name=MODEL, max_inflight=max_inflight)
-    service = OpenAIService(tokenizer, InProcessWorkerClient(deployments), options)
+    service = OpenAIService(tokenizer, InProcessWorkerClient(deployments), options, chat_format=chat_format)
     app = create_app(service, IngressOptions(service=options, api_key=api_key, max_request_bytes=max_request_bytes))
     return Harness(app, service, deployments, engines, tokenizer)
 

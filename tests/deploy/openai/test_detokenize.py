@@ -48,3 +48,21 @@ def test_held_back_tail_is_released_at_the_end(tokenizer: Any) -> None:
     stream = StopTextStream(tokenizer, ["sliding"])
     out = "".join(stream.feed([t], final=i == len(ids) - 1).text for i, t in enumerate(ids))
     assert out == "abc sli" and not stream.stopped
+
+
+@pytest.mark.parametrize("step", [1, 4, 100])
+def test_stop_strings_count_after_min_tokens_and_can_be_kept(tokenizer: Any, step: int) -> None:
+    """A stop string inside the first min_tokens tokens is text; the next one cuts (kept with
+    include_stop)."""
+    ids = tokenizer("ab. cd. ef.")["input_ids"]
+    first_dot = next(i for i in range(len(ids)) if "." in tokenizer.decode(ids[: i + 1]))
+
+    def run(**kw: Any) -> str:
+        stream, out = StopTextStream(tokenizer, ["."], **kw), ""
+        for i in range(0, len(ids), step):
+            out += stream.feed(ids[i : i + step], final=i + step >= len(ids)).text
+        return out
+
+    assert run() == "ab"
+    assert run(min_tokens=first_dot + 1) == "ab. cd"
+    assert run(min_tokens=first_dot + 1, include_stop=True) == "ab. cd."

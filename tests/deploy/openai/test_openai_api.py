@@ -181,7 +181,7 @@ def test_repeated_prompt_reports_cached_tokens(tokenizer: Any) -> None:
 def test_bad_inputs_table_then_still_serving(tokenizer: Any) -> None:
     """Every bad input gets its documented status and OpenAI error body; a good request works after."""
     h = make_harness(tokenizer)
-    cases = bad_inputs(MODEL, MAX_MODEL_LEN)
+    cases = [c for c in bad_inputs(MODEL, MAX_MODEL_LEN) if not c.real_engine]
     assert len(cases) >= 15
 
     async def go() -> Any:

@@ -1,6 +1,7 @@
 """End to end over HTTP: the README's serve command (`swaserve serve`, tiny model, 2 workers) on
-a loopback Ray cluster, driven by the `openai` package and raw HTTP. One server for the module;
-the last test stops it with Ctrl-C (SIGINT) and checks the shutdown is clean."""
+a loopback Ray cluster, driven by the `openai` package and raw HTTP. One server for the session
+(tests/deploy/openai/conftest.py; test_openai_clients_e2e.py runs first on it); the last test
+stops it with Ctrl-C (SIGINT) and checks the shutdown is clean."""
 
 from __future__ import annotations
 
@@ -8,12 +9,7 @@ import asyncio
 import os
 import signal
 import socket
-import subprocess
-import sys
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -21,64 +17,13 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.deploy.openai.bad_inputs import bad_inputs, check_error
+from tests.deploy.openai.conftest import MODEL, WORKERS, Server
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
 
-REPO = Path(__file__).resolve().parents[3]
-MODEL = "tiny"
 # Router index updates are asynchronous (a long poll, plus a pull after each completion the
 # ingress notes); the prediction contract is "exact when quiescent".
 QUIESCE_S = 0.5
-WORKERS = 2
-STARTUP_S = 300
-
-
-@dataclass
-class Server:
-    url: str
-    proc: subprocess.Popen
-    log: Path
-
-    def text(self) -> str:
-        return self.log.read_text(errors="replace")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _command(port: int) -> list[str]:
-    script = Path(sys.executable).parent / "swaserve"  # the console script `make serve` runs
-    head = [str(script)] if script.exists() else [sys.executable, "-m", "deploy"]
-    return [*head, "serve", "--model", MODEL, "--workers", str(WORKERS), "--port", str(port), "--num-cpus", "2"]
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    port = _free_port()
-    log = tmp_path_factory.mktemp("serve") / "serve.log"
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0", "SWASERVE_API_KEY": ""}
-    with log.open("w") as out:
-        proc = subprocess.Popen(_command(port), cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)  # fmt: skip
-    srv = Server(f"http://127.0.0.1:{port}", proc, log)
-    try:
-        deadline = time.monotonic() + STARTUP_S
-        while "swaserve is ready" not in srv.text():
-            assert proc.poll() is None, f"swaserve serve exited early:\n{srv.text()[-4000:]}"
-            assert time.monotonic() < deadline, f"not ready after {STARTUP_S}s:\n{srv.text()[-4000:]}"
-            time.sleep(0.5)
-        yield srv
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(90)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(10)
 
 
 def _openai(server: Server, **kw: Any) -> Any:

@@ -54,6 +54,22 @@ def test_worker_stream_and_routing_stats() -> None:
     assert stats["full_peak_used_tokens"] > 0 and stats["swa_total_tokens"] > 0
 
 
+def test_worker_streams_every_choice_of_a_prompt() -> None:
+    """A request with sibling choices streams all of them on one stream (each delta names its
+    choice), the siblings follow the first into the engine, and it ends when all finished."""
+    w, engine = _worker()
+    first = SamplingParams(max_tokens=3, seed=1)
+    req = RoutedRequest([1, 2, 3], "p", params=first, sibling_params=(SamplingParams(max_tokens=5, seed=2),))
+    items = asyncio.run(_collect(w, req))
+    assert items[0] == StreamStart("r1") and req.choice_ids == ["p", "p/1"]
+    tokens: dict[str, int] = {}
+    for d in items[1:]:
+        tokens[d.request_id] = tokens.get(d.request_id, 0) + len(d.token_ids)
+    assert tokens == {"p": 3, "p/1": 5} and {d.request_id for d in items[1:] if d.finished} == {"p", "p/1"}
+    assert [(rid, follows) for rid, _, follows in engine.seen] == [("p", None), ("p/1", "p")]
+    assert engine.stats().full.used == 0
+
+
 def test_health_check_flags_a_stalled_engine() -> None:
     """check_health raises when work is pending but the engine step counter stops moving."""
     w, engine = _worker(options=WorkerOptions(stall_timeout_s=0.05))

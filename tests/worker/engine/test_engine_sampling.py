@@ -201,7 +201,7 @@ def test_logprobs_match_transformers(oracle: Oracle) -> None:
 @pytest.mark.parametrize(
     ("name", "value"),
     [
-        ("max_tokens", 0), ("max_tokens", 2.5), ("temperature", -0.5), ("temperature", float("nan")),
+        ("max_tokens", -1), ("max_tokens", 2.5), ("temperature", -0.5), ("temperature", float("nan")),
         ("top_p", 0.0), ("top_p", 1.5), ("top_k", -2), ("top_k", 2.5), ("min_p", -0.1), ("min_p", 1.5),
         ("seed", "abc"), ("stop", [""]), ("stop_token_ids", [-1]), ("logprobs", -1), ("logprobs", 21),
     ],

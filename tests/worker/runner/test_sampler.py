@@ -1,13 +1,15 @@
-"""Sampler: greedy, filters, seeds, logprobs; SamplingParams validation."""
+"""Sampler: logit controls, greedy, filters, seeds, logprobs; SamplingParams validation."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import pytest
 import torch
 
-from worker.runner.sampler import Sampler, make_generator
+from worker.runner.noise import seed_key
+from worker.runner.sampler import Sampler, SampleRow
 from worker.sampling_params import SamplingParams
 
 # probabilities 0.5, 0.25, 0.125, 0.0625, 0.0625
@@ -15,15 +17,18 @@ PROBS = torch.tensor([0.5, 0.25, 0.125, 0.0625, 0.0625])
 LOGITS = PROBS.log()
 
 
+def _rows(params: Sequence[SamplingParams], step: int = 0, **kw: object) -> list[SampleRow]:
+    return [SampleRow(p, seed_key(p.seed if p.seed is not None else 0), step, **kw) for p in params]  # type: ignore[arg-type]
+
+
 def _draw(params: SamplingParams, n: int, logits: torch.Tensor = LOGITS) -> list[int]:
-    gen = make_generator(params)
-    return [Sampler().sample(logits[None], [params], [gen]).token_ids[0] for _ in range(n)]
+    return [Sampler().sample(logits[None], _rows([params], step)).token_ids[0] for step in range(n)]
 
 
 def test_greedy_is_argmax_with_logprob() -> None:
     """temperature 0 picks the argmax of every row; its logprob is the log-softmax value."""
     logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(0))
-    out = Sampler().sample(logits, [SamplingParams(temperature=0.0, logprobs=0)] * 6)
+    out = Sampler().sample(logits, _rows([SamplingParams(temperature=0.0, logprobs=0)] * 6))
     assert out.token_ids == logits.argmax(-1).tolist()
     want = torch.log_softmax(logits, -1).max(-1).values
     assert torch.allclose(torch.tensor(out.logprobs), want)
@@ -50,11 +55,7 @@ def test_min_p_drops_unlikely_tokens() -> None:
 def test_temperature_sampling_follows_the_distribution() -> None:
     """Frequencies over 4000 draws are within 4 sigma of the softmax probabilities."""
     n = 4000
-    params = [SamplingParams(seed=4)] * 1
-    gen = make_generator(params[0])
-    draws = torch.tensor(
-        [Sampler().sample(LOGITS[None], params, [gen]).token_ids[0] for _ in range(n)]
-    )
+    draws = torch.tensor(_draw(SamplingParams(seed=4), n))
     freq = torch.bincount(draws, minlength=5).float() / n
     sigma = (PROBS * (1 - PROBS) / n).sqrt()
     assert ((freq - PROBS).abs() < 4 * sigma).all(), freq
@@ -69,16 +70,12 @@ def test_seed_reproducible_regardless_of_batch() -> None:
     """A seeded request draws the same tokens alone or at another row of a bigger batch."""
     logits = torch.randn(3, 100, generator=torch.Generator().manual_seed(6))
     seeded = SamplingParams(temperature=1.5, seed=1234)
-    alone_gen = make_generator(seeded)
-    alone = [Sampler().sample(logits[1:2], [seeded], [alone_gen]).token_ids[0] for _ in range(20)]
-    batch_gen = make_generator(seeded)
-    other = SamplingParams(temperature=1.0)
+    alone = [Sampler().sample(logits[1:2], _rows([seeded], t)).token_ids[0] for t in range(20)]
+    other = SamplingParams(temperature=1.0, seed=77)
     mixed = []
-    for _ in range(20):
-        out = Sampler().sample(
-            logits, [other, seeded, SamplingParams(temperature=0.0)], [None, batch_gen, None]
-        )
-        mixed.append(out.token_ids[1])
+    for t in range(20):
+        rows = _rows([other, seeded, SamplingParams(temperature=0.0)], t)
+        mixed.append(Sampler().sample(logits, rows).token_ids[1])
     assert alone == mixed
     assert len(set(alone)) > 3, "temperature 1.5 over 100 tokens should vary"
 
@@ -94,7 +91,7 @@ def test_top_logprobs_sorted_and_consistent() -> None:
     """logprobs=n returns n (token, logprob) pairs, best first; the chosen token's value agrees."""
     logits = torch.randn(2, 30, generator=torch.Generator().manual_seed(7))
     params = [SamplingParams(temperature=0.0, logprobs=3), SamplingParams(seed=9, logprobs=None)]
-    out = Sampler().sample(logits, params, [None, make_generator(params[1])])
+    out = Sampler().sample(logits, _rows(params))
     top = out.top_logprobs[0]
     assert top is not None and len(top) == 3
     assert [t for t, _ in top] == torch.topk(logits[0], 3).indices.tolist()
@@ -107,14 +104,20 @@ def test_top_logprobs_sorted_and_consistent() -> None:
 
 
 def test_row_count_must_match() -> None:
-    with pytest.raises(ValueError, match="2 logits rows for 1"):
-        Sampler().sample(torch.zeros(2, 5), [SamplingParams()])
+    with pytest.raises(ValueError, match="2 logits rows for 1 sampling rows"):
+        Sampler().sample(torch.zeros(2, 5), _rows([SamplingParams()]))
 
 
 @pytest.mark.parametrize(
     "kwargs,name",
     [
-        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": -1}, "max_tokens"),
+        ({"min_tokens": 5, "max_tokens": 4}, "min_tokens"),
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"frequency_penalty": -3}, "frequency_penalty"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty"),
+        ({"logit_bias": {3: 101.0}}, "logit_bias"),
+        ({"prompt_logprobs": 21}, "prompt_logprobs"),
         ({"temperature": -0.1}, "temperature"),
         ({"top_p": 0.0}, "top_p"),
         ({"top_p": 1.5}, "top_p"),
@@ -137,3 +140,43 @@ def test_defaults_validate_and_lists_become_tuples() -> None:
     assert p.stop == ("a", "b") and p.stop_token_ids == (3,)
     assert SamplingParams(stop="x").stop == ("x",)
     assert hash(p) == hash(SamplingParams(stop=("a", "b"), stop_token_ids=(3,)))
+
+
+def test_seeds_beyond_32_and_64_bits_stay_distinct() -> None:
+    """Seeds that agree in their low 32 (or 64) bits draw different tokens; a seed repeats."""
+    logits = torch.zeros(1, 1000)
+    seeds = [1, 2**32 + 1, 2**63 + 1, 2**64 + 1, -1, 10**40]
+    draws = [tuple(_draw(SamplingParams(seed=s), 8, logits[0])) for s in seeds]
+    assert len(set(draws)) == len(seeds)
+    assert tuple(_draw(SamplingParams(seed=10**40), 8, logits[0])) == draws[-1]
+
+
+def test_logit_bias_and_banned_tokens() -> None:
+    """A +100 bias makes a token the greedy pick; a banned token is never picked."""
+    greedy = SamplingParams(temperature=0.0, logit_bias=((3, 100.0),))
+    assert Sampler().sample(LOGITS[None], _rows([greedy])).token_ids == [3]
+    banned = _rows([SamplingParams(temperature=0.0)], banned=(0,))
+    assert Sampler().sample(LOGITS[None], banned).token_ids == [1]
+
+
+def test_penalties_push_away_seen_tokens() -> None:
+    """Frequency/presence penalties lower generated tokens; repetition also covers the prompt."""
+    logits = torch.tensor([[2.0, 1.9, 1.0, -1.0]])
+    freq = SamplingParams(temperature=0.0, frequency_penalty=1.0)
+    assert Sampler().sample(logits, _rows([freq], output_ids=[0])).token_ids == [1]
+    pres = SamplingParams(temperature=0.0, presence_penalty=2.0)
+    assert Sampler().sample(logits, _rows([pres], output_ids=[0, 1])).token_ids == [2]
+    rep = SamplingParams(temperature=0.0, repetition_penalty=3.0)
+    assert Sampler().sample(logits, _rows([rep], prompt_ids=[0], output_ids=[1])).token_ids == [2]
+
+
+def test_bitmask_limits_choices_per_row() -> None:
+    """Rows marked masked pick only allowed tokens; other rows ignore the bitmask."""
+    logits = LOGITS[None].repeat(2, 1)
+    bitmask = torch.tensor([[0b10100], [0]], dtype=torch.int32)  # row 0: tokens 2 and 4
+    rows = [SampleRow(SamplingParams(temperature=0.0), 0, 0, masked=True),
+            SampleRow(SamplingParams(temperature=0.0), 0, 0)]  # fmt: skip
+    assert Sampler().sample(logits, rows, bitmask).token_ids == [2, 0]
+    sampled = {Sampler().sample(logits[:1], [SampleRow(SamplingParams(), 5, t, masked=True)],
+                                bitmask[:1]).token_ids[0] for t in range(60)}  # fmt: skip
+    assert sampled == {2, 4}

@@ -1,0 +1,1 @@
+"""Structured outputs: grammars compiled by llguidance, token bitmasks for the sampler."""

@@ -1,0 +1,106 @@
+"""A request's grammar: `Grammar` (worker.sampling_params) → llguidance matcher (docs/design.md §4.1).
+
+`GrammarCompiler` owns the llguidance tokenizer (built once from the model's HF tokenizer, sized
+to the model's vocabulary so masks cover every logit) and turns a `Grammar` into a
+`GrammarMatcher`: the per-request parser state the scheduler advances with each accepted token
+and the mask filler reads. Invalid grammars raise ValueError naming the parameter, when the
+request is validated, never inside a step. llguidance is imported on first use: engines that
+never see a grammar never load it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from worker.sampling_params import Grammar
+
+if TYPE_CHECKING:
+    from llguidance import LLMatcher, LLTokenizer
+
+    from worker.models.model_dir import Tokenizer
+
+
+# JSON as `json.dumps` writes it (no free whitespace: a model cannot pad forever); keywords the
+# compiler does not implement are ignored rather than refused (a schema's "x-guidance" overrides).
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": ", "lenient": True}
+
+
+class GrammarMatcher:
+    """One request's parser state (step thread only, after creation)."""
+
+    def __init__(self, matcher: LLMatcher) -> None:
+        self.matcher = matcher
+        self.failed = ""  # set when a token was refused (the request then ends with an error)
+
+    def accept(self, token: int) -> None:
+        if not self.failed and not self.matcher.consume_token(token):
+            self.failed = self.matcher.get_error() or f"the grammar refused token {token}"
+
+    @property
+    def done(self) -> bool:
+        """Nothing but EOS can follow: the output is complete."""
+        return self.matcher.is_stopped()
+
+
+def grammar_source(g: Grammar) -> str:
+    """llguidance's grammar text for `g` (ValueError naming the field when `g` is malformed)."""
+    from llguidance import LLMatcher
+
+    if g.kind == "json_schema":
+        try:
+            schema = json.loads(g.text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"grammar json_schema is not valid JSON: {e}") from None
+        if not isinstance(schema, dict):
+            raise ValueError("grammar json_schema must be a JSON object")
+        return LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)  # type: ignore[arg-type]
+    if g.kind == "regex":
+        return LLMatcher.grammar_from_regex(g.text)
+    if g.kind == "choice":
+        if not g.choices or not all(isinstance(c, str) and c for c in g.choices):
+            raise ValueError("grammar choice needs at least one non-empty string")
+        return LLMatcher.grammar_from_regex("|".join(re.escape(c) for c in g.choices))
+    return LLMatcher.grammar_from_lark(g.text)
+
+
+class GrammarCompiler:
+    """Compiles grammars against one tokenizer; thread-safe (callers compile off the step thread)."""
+
+    def __init__(self, tokenizer_loader: Callable[[], Tokenizer] | None, vocab_size: int) -> None:
+        self._loader = tokenizer_loader
+        self.vocab_size = vocab_size
+        self._tokenizer: LLTokenizer | None = None
+        self._lock = threading.Lock()
+
+    def _ll_tokenizer(self) -> LLTokenizer:
+        with self._lock:
+            if self._tokenizer is None:
+                if self._loader is None:
+                    raise ValueError("grammar needs the model's tokenizer, which this engine lacks")
+                try:
+                    import llguidance.hf
+                except ImportError:
+                    raise ValueError(
+                        "grammar needs the llguidance package; install swaserve's dependencies"
+                    ) from None
+                hf = self._loader()
+                self._tokenizer = llguidance.hf.from_tokenizer(hf, n_vocab=self.vocab_size)  # type: ignore[arg-type]
+            return self._tokenizer
+
+    def compile(self, g: Grammar) -> GrammarMatcher:
+        """A fresh matcher for `g`. Raises ValueError (starting with "grammar") when invalid."""
+        from llguidance import LLMatcher
+
+        tokenizer = self._ll_tokenizer()
+        source = grammar_source(g)
+        is_error, messages = LLMatcher.validate_grammar_with_warnings(source, tokenizer)
+        if is_error:
+            raise ValueError(f"grammar ({g.kind}) is invalid: {messages[0].strip()}")
+        matcher = LLMatcher(tokenizer, source, log_level=0)
+        if matcher.is_error():
+            raise ValueError(f"grammar ({g.kind}) is invalid: {matcher.get_error()}")
+        return GrammarMatcher(matcher)
