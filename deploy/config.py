@@ -159,14 +159,9 @@ class ServeConfig(BaseModel):
     )
     seed: int = Field(0, ge=0, description="Sampling seed of each engine.")
     tensor_parallel_size: int = Field(
-        1,
-        ge=1,
-        description=(
-            "Devices one worker replica splits the model over (one rank each; KV budgets and "
-            "worker_num_gpus are per rank). > 1: the replica reserves a placement group of this "
-            "many bundles and starts the other ranks as actors in it."
-        ),
-    )
+        1, ge=1,
+        description="Devices one worker replica splits the model over (one rank each; KV budgets and worker_num_gpus are per rank); > 1: a placement group of that many bundles, the other ranks as actors in it.",
+    )  # fmt: skip
 
     # -- worker deployment (-> Ray Serve options) ------------------------------------------
     workers: int = Field(
@@ -356,7 +351,5 @@ def _tp_problems(cfg: ServeConfig, on_cuda: bool) -> list[str]:
             f"device={cfg.device!r} names one GPU but tensor_parallel_size={n} needs {n}: set device: cuda"
         )
     if not on_cuda and cfg.worker_num_cpus <= 0:
-        problems.append(
-            f"tensor_parallel_size={n} on CPU reserves CPU bundles: set worker_num_cpus > 0"
-        )
+        problems.append(f"tensor_parallel_size={n} on CPU reserves CPU bundles: set worker_num_cpus > 0")
     return problems
