@@ -28,7 +28,7 @@ import torch.distributed as dist
 T = TypeVar("T")
 
 STEP_TIMEOUT_S = 600.0  # one collective inside a step (a first step may JIT-compile kernels)
-IDLE_TIMEOUT_S = 7 * 24 * 3600.0  # ranks wait this long for the next step message
+IDLE_TIMEOUT_S = 365 * 24 * 3600.0  # ranks wait this long for the next step message
 JOIN_TIMEOUT_S = 1800.0  # rank 0 waits this long for the others to load their shards
 POLL_S = 0.05  # how often rank 0 looks for a failed rank while it waits
 LOOPBACK = "127.0.0.1"
