@@ -142,6 +142,10 @@ def get_or_create_index_actor(
         get_if_exists=True,
         num_cpus=0,
         max_restarts=-1,
+        # NOTE: outside the creating replica's placement group (Serve captures a replica's child
+        # actors into it): a tensor-parallel replica's group goes away with the replica, and a
+        # detached actor scheduled there could never restart (docs/design.md §17.4).
+        scheduling_strategy="DEFAULT",
     ).remote(limits.max_pages_per_worker, limits.max_workers, max_log)
     return cast(ActorHandle, actor)  # Ray's stubs type .remote() of a class as a union
 

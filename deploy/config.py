@@ -41,6 +41,7 @@ DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024  # a 128k-token prompt is ~0.5 MB of
 RoutingPolicy = Literal[POLICY_NAMES]  # type: ignore[valid-type]  # router.policies names them
 Dtype = Literal["float32", "bfloat16", "float16"]
 AttentionBackend = Literal["torch", "flashinfer"]
+PlacementStrategy = Literal["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"]
 
 
 def _api_key_from_env() -> SecretStr | None:
@@ -157,6 +158,10 @@ class ServeConfig(BaseModel):
         description="Longest prompt + completion; unset: the model's max_position_embeddings.",
     )
     seed: int = Field(0, ge=0, description="Sampling seed of each engine.")
+    tensor_parallel_size: int = Field(
+        1, ge=1,
+        description="Devices one worker replica splits the model over (one rank each; KV budgets and worker_num_gpus are per rank); > 1: a placement group of that many bundles, the other ranks as actors in it.",
+    )  # fmt: skip
 
     # -- worker deployment (-> Ray Serve options) ------------------------------------------
     workers: int = Field(
@@ -182,7 +187,16 @@ class ServeConfig(BaseModel):
     worker_num_gpus: float = Field(
         0.0,
         ge=0,
-        description="GPUs Ray reserves for each worker replica (> 0 when device is cuda).",
+        description="GPUs Ray reserves for each worker replica (> 0 when device is cuda); per rank with tensor parallelism (1).",
+    )
+    rank_num_cpus: float = Field(
+        1.0,
+        gt=0,
+        description="CPUs Ray reserves for each rank actor besides the replica (tensor_parallel_size > 1).",
+    )
+    placement_group_strategy: PlacementStrategy = Field(
+        "STRICT_PACK",
+        description="How a replica's tensor-parallel bundles are placed; STRICT_PACK keeps the ranks on one node.",
     )
 
     # -- routing and HTTP -------------------------------------------------------------------
@@ -246,7 +260,21 @@ class ServeConfig(BaseModel):
             options["autoscaling_config"] = self.autoscaling.model_dump()
         if self.max_queued_requests is not None:
             options["max_queued_requests"] = self.max_queued_requests
+        if self.tensor_parallel_size > 1:
+            options["placement_group_bundles"] = self.placement_group_bundles()
+            options["placement_group_strategy"] = self.placement_group_strategy
         return options
+
+    def placement_group_bundles(self) -> list[dict[str, float]]:
+        """One bundle per rank: the replica (rank 0) in the first, a rank actor in each other;
+        a GPU each on CUDA, fractional CPUs on CPU (docs/design.md §17.4)."""
+
+        def bundle(cpus: float) -> dict[str, float]:
+            b = {"CPU": cpus, "GPU": self.worker_num_gpus}
+            return {k: v for k, v in b.items() if v > 0}  # Ray refuses zero-sized resources
+
+        ranks = [bundle(self.rank_num_cpus) for _ in range(self.tensor_parallel_size - 1)]
+        return [bundle(self.worker_num_cpus), *ranks]
 
     def to_args(self) -> dict[str, Any]:
         """Plain JSON-able `args` for `build_app` (the API key in clear text when set).
@@ -289,6 +317,7 @@ def _problems(cfg: ServeConfig) -> list[str]:
         problems.append(
             "attention_backend='flashinfer' runs on GPUs only; set device: cuda or attention_backend: torch"
         )
+    problems += _tp_problems(cfg, on_cuda)
     if cfg.kv_cache_bytes is not None and cfg.max_total_tokens is not None:
         problems.append("set one of kv_cache_bytes or max_total_tokens, not both")
     if cfg.max_total_tokens is not None and cfg.max_total_tokens < cfg.page_size:
@@ -304,4 +333,23 @@ def _problems(cfg: ServeConfig) -> list[str]:
             f"({cfg.max_ongoing_requests}), so a replica never sees enough requests to scale up; "
             "lower the target or raise max_ongoing_requests"
         )
+    return problems
+
+
+def _tp_problems(cfg: ServeConfig, on_cuda: bool) -> list[str]:
+    n = cfg.tensor_parallel_size
+    if n == 1:
+        return []
+    problems = []
+    if on_cuda and cfg.worker_num_gpus != 1:
+        problems.append(
+            f"tensor_parallel_size={n} runs one rank per GPU: set worker_num_gpus: 1 (the worker "
+            f"pod then requests {n} GPUs), not {cfg.worker_num_gpus:g}"
+        )
+    if cfg.device.startswith("cuda:"):
+        problems.append(
+            f"device={cfg.device!r} names one GPU but tensor_parallel_size={n} needs {n}: set device: cuda"
+        )
+    if not on_cuda and cfg.worker_num_cpus <= 0:
+        problems.append(f"tensor_parallel_size={n} on CPU reserves CPU bundles: set worker_num_cpus > 0")
     return problems

@@ -41,7 +41,13 @@ _OWNED_SUBKEYS = {
     "ray_actor_options": ("num_cpus", "num_gpus"),
     "autoscaling_config": tuple(AutoscalingSettings.model_fields),
 }
-_OWNED_SCALARS = ("num_replicas", "max_ongoing_requests", "max_queued_requests")
+_OWNED_SCALARS = (
+    "num_replicas",
+    "max_ongoing_requests",
+    "max_queued_requests",
+    "placement_group_bundles",
+    "placement_group_strategy",
+)
 _RAY_UNBOUNDED_QUEUE = -1
 
 

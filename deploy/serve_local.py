@@ -89,18 +89,24 @@ def plan(req: ServeRequest) -> Plan:
 
 
 def _fit_cpus(cfg: ServeConfig, args: dict[str, Any], num_cpus: int) -> ServeConfig:
-    """On CPU hosts give each worker a fraction of the machine unless the config chose one."""
+    """On CPU hosts give each worker (each of its tensor-parallel ranks) a fraction of the
+    machine unless the config chose one."""
     replicas_max = cfg.autoscaling.max_replicas if cfg.autoscaling else cfg.workers
     replicas_min = cfg.autoscaling.min_replicas if cfg.autoscaling else cfg.workers
+    ranks = cfg.tensor_parallel_size
     if cfg.device == "cpu" and "worker_num_cpus" not in args:
-        share = max(0.05, min(1.0, (num_cpus - INGRESS_CPUS) / max(1, replicas_max)))
-        cfg = ServeConfig.model_validate({**args, "worker_num_cpus": round(share - 0.005, 2)})
-    need = replicas_min * cfg.worker_num_cpus + INGRESS_CPUS
+        share = max(0.05, min(1.0, (num_cpus - INGRESS_CPUS) / max(1, replicas_max * ranks)))
+        fitted = {"worker_num_cpus": round(share - 0.005, 2)}
+        if ranks > 1 and "rank_num_cpus" not in args:
+            fitted["rank_num_cpus"] = fitted["worker_num_cpus"]
+        cfg = ServeConfig.model_validate({**args, **fitted})
+    per_replica = cfg.worker_num_cpus + (ranks - 1) * cfg.rank_num_cpus
+    need = replicas_min * per_replica + INGRESS_CPUS
     if need > num_cpus:
         raise ValueError(
-            f"{replicas_min} worker(s) x worker_num_cpus={cfg.worker_num_cpus} plus the ingress's "
-            f"{INGRESS_CPUS} need {need:g} CPUs but the local cluster has {num_cpus}; lower "
-            "worker_num_cpus or --workers, or raise --num-cpus"
+            f"{replicas_min} worker(s) x {per_replica:g} CPUs (worker_num_cpus + rank actors) plus "
+            f"the ingress's {INGRESS_CPUS} need {need:g} CPUs but the local cluster has "
+            f"{num_cpus}; lower worker_num_cpus or --workers, or raise --num-cpus"
         )
     return cfg
 
@@ -112,11 +118,12 @@ def _check_gpus(cfg: ServeConfig) -> None:
 
     have = torch.cuda.device_count()
     replicas = cfg.autoscaling.min_replicas if cfg.autoscaling else cfg.workers
-    need = replicas * cfg.worker_num_gpus
+    need = replicas * cfg.worker_num_gpus * cfg.tensor_parallel_size
     if need > have:
         raise ValueError(
-            f"{replicas} worker(s) x worker_num_gpus={cfg.worker_num_gpus} need {need:g} GPUs but "
-            f"this machine has {have}; lower --workers or use --device cpu"
+            f"{replicas} worker(s) x worker_num_gpus={cfg.worker_num_gpus} x tensor_parallel_size="
+            f"{cfg.tensor_parallel_size} need {need:g} GPUs but this machine has {have}; lower "
+            "--workers or use --device cpu"
         )
 
 

@@ -26,3 +26,4 @@ class EngineConfig:
     eager_swa_free: bool = False  # free SWA of unfinished prefills at once (docs/design.md §10.1)
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     seed: int = 0
+    tensor_parallel_size: int = 1  # ranks splitting the model, one device each (docs/design.md §17)

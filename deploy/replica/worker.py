@@ -7,7 +7,8 @@ The class is plain Python (no Serve decorator) so tests drive it in-process with
   and both pools' numbers, for the routers; the same sample goes to the deployment's index actor,
   where the ingress reads every replica's for `/metrics` and `/health` (`cluster.replica_stats`;
   a request's first tokens and its end send one too, so a scrape right after sees them);
-- `check_health()` every `health_check_period_s`: raises when the engine is stuck or shut down;
+- `check_health()` every `health_check_period_s`: raises when the engine is stuck or shut down,
+  or when a tensor-parallel rank is gone (`EngineClient.error`, docs/design.md §17.4);
 - `__del__` after Serve's graceful drain (no new requests are routed here and ongoing requests
   had up to `graceful_shutdown_timeout_s` to finish): aborts stragglers, stops the engine.
 """
@@ -59,6 +60,10 @@ class WorkerOptions:
 def _default_engine(config: EngineConfig) -> EngineClient:
     from worker.engine.async_engine import AsyncEngine  # heavy (torch); only inside the replica
 
+    if config.tensor_parallel_size > 1 and _replica_context() is not None:
+        from deploy.replica.ranks import RayRankLauncher  # ranks in the replica's placement group
+
+        return AsyncEngine(config, launcher=RayRankLauncher(current_replica_id()))
     return AsyncEngine(config)
 
 
@@ -254,7 +259,7 @@ class WorkerDeployment:
             return  # Serve is stopping us; do not get replaced mid-drain
         error = self._engine.error
         if error is not None:
-            raise RuntimeError(f"engine step thread died: {error!r}")
+            raise RuntimeError(f"engine failed (step thread or a tensor-parallel rank): {error!r}")
         s = self._engine.stats()
         steps, since = self._progress
         now = time.monotonic()

@@ -83,6 +83,17 @@ def test_plan_refuses_workers_that_cannot_fit(tmp_path: Path) -> None:
     assert ok.config.worker_num_cpus * 3 + 0.25 <= 2
 
 
+def test_plan_fits_every_tensor_parallel_rank(tmp_path: Path) -> None:
+    """local-tp.yaml fits 2 CPUs; without explicit CPUs each rank gets a share of the machine."""
+    local_tp = Path(__file__).resolve().parents[2] / "deploy" / "configs" / "local-tp.yaml"
+    p = plan(ServeRequest(config=str(local_tp), num_cpus=2))
+    assert p.config.tensor_parallel_size == 2
+    doc = tmp_path / "tp.yaml"
+    doc.write_text("model: tiny\ntensor_parallel_size: 2\nworkers: 2\n")
+    cfg = plan(ServeRequest(config=str(doc), num_cpus=2)).config
+    assert 2 * (cfg.worker_num_cpus + cfg.rank_num_cpus) + 0.25 <= 2
+
+
 def test_port_in_use_is_reported() -> None:
     """A busy port is an error that names the port and the flag to change."""
     with socket.socket() as s:

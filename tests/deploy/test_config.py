@@ -92,6 +92,14 @@ def test_frozen() -> None:
         ({"swa_full_tokens_ratio": 1.5}, "less than or equal to 1"),
         ({"device": "gpu"}, "pattern"),
         ({"max_queued_requests": 0}, "greater than or equal to 1"),
+        ({"tensor_parallel_size": 0}, "greater than or equal to 1"),
+        (
+            {"tensor_parallel_size": 2, "device": "cuda", "worker_num_gpus": 2},
+            "one rank per GPU: set worker_num_gpus: 1",
+        ),
+        ({"tensor_parallel_size": 2, "device": "cuda:1", "worker_num_gpus": 1}, "set device: cuda"),
+        ({"tensor_parallel_size": 2, "worker_num_cpus": 0}, "set worker_num_cpus > 0"),
+        ({"placement_group_strategy": "TIGHT"}, "STRICT_PACK"),
     ],
 )
 def test_invalid_configs_say_what_to_change(fields: dict, needle: str) -> None:
@@ -222,3 +230,16 @@ def test_served_model_name_is_the_model_id_clients_use() -> None:
     opts = ingress_options(cfg, IngressSettings())
     assert opts.service.model_name == "my-model" and opts.model == "tiny"
     assert ingress_options(ServeConfig(model="tiny"), IngressSettings()).service.model_name == "tiny"
+
+
+def test_tensor_parallel_reserves_one_bundle_per_rank() -> None:
+    """TP = N: N bundles (replica first, rank actors after), STRICT_PACK, a GPU each on CUDA."""
+    gpu = ServeConfig(device="cuda", worker_num_gpus=1, worker_num_cpus=4, rank_num_cpus=2,
+                      tensor_parallel_size=4).worker_deployment_options()  # fmt: skip
+    assert gpu["placement_group_bundles"] == [{"CPU": 4, "GPU": 1}] + [{"CPU": 2, "GPU": 1}] * 3
+    assert gpu["placement_group_strategy"] == "STRICT_PACK"
+    assert gpu["ray_actor_options"] == {"num_cpus": 4, "num_gpus": 1}  # fits bundle 0
+    cpu = ServeConfig(tensor_parallel_size=2, worker_num_cpus=0.25, rank_num_cpus=0.25)
+    assert cpu.worker_deployment_options()["placement_group_bundles"] == [{"CPU": 0.25}] * 2
+    assert "placement_group_bundles" not in ServeConfig().worker_deployment_options()
+    assert cpu.to_engine_config().tensor_parallel_size == 2

@@ -239,14 +239,15 @@ def _worker_entry(name: str) -> dict[str, Any]:
 
 @pytest.mark.parametrize("name", VALUE_SETS)
 def test_gpu_request_equals_worker_num_gpus(name: str) -> None:
-    """Worker pods request and limit exactly the GPUs each worker replica reserves; head none."""
+    """Worker pods request and limit exactly the GPUs each worker replica reserves
+    (tensor_parallel_size x worker_num_gpus); head none."""
     cfg = _serve_config(name)
     cluster = _rayservice(name)["spec"]["rayClusterConfig"]
     (group,) = cluster["workerGroupSpecs"]
     (container,) = group["template"]["spec"]["containers"]
     res = container["resources"]
-    gpus = cfg.worker_num_gpus
-    assert _worker_entry(name)["ray_actor_options"]["num_gpus"] == gpus
+    gpus = cfg.worker_num_gpus * cfg.tensor_parallel_size
+    assert _worker_entry(name)["ray_actor_options"]["num_gpus"] == cfg.worker_num_gpus
     if gpus:
         assert res["requests"]["nvidia.com/gpu"] == res["limits"]["nvidia.com/gpu"] == gpus
     else:
@@ -254,6 +255,20 @@ def test_gpu_request_equals_worker_num_gpus(name: str) -> None:
     head = cluster["headGroupSpec"]
     assert "nvidia.com/gpu" not in str(head["template"]["spec"]["containers"][0].get("resources"))
     assert head["rayStartParams"]["num-cpus"] == "0"
+
+
+def test_tensor_parallel_pods_hold_every_rank() -> None:
+    """gpu-tp-values: 4 GPUs per worker pod, and the Worker entry reserves the same 4 bundles
+    ServeConfig derives (the strict loader compares them)."""
+    cfg = _serve_config("gpu-tp-values")
+    assert cfg.tensor_parallel_size == 4
+    (group,) = _rayservice("gpu-tp-values")["spec"]["rayClusterConfig"]["workerGroupSpecs"]
+    (container,) = group["template"]["spec"]["containers"]
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 4
+    entry = _worker_entry("gpu-tp-values")
+    assert entry["placement_group_bundles"] == cfg.placement_group_bundles()
+    assert entry["placement_group_strategy"] == "STRICT_PACK"
+    assert "placement_group_bundles" not in _worker_entry("default")
 
 
 @pytest.mark.parametrize("name", VALUE_SETS)
@@ -351,7 +366,7 @@ def test_values_schema_matches_serve_config() -> None:
         (
             {"workerGroup": {"resources": {"limits": {"nvidia.com/gpu": 2}}}},
             helm.HelmRenderError,
-            "comes from serve.config.worker_num_gpus",
+            "comes from serve.config (tensor_parallel_size x worker_num_gpus)",
         ),
         (
             {
@@ -369,6 +384,14 @@ def test_values_schema_matches_serve_config() -> None:
             "raise workerGroup.resources cpu",
         ),
         ({"apiKey": {"existingSecret": "s", "value": "v"}}, helm.HelmRenderError, "not both"),
+        (
+            {
+                "serve": {"config": {"tensor_parallel_size": 4, "rank_num_cpus": 2}},
+                "workerGroup": {"resources": {"limits": {"cpu": "8"}}},
+            },
+            helm.HelmRenderError,
+            "reserves 10 (worker_num_cpus + (tensor_parallel_size - 1) x rank_num_cpus)",
+        ),
     ],
 )
 def test_bad_values_are_refused(values: dict, error: type, needle: str) -> None:

@@ -7,9 +7,12 @@ Nothing here runs; the functions exist for their signatures.
 from __future__ import annotations
 
 from bench.sim_runner import SimRunner
+from deploy.replica.ranks import RayRankLauncher, RayRanks
 from tests.fakes.fake_engine import FakeEngine
 from worker.engine.async_engine import AsyncEngine
-from worker.engine.protocols import EngineClient, Runner
+from worker.engine.protocols import EngineClient, RankLauncher, Ranks, Runner
+from worker.engine.rank_processes import ProcessLauncher, ProcessRanks
+from worker.parallel.runner import TPRunner
 from worker.runner.model_runner import ModelRunner
 
 
@@ -27,6 +30,18 @@ def sim_runner_is_a_runner(runner: SimRunner) -> Runner:
 
 def model_runner_is_a_runner(runner: ModelRunner) -> Runner:
     return runner
+
+
+def tp_runner_is_a_runner(runner: TPRunner) -> Runner:
+    return runner
+
+
+def local_processes_launch_ranks(launcher: ProcessLauncher, ranks: ProcessRanks) -> tuple[RankLauncher, Ranks]:
+    return launcher, ranks
+
+
+def ray_actors_launch_ranks(launcher: RayRankLauncher, ranks: RayRanks) -> tuple[RankLauncher, Ranks]:
+    return launcher, ranks
 
 
 class _EngineWithoutStats:

@@ -20,6 +20,7 @@ from typing import TypeVar
 from worker.cache.events import CacheEvent, PageState
 from worker.config import EngineConfig
 from worker.engine.engine import Engine
+from worker.engine.protocols import RankLauncher
 from worker.engine.setup import EngineParts
 from worker.outputs import EngineStats, StreamDelta
 from worker.sampling_params import SamplingParams
@@ -30,8 +31,13 @@ IDLE_WAIT_S = 0.05  # how long the idle step thread sleeps before looking at the
 
 
 class AsyncEngine:
-    def __init__(self, config: EngineConfig, parts: EngineParts | None = None) -> None:
-        self.engine = Engine(config, parts)
+    def __init__(
+        self,
+        config: EngineConfig,
+        parts: EngineParts | None = None,
+        launcher: RankLauncher | None = None,
+    ) -> None:
+        self.engine = Engine(config, parts, launcher)
         self.config = config
         self.spec = self.engine.spec
         self.max_model_len = self.engine.max_model_len
@@ -42,9 +48,17 @@ class AsyncEngine:
         # (run it, fail it): closures over each call's typed future, run on the step thread
         self._calls: list[tuple[Callable[[], None], Callable[[BaseException], None]]] = []
         self._calls_lock = threading.Lock()
-        self.error: BaseException | None = None
+        self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._loop, name="swaserve-engine", daemon=True)
         self._thread.start()
+
+    @property
+    def error(self) -> BaseException | None:
+        """The step thread's fatal error, or a tensor-parallel rank that is gone."""
+        if self._error is not None:
+            return self._error
+        failure = self.engine.rank_failure()
+        return RuntimeError(failure) if failure is not None else None
 
     # ---- requests -------------------------------------------------------------------------------
     def validate(self, token_ids: Sequence[int], params: SamplingParams) -> None:
@@ -129,7 +143,8 @@ class AsyncEngine:
         self._stop.set()
         self._wake.set()
         self._thread.join(timeout=10)
-        self.engine.masks.close()
+        # NOTE: a step thread still inside a collective must not race the stop message.
+        self.engine.close(force=self._thread.is_alive())
 
     # ---- the step thread ------------------------------------------------------------------------
     def _loop(self) -> None:
@@ -143,7 +158,7 @@ class AsyncEngine:
                     self._wake.clear()
         except BaseException as exc:  # noqa: BLE001 - surfaced to every caller
             logger.exception("engine step thread died")
-            self.error = exc
+            self._error = exc
             self._fail_pending(exc)
 
     def _run_calls(self) -> None:

@@ -23,6 +23,7 @@ from collections.abc import Callable, Sequence
 
 from worker.cache.events import CacheEvent, PageState
 from worker.config import EngineConfig
+from worker.engine.protocols import RankLauncher
 from worker.engine.setup import EngineParts, build_engine_parts
 from worker.engine.stats import EngineCounters, PoolPeaks, snapshot
 from worker.engine.step_io import record_prompt_logprobs, sample_row, split_logits
@@ -45,9 +46,14 @@ _Add = tuple[Req, DeltaSink | None]
 
 
 class Engine:
-    def __init__(self, config: EngineConfig, parts: EngineParts | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        parts: EngineParts | None = None,
+        launcher: RankLauncher | None = None,  # tensor parallelism: who starts ranks 1..N-1
+    ) -> None:
         self.config = config
-        self.parts = parts or build_engine_parts(config)
+        self.parts = parts or build_engine_parts(config, launcher)
         p = self.parts
         self.spec, self.allocator, self.cache, self.runner = p.spec, p.allocator, p.cache, p.runner
         self.max_model_len = p.max_model_len
@@ -277,6 +283,8 @@ class Engine:
         self.cache.check_integrity(running)
         if not running:
             self._check_idle_pools()
+        if self.parts.tp is not None:
+            self.parts.tp.check_pools()  # every rank's pools against the one allocator
 
     def _check_idle_pools(self) -> None:
         # NOTE: the cache checks the leak identity only when given running requests; with none,
@@ -300,6 +308,17 @@ class Engine:
         self.cache.reset()
         self._stats = self._snapshot()
         return True
+
+    def rank_failure(self) -> str | None:
+        """Tensor parallelism: why a rank is gone (the engine can no longer step), else None."""
+        return self.parts.tp.failure() if self.parts.tp is not None else None
+
+    def close(self, force: bool = False) -> None:
+        """Stop the grammar-mask threads and the other tensor-parallel ranks (idempotent).
+        `force`: end the ranks without the stop message (another thread may be mid-step)."""
+        self.masks.close()
+        if self.parts.tp is not None:
+            self.parts.tp.close(force)
 
     def drain_cache_events(self) -> list[CacheEvent]:
         return self.cache.drain_events()

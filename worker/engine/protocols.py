@@ -3,7 +3,8 @@ needs of an engine. Implementations are checked against them by the type checker
 (`tests/test_typing.py` runs mypy on the packages and on `tests/fakes`).
 
     WorkerDeployment ──EngineClient──▶ AsyncEngine (tests: FakeEngine)
-    Engine ──────────────Runner──────▶ ModelRunner (bench: SimRunner)
+    Engine ──────────────Runner──────▶ ModelRunner (bench: SimRunner; TP: TPRunner)
+    build_engine_parts ──RankLauncher─▶ ProcessLauncher (deploy: Ray rank actors) → Ranks
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 from worker.cache.events import CacheEvent, PageState
 from worker.config import EngineConfig
 from worker.outputs import EngineStats, StreamDelta
+from worker.parallel.group import TPAddress
 from worker.runner.forward_batch import ForwardBatch
 from worker.runner.sampler import SampleOutput, SampleRow
 from worker.sampling_params import SamplingParams
@@ -35,6 +37,31 @@ class Runner(Protocol):
         """One token per logits row, for the requests whose rows are given, in order; `bitmask`
         (int32 ``[len(rows), ceil(vocab / 32)]``) holds the grammar's allowed tokens for rows
         marked `masked`."""
+        ...
+
+
+class Ranks(Protocol):
+    """Ranks 1..N-1 of a tensor-parallel engine, as rank 0 sees them (docs/design.md §17.4)."""
+
+    def failure(self) -> str | None:
+        """Why a rank is gone (exited, died, unreachable), or None while all of them run. Cheap:
+        called on every request and health check."""
+        ...
+
+    def stop(self, timeout_s: float) -> None:
+        """Wait up to `timeout_s` for the ranks to exit (after the stop message), then end them."""
+        ...
+
+
+class RankLauncher(Protocol):
+    """Starts ranks 1..N-1 of an engine, each running `worker.engine.tp_setup.run_rank`."""
+
+    def rendezvous_host(self) -> str:
+        """The address the ranks reach rank 0 at (loopback when they share its host)."""
+        ...
+
+    def start(self, config: EngineConfig, address: TPAddress) -> Ranks:
+        """Start them and return at once; they join rank 0's store at `address`."""
         ...
 
 
@@ -60,7 +87,8 @@ class EngineClient(Protocol):
 
     @property
     def error(self) -> BaseException | None:
-        """Set when the step thread died; the replica then reports unhealthy."""
+        """Set when the step thread died or a tensor-parallel rank is gone; the replica then
+        reports unhealthy and refuses requests."""
         ...
 
     def validate(self, token_ids: Sequence[int], params: SamplingParams) -> None:

@@ -9,18 +9,22 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from worker.cache import create_cache
 from worker.cache.base import PrefixCache
 from worker.config import EngineConfig
-from worker.engine.protocols import Runner
+from worker.engine.protocols import RankLauncher, Runner
 from worker.errors import ConfigError
 from worker.kv.hybrid_allocator import HybridAllocator
 from worker.kv.memory_plan import PoolPlan, plan_pools
 from worker.models.model_dir import Tokenizer, load_tokenizer, resolve_model_dir
 from worker.models.spec import ModelSpec
+
+if TYPE_CHECKING:
+    from worker.engine.tp_setup import TensorParallel
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +44,8 @@ class EngineParts:
     eos_token_ids: tuple[int, ...] = ()
     tokenizer_loader: Callable[[], Tokenizer] | None = None
     model_dir: Path | None = None
-    plan: PoolPlan | None = None
+    plan: PoolPlan | None = None  # with tensor parallelism: one rank's pools
+    tp: TensorParallel | None = None  # the other ranks (tensor_parallel_size > 1)
 
     @property
     def cache_window(self) -> int | None:
@@ -54,7 +59,13 @@ def torch_dtype(name: str) -> torch.dtype:
     return DTYPES[name]
 
 
-def build_engine_parts(config: EngineConfig) -> EngineParts:
+def build_engine_parts(config: EngineConfig, launcher: RankLauncher | None = None) -> EngineParts:
+    """The parts of one engine; with `tensor_parallel_size > 1` rank 0's, after `launcher`
+    (default: local processes) started the other ranks (docs/design.md §17)."""
+    if config.tensor_parallel_size > 1:
+        from worker.engine.tp_setup import build_tp_engine_parts
+
+        return build_tp_engine_parts(config, launcher)
     from worker.attention import create_backend
     from worker.kv.pool import HybridKVPool
     from worker.models.hf_config import load_spec
@@ -68,7 +79,7 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     model = load_model(model_dir, spec, dtype=dtype, device=device)
     plan = _plan(config, spec, dtype, device)
     logger.info("KV pools: %s", plan.describe())
-    full_size, swa_size = _allocator_sizes(plan, spec)
+    full_size, swa_size = allocator_sizes(plan, spec)
     hybrid = plan.hybrid
     allocator = HybridAllocator(full_size, swa_size, config.page_size, hybrid=hybrid)
     pool = HybridKVPool(spec, full_size, swa_size, config.page_size, dtype, device, hybrid=hybrid)
@@ -82,13 +93,12 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         raise ConfigError("attention_backend 'flashinfer' needs a CUDA device; use 'torch' on CPU")
     backend = create_backend(config.attention_backend, pool, spec, device)
     runner = ModelRunner(spec, model, pool, allocator, backend, device=device)
-    max_len = min(config.max_model_len or spec.max_position_embeddings, spec.max_position_embeddings)
     return EngineParts(
         spec=spec,
         allocator=allocator,
         cache=cache,
         runner=runner,
-        max_model_len=max_len,
+        max_model_len=max_model_len(config, spec),
         eos_token_ids=eos_token_ids(model_dir),
         tokenizer_loader=lambda: load_tokenizer(model_dir),
         model_dir=model_dir,
@@ -96,7 +106,16 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     )
 
 
+def max_model_len(config: EngineConfig, spec: ModelSpec) -> int:
+    return min(config.max_model_len or spec.max_position_embeddings, spec.max_position_embeddings)
+
+
 def _plan(config: EngineConfig, spec: ModelSpec, dtype: torch.dtype, device: torch.device) -> PoolPlan:
+    return plan_for(config, spec, dtype, kv_budget(config, device))
+
+
+def kv_budget(config: EngineConfig, device: torch.device) -> int | None:
+    """KV bytes of one device (one rank): the config's, or what is free after the weights."""
     budget = config.kv_cache_bytes
     if budget is None and config.max_total_tokens is None:
         if device.type == "cuda":
@@ -104,6 +123,12 @@ def _plan(config: EngineConfig, spec: ModelSpec, dtype: torch.dtype, device: tor
             budget = int(free * GPU_KV_FRACTION)
         else:
             budget = DEFAULT_CPU_KV_BYTES
+    return budget
+
+
+def plan_for(
+    config: EngineConfig, spec: ModelSpec, dtype: torch.dtype, budget: int | None
+) -> PoolPlan:
     return plan_pools(
         spec,
         page_size=config.page_size,
@@ -115,7 +140,7 @@ def _plan(config: EngineConfig, spec: ModelSpec, dtype: torch.dtype, device: tor
     )
 
 
-def _allocator_sizes(plan: PoolPlan, spec: ModelSpec) -> tuple[int, int]:
+def allocator_sizes(plan: PoolPlan, spec: ModelSpec) -> tuple[int, int]:
     if plan.full_tokens > 0:
         return plan.full_tokens, plan.swa_tokens
     # NOTE: all-SWA model: no layer lives in the full pool, so full slots are plain addresses

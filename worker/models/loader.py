@@ -4,7 +4,8 @@ The module tree is created on the meta device, materialised empty on the target 
 target dtype, then every parameter and persistent buffer is filled from the checkpoint by name,
 one shard at a time. Quantized checkpoints (config.json's `quantization_config`) are dequantized
 into the parameters as their parts arrive (docs/design.md §16). Missing or unexpected tensors and
-shape mismatches raise with the names involved.
+shape mismatches raise with the names involved. Under tensor parallelism the tree is cut into
+this rank's shard before allocation, and each tensor's slice is copied (docs/design.md §17.2).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import safe_open
@@ -21,6 +22,10 @@ from worker.models.causal_lm import CausalLM
 from worker.models.quant import Part, QuantFormat, quant_format
 from worker.models.registry import model_class
 from worker.models.spec import ModelSpec
+
+if TYPE_CHECKING:
+    from worker.parallel.group import TPGroup
+    from worker.parallel.shard import ShardPlan
 
 # Checkpoint tensors the HF classes ignore too (MiMo's multi-token-prediction head).
 _IGNORED_PREFIXES = ("model.mtp.",)
@@ -34,16 +39,32 @@ def build_model(
     device: str | torch.device = "cpu",
 ) -> CausalLM:
     """The architecture's module tree with UNINITIALISED weights on `device` in `dtype`."""
+    return _build(config, spec, dtype, device, None)[0]
+
+
+def _build(
+    config: Any,
+    spec: ModelSpec,
+    dtype: torch.dtype,
+    device: str | torch.device,
+    group: TPGroup | None,
+) -> tuple[CausalLM, ShardPlan | None]:
+    """All of the tree, or `group`'s rank's shard with the plan that loads it."""
     cls = model_class(config.model_type)
+    plan = None
     with torch.device("meta"):
         model = cls(config, spec)
         # Cast while still on meta: `to_empty` then allocates each parameter once, in its dtype.
         for name, param in model.named_parameters():
             target = torch.float32 if any(k in name for k in cls.keep_fp32) else dtype
             param.data = param.data.to(target)
+        if group is not None and group.size > 1:
+            from worker.parallel.shard import shard_model
+
+            plan = shard_model(model, group)
     model.to_empty(device=device)
     model.tie_weights()
-    return model.eval()
+    return model.eval(), plan
 
 
 def _shard_files(model_dir: Path) -> list[Path]:
@@ -60,16 +81,22 @@ def _shard_files(model_dir: Path) -> list[Path]:
     )
 
 
-def load_weights(model: CausalLM, model_dir: str | Path, quant: QuantFormat | None = None) -> None:
+def load_weights(
+    model: CausalLM,
+    model_dir: str | Path,
+    quant: QuantFormat | None = None,
+    shard_plan: ShardPlan | None = None,
+) -> None:
     """Fill `model` from the directory's safetensors files, strictly by name.
 
     With `quant`, the stored parts of each quantized parameter are held (packed) until the last
     one is read, then dequantized straight into the parameter: beyond the model, the host holds
-    one shard's packed tensors and one dequantized slice at a time (docs/design.md §16).
+    one shard's packed tensors and one dequantized slice at a time (docs/design.md §16). With
+    `shard_plan`, each parameter receives its slice and other ranks' experts are skipped.
     """
     shards = _shard_files(Path(model_dir))
     names = {n for s, n in _stored_names(shards, model) if not _skipped(s, n, model)}
-    fill = _Fill(model, quant, quant.plan(names) if quant is not None else {})
+    fill = _Fill(model, quant, quant.plan(names) if quant is not None else {}, shard_plan)
     for path in shards:
         with safe_open(str(path), framework="pt") as f:
             for stored in f.keys():
@@ -82,10 +109,16 @@ def load_weights(model: CausalLM, model_dir: str | Path, quant: QuantFormat | No
 class _Fill:
     """The parameters of one model being filled: which are done, which wait for parts."""
 
-    def __init__(self, model: CausalLM, quant: QuantFormat | None, plan: dict[str, Part]) -> None:
+    def __init__(
+        self,
+        model: CausalLM,
+        quant: QuantFormat | None,
+        plan: dict[str, Part],
+        shard_plan: ShardPlan | None,
+    ) -> None:
         self.targets: dict[str, torch.Tensor] = dict(model.named_parameters())
         self.targets.update(dict(model.named_buffers()))
-        self.quant, self.plan = quant, plan
+        self.quant, self.plan, self.shard_plan = quant, plan, shard_plan
         self.pending: dict[str, dict[str, torch.Tensor]] = {}  # target -> role -> stored part
         self.seen: set[str] = set()
         self.unexpected: list[str] = []
@@ -93,10 +126,12 @@ class _Fill:
     def take(self, stored: str, name: str, read: Callable[[str], torch.Tensor]) -> None:
         part = self.plan.get(name)
         target = name if part is None else part.target
+        if self.shard_plan is not None and self.shard_plan.held_elsewhere(target):
+            return
         if target not in self.targets:
             self.unexpected.append(stored)
         elif part is None:
-            _copy(self.targets[name], read(stored), name)
+            self._copy(name, read(stored))
             self.seen.add(name)
         else:
             assert self.quant is not None, "a plan comes from a format"
@@ -104,10 +139,36 @@ class _Fill:
             parts[part.role] = read(stored)
             if len(parts) == len(self.quant.parts):
                 with torch.no_grad():
-                    self.quant.dequantize_into(
-                        self.targets[target], self.pending.pop(target), target
-                    )
+                    self._dequantize(target, self.pending.pop(target))
                 self.seen.add(target)
+
+    def _copy(self, name: str, src: torch.Tensor) -> None:
+        piece = self.shard_plan.slices.get(name) if self.shard_plan is not None else None
+        dst = self.targets[name]
+        if piece is None:
+            _copy(dst, src, name)
+            return
+        _check_shape(name, src.shape, piece.full_shape(dst))
+        with torch.no_grad():
+            piece.copy_into(dst, piece.take(src))
+
+    def _dequantize(self, target: str, parts: dict[str, torch.Tensor]) -> None:
+        assert self.quant is not None
+        dst = self.targets[target]
+        piece = self.shard_plan.slices.get(target) if self.shard_plan is not None else None
+        if piece is None:
+            self.quant.dequantize_into(dst, parts, target)
+        elif piece.dim == 0 and all(
+            p.dim() > 0 and p.shape[0] == piece.full for p in parts.values()
+        ):
+            # Every part is indexed by the sliced dim first (MXFP4 experts): slice them packed.
+            self.quant.dequantize_into(dst, {r: piece.take(p) for r, p in parts.items()}, target)
+        else:
+            # NOTE: one dequantized parameter on the host, then its slice (FP8 tiles need not
+            # align with the shard's rows; docs/design.md §17.2).
+            whole = torch.empty(piece.full_shape(dst), dtype=dst.dtype)
+            self.quant.dequantize_into(whole, parts, target)
+            piece.copy_into(dst, piece.take(whole).to(dst.device))
 
     def check(self, model_dir: str | Path, model: CausalLM) -> None:
         skip = {"lm_head.weight"} if model.tie_word_embeddings else set()
@@ -143,12 +204,16 @@ def _rename(name: str, prefixes: tuple[tuple[str, str], ...]) -> str:
     return name
 
 
-def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
-    if dst.shape != src.shape:
+def _check_shape(name: str, got: torch.Size, want: tuple[int, ...] | torch.Size) -> None:
+    if tuple(got) != tuple(want):
         raise ValueError(
-            f"{name}: checkpoint shape {tuple(src.shape)} != model shape {tuple(dst.shape)}; "
+            f"{name}: checkpoint shape {tuple(got)} != model shape {tuple(want)}; "
             "the config.json does not describe these weights"
         )
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
+    _check_shape(name, src.shape, dst.shape)
     with torch.no_grad():
         dst.copy_(src)
 
@@ -160,6 +225,7 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     config: Any | None = None,
+    group: TPGroup | None = None,
 ) -> CausalLM:
     """Build the architecture named by config.json and load its weights.
 
@@ -169,6 +235,7 @@ def load_model(
         spec: the model spec built from the same config (`worker.models.hf_config`).
         dtype / device: where and how the weights live.
         config: an already loaded HF config (else read from `model_dir`).
+        group: a tensor-parallel group: load this rank's shard (`worker.parallel.shard`).
     """
     if config is None:
         from worker.models.hf_config import (
@@ -177,6 +244,6 @@ def load_model(
 
         config = load_hf_config(model_dir)
     quant = quant_format(config)  # refuses an unknown method before anything is allocated
-    model = build_model(config, spec, dtype=dtype, device=device)
-    load_weights(model, model_dir, quant)
+    model, shard_plan = _build(config, spec, dtype, device, group)
+    load_weights(model, model_dir, quant, shard_plan)
     return model

@@ -4,12 +4,14 @@ top-k, one gated MLP per expert as the checkpoint stores them).
 
 Both run each expert that received tokens on its rows (tokens sorted by expert once): exact
 FLOPs, the same arithmetic as HF's per-expert loop, and few ops per step for the small expert
-counts this project runs on CPU.
+counts this project runs on CPU. Under tensor parallelism each rank holds a contiguous range of
+whole experts (`ExpertShard`) and its partial sum is all-reduced (docs/design.md §17.2).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -19,33 +21,53 @@ from worker.models.layers import GatedMLP
 from worker.models.spec import HFConfig
 
 
+@dataclass(frozen=True)
+class ExpertShard:
+    """The experts a module holds (all of them, or one rank's range), and how its partial sum
+    becomes the layer's output (None: it already is)."""
+
+    experts: range
+    reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+    def finish(self, out: torch.Tensor) -> torch.Tensor:
+        return out if self.reduce is None else self.reduce(out)
+
+
 def _combine(
     x: torch.Tensor,
     top_idx: torch.Tensor,  # [T, k]
     top_w: torch.Tensor,  # [T, k]
     expert_fn: Callable[[int, torch.Tensor], torch.Tensor],  # (expert id, rows [n, H]) -> [n, H]
+    experts: range,  # the expert ids held here; pairs routed elsewhere contribute nothing
 ) -> torch.Tensor:
-    """Sum over each token's k experts of ``expert(x) * weight``.
+    """Sum over each token's k experts (those in `experts`) of ``expert(x) * weight``.
 
     The (token, slot) pairs are sorted by expert once (stable, so tokens stay ascending within
     an expert), each expert runs on its contiguous slice, and ONE ``index_add_`` scatters all
     results: a token's row receives its experts' outputs in ascending expert order, the same
     additions as one ``index_add_`` per expert (HF), with a handful of ops instead of a dozen per
-    expert (the cost that dominates small batches).
+    expert (the cost that dominates small batches). A range of experts is a contiguous run of
+    the sorted pairs.
     """
     k = top_idx.shape[1]
     flat = top_idx.reshape(-1)
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat).tolist()  # the one host sync: slice sizes per expert
+    counts = torch.bincount(flat, minlength=experts.stop).tolist()  # the one host sync
+    lo = sum(counts[: experts.start])
+    hi = lo + sum(counts[experts.start : experts.stop])
+    out = torch.zeros_like(x)
+    if hi == lo:
+        return out
+    order = order[lo:hi]
     token = torch.div(order, k, rounding_mode="floor")
     rows = x.index_select(0, token)
     ys, start = [], 0
-    for e, n in enumerate(counts):
+    for e in experts:
+        n = counts[e]
         if n:
             ys.append(expert_fn(e, rows[start : start + n]))
             start += n
     y = torch.cat(ys) * top_w.reshape(-1).index_select(0, order)[:, None]
-    out = torch.zeros_like(x)
     return out.index_add_(0, token, y.to(out.dtype))
 
 
@@ -97,10 +119,16 @@ class GptOssMoE(nn.Module):
         super().__init__()
         self.router = GptOssRouter(hidden, num_experts, top_k)
         self.experts = GptOssExperts(hidden, intermediate, num_experts, alpha, limit)
+        self.shard = ExpertShard(range(num_experts))  # the fused tensors hold these, in order
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         top_idx, top_w = self.router(x)
-        return _combine(x, top_idx, top_w, self.experts.expert)
+        first = self.shard.experts.start
+
+        def expert(e: int, rows: torch.Tensor) -> torch.Tensor:
+            return self.experts.expert(e - first, rows)
+
+        return self.shard.finish(_combine(x, top_idx, top_w, expert, self.shard.experts))
 
 
 class MiMoRouter(nn.Module):
@@ -155,7 +183,10 @@ class MiMoMoE(nn.Module):
             GatedMLP(config.hidden_size, config.moe_intermediate_size, config.hidden_act)
             for _ in range(config.n_routed_experts)
         )
+        # Under TP, experts outside the range are empty modules (their index stays their name).
+        self.shard = ExpertShard(range(config.n_routed_experts))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         top_idx, top_w = self.gate(x)
-        return _combine(x, top_idx, top_w, lambda e, rows: self.experts[e](rows))
+        out = _combine(x, top_idx, top_w, lambda e, rows: self.experts[e](rows), self.shard.experts)
+        return self.shard.finish(out)

@@ -4,6 +4,10 @@ Per step it builds, on the host and once: the input ids and positions, the new t
 (`out_loc`) and SWA slots (`swa_out_loc`), and one key view per layer kind (FULL slots as given;
 SWA slots for the window only, translated through the allocator in ONE call). Everything is
 copied to the model device once, the backend plans once, then the model runs.
+
+The two halves are separate methods: `_prepare` (host, needs the allocator) and `execute`
+(device). Under tensor parallelism rank 0 prepares once and every rank executes the same host
+inputs on its own shard and pools (`worker/parallel/runner.py`, docs/design.md §17.3).
 """
 
 from __future__ import annotations
@@ -63,7 +67,7 @@ class ModelRunner:
         spec: ModelSpec,
         model: CausalLM,
         pool: HybridKVPool,
-        allocator: HybridAllocator,
+        allocator: HybridAllocator | None,  # None: a rank that only executes (never prepares)
         backend: AttentionBackend,
         *,
         device: str | torch.device = "cpu",
@@ -82,10 +86,18 @@ class ModelRunner:
         _check_model_matches_spec(model, spec)
 
     # ---- forward ------------------------------------------------------------------------------
-    @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Run one step. Returns float32 logits ``[batch.num_logits, vocab]`` in batch order."""
         host = self._prepare(batch)
+        return self.execute(
+            host, tuple(len(r.token_ids) for r in batch.reqs), tuple(r.seq_len for r in batch.reqs)
+        )
+
+    @torch.inference_mode()
+    def execute(
+        self, host: _HostInputs, q_lens: tuple[int, ...], seq_lens: tuple[int, ...]
+    ) -> torch.Tensor:
+        """The device half of a step: float32 logits ``[rows, vocab of this model]``."""
         dev = self.device
         views = {
             kind: KVView(v.indices.to(dev), v.indptr.to(dev), v.kv_starts)
@@ -93,8 +105,8 @@ class ModelRunner:
         }
         positions = host.positions.to(dev)
         attn = AttnBatch(
-            q_lens=tuple(len(r.token_ids) for r in batch.reqs),
-            seq_lens=tuple(r.seq_len for r in batch.reqs),
+            q_lens=q_lens,
+            seq_lens=seq_lens,
             positions=positions,
             kv=views,
             window=self.spec.window,
@@ -173,6 +185,7 @@ class ModelRunner:
         swa_ptr = _offsets(lens)
         shifts = [p + (w - s) - o for p, w, s, o in zip(ptr, swa_starts, starts, swa_ptr)]
         full_idx = slots[_spread(shifts, lens, swa_ptr[-1])]
+        assert self.allocator is not None, "only the rank that owns the allocator prepares"
         swa_idx = self.allocator.translate(full_idx)  # the one translation
         # The new tokens are the tail of each request's SWA range: slice their slots out of it.
         q_off = _offsets(q_lens)

@@ -79,6 +79,40 @@ max: {{ $cfg.workers | int }}
 {{- end }}
 {{- end }}
 
+{{/* Tensor-parallel ranks of one worker replica (each one a GPU or a CPU bundle). */}}
+{{- define "swaserve.ranks" -}}
+{{- (include "swaserve.config" . | fromYaml).tensor_parallel_size | default 1 | int }}
+{{- end }}
+
+{{/* GPUs of one worker pod: tensor_parallel_size x worker_num_gpus (one replica per pod). */}}
+{{- define "swaserve.podGpus" -}}
+{{- mul (include "swaserve.ranks" . | int) ((include "swaserve.config" . | fromYaml).worker_num_gpus | int) }}
+{{- end }}
+
+{{/* CPUs one worker replica reserves: its own plus each rank actor's (rank_num_cpus, default 1). */}}
+{{- define "swaserve.podCpus" -}}
+{{- $cfg := include "swaserve.config" . | fromYaml }}
+{{- $ranks := include "swaserve.ranks" . | int }}
+{{- addf ($cfg.worker_num_cpus | float64) (mulf (sub $ranks 1) ($cfg.rank_num_cpus | default 1.0 | float64)) }}
+{{- end }}
+
+{{/*
+ServeConfig.placement_group_bundles: one bundle per rank (the replica first), zero resources
+left out (Ray refuses them).
+*/}}
+{{- define "swaserve.bundles" -}}
+{{- $cfg := include "swaserve.config" . | fromYaml }}
+{{- $bundles := list }}
+{{- range $r := until (include "swaserve.ranks" . | int) }}
+{{- $b := dict }}
+{{- $cpus := ternary $cfg.worker_num_cpus ($cfg.rank_num_cpus | default 1.0) (eq $r 0) }}
+{{- if gt ($cpus | float64) 0.0 }}{{ $_ := set $b "CPU" $cpus }}{{ end }}
+{{- if gt ($cfg.worker_num_gpus | float64) 0.0 }}{{ $_ := set $b "GPU" $cfg.worker_num_gpus }}{{ end }}
+{{- $bundles = append $bundles $b }}
+{{- end }}
+{{- toYaml $bundles }}
+{{- end }}
+
 {{/* CPU cores of a quantity ("8", 8, "500m"). */}}
 {{- define "swaserve.cores" -}}
 {{- $q := toString . }}
@@ -95,12 +129,13 @@ max: {{ $cfg.workers | int }}
 {{- $res := .Values.workerGroup.resources | default dict }}
 {{- range $section := list "requests" "limits" }}
 {{- if hasKey (get $res $section | default dict) "nvidia.com/gpu" }}
-{{- fail (printf "workerGroup.resources.%s must not set nvidia.com/gpu: it comes from serve.config.worker_num_gpus" $section) }}
+{{- fail (printf "workerGroup.resources.%s must not set nvidia.com/gpu: it comes from serve.config (tensor_parallel_size x worker_num_gpus)" $section) }}
 {{- end }}
 {{- end }}
 {{- $cpu := get .Values.workerGroup.rayStartParams "num-cpus" | default (get (get $res "limits" | default dict) "cpu") | default (get (get $res "requests" | default dict) "cpu") }}
-{{- if and $cpu (lt (include "swaserve.cores" $cpu | float64) ($cfg.worker_num_cpus | float64)) }}
-{{- fail (printf "a worker pod has %v CPUs but serve.config.worker_num_cpus is %v: raise workerGroup.resources cpu (leave room for an ingress replica)" $cpu $cfg.worker_num_cpus) }}
+{{- $need := include "swaserve.podCpus" . | float64 }}
+{{- if and $cpu (lt (include "swaserve.cores" $cpu | float64) $need) }}
+{{- fail (printf "a worker pod has %v CPUs but a worker replica reserves %v (worker_num_cpus + (tensor_parallel_size - 1) x rank_num_cpus): raise workerGroup.resources cpu (leave room for an ingress replica)" $cpu $need) }}
 {{- end }}
 {{- if .Values.model.volume }}
 {{- if not (hasPrefix (printf "%s/" (trimSuffix "/" .Values.model.mountPath)) $cfg.model) }}
@@ -138,6 +173,11 @@ applications:
         ray_actor_options:
           num_cpus: {{ $cfg.worker_num_cpus | toJson }}
           num_gpus: {{ $cfg.worker_num_gpus | toJson }}
+        {{- if gt (include "swaserve.ranks" . | int) 1 }}
+        placement_group_bundles:
+          {{- include "swaserve.bundles" . | nindent 10 }}
+        placement_group_strategy: {{ $cfg.placement_group_strategy | default "STRICT_PACK" | toJson }}
+        {{- end }}
         {{- if $cfg.autoscaling }}
         autoscaling_config:
           {{- toYaml $cfg.autoscaling | nindent 10 }}

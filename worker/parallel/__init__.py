@@ -1,0 +1,10 @@
+"""Tensor parallelism: one model over N ranks (docs/design.md §17).
+
+`group` (the process groups), `layers` (column/row/vocab-parallel), `shard` (a model and its
+spec cut into one rank's part), `runner` (`TPRunner`: rank 0 prepares, every rank executes).
+The engine side that starts and stops the ranks is `worker/engine/tp_setup.py`.
+"""
+
+from worker.parallel.group import TPAddress, TPGroup
+
+__all__ = ["TPAddress", "TPGroup"]
