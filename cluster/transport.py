@@ -29,6 +29,7 @@ the ingress reads for `/metrics` and `/health` (`report_stats` / `replica_stats`
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import Callable
 from typing import cast
@@ -320,10 +321,16 @@ class IndexSubscriber:
                 backoff = min(backoff * 2, 2.0)
 
     def _apply(self, delta: Delta) -> bool:
-        # Only a delta that continues our cursor (or a reset) applies; a delta overtaken by a
-        # concurrent sync is dropped and the next pull fetches the rest.
-        if not delta.reset and (delta.epoch != self._epoch or delta.since != self._cursor):
-            return False
+        # A delta applies from our cursor on: a reset, or a log slice that reaches past our
+        # cursor. The long poll and a catch-up pull run concurrently, so one may return a slice
+        # that the other's already partly covered: its unseen tail still applies (dropping it
+        # would let the decision waiting on the catch-up run without the newest batch).
+        if not delta.reset:
+            if delta.epoch != self._epoch or not delta.since <= self._cursor < delta.cursor:
+                return False
+            delta = dataclasses.replace(
+                delta, since=self._cursor, updates=delta.updates[self._cursor - delta.since :]
+            )
         apply_delta(self.index, delta)
         self._epoch, self._cursor = delta.epoch, delta.cursor
         return True

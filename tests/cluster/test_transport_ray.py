@@ -28,6 +28,7 @@ from cluster.messages import (
     RoutedRequest,
     WorkerMeta,
     WorkerRemoved,
+    WorkerResync,
     make_routing_stats,
 )
 from cluster.ray_local import LocalRayConfig, start_local_ray, stop_local_ray
@@ -120,6 +121,27 @@ def test_push_then_pull(actor_name: str) -> None:
         assert not await sub.sync()  # nothing new
 
     asyncio.run(run())
+
+
+def test_overlapping_pulls_apply_their_unseen_tail() -> None:
+    """The long poll and a catch-up pull race: a delta that starts before the cursor (the other
+    pull applied its head) still applies the rest; an older one changes nothing. No Ray needed."""
+    from cluster.index_hub import IndexHub
+
+    hub, cache = IndexHub(), FakeCache("w0", "i0")
+    hub.resync(WorkerResync(cache.meta, cache.snapshot()))
+    sub = IndexSubscriber(None, ClusterIndex())  # type: ignore[arg-type]  # _apply only
+    assert sub._apply(hub.pull(None, 0))  # the reset: cursor at the log's end
+    base = hub.end
+    cache.store(1)
+    hub.push(cache.drain())
+    head = hub.pull(hub.epoch, base)  # what the long poll got: batch 1
+    cache.store(2)
+    hub.push(cache.drain())
+    both = hub.pull(hub.epoch, base)  # what the catch-up got, sent before the poll's applied
+    assert sub._apply(head) and sub._apply(both)
+    assert _pages(sub.index, "w0") == {1, 2}
+    assert not sub._apply(head)  # nothing past the cursor
 
 
 def test_long_poll_delivers_quickly(actor_name: str) -> None:
