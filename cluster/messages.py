@@ -299,6 +299,8 @@ class RoutedRequest:
     max_new_tokens: int = 0  # for the capacity estimate; 0 when unknown
     params: SamplingParams | None = None  # opaque to the router; None: the engine's defaults
     routing: RoutingDecision | None = None  # filled in by the router
+    # Replicas to rank last: a retry after a replica died or refused (deploy/replica/client.py).
+    avoid: tuple[str, ...] = ()
 
     def with_routing(self, decision: RoutingDecision) -> RoutedRequest:
         return dataclasses.replace(self, routing=decision)
