@@ -117,7 +117,7 @@ def _wait_for_routes(base: str, deadline_s: float = 120.0) -> None:
                 return
         except (urllib.error.URLError, ConnectionError, TimeoutError):
             pass
-        time.sleep(0.5)
+        time.sleep(0.5)  # waits on Serve publishing the routes
     raise TimeoutError(f"no Serve routes at {base} after {deadline_s} s")
 
 

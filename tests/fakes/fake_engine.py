@@ -72,7 +72,7 @@ class FakeEngine:
         last, produced, done = token_ids[-1], 0, False
         try:
             while True:
-                await asyncio.sleep(self._step_s)
+                await asyncio.sleep(self._step_s)  # one simulated engine step, not a wait
                 if request_id in self._aborted:
                     return
                 tok = self._next(last, params, rng)

@@ -197,7 +197,7 @@ class CountingSubscriber:
 
     async def sync(self, wait_s: float = 0.0) -> bool:
         self.pulls += 1
-        await asyncio.sleep(0)
+        await asyncio.sleep(0)  # one loop turn, so concurrent decisions overlap
         return False
 
 
