@@ -90,7 +90,11 @@ class CacheIndexActor:
     async def report_stats(
         self, worker_id: str, incarnation: str, stats: StatsDict, register: bool
     ) -> bool:
-        return self._stats.report(worker_id, incarnation, stats, register=register)
+        """Keep the sample; True when the index lacks this incarnation (after this actor
+        restarted, an idle replica learns here that it must resync)."""
+        self._stats.report(worker_id, incarnation, stats, register=register)
+        entry = self._hub.index.worker(worker_id)
+        return entry is None or entry.stale or entry.meta.incarnation != incarnation
 
     async def replica_stats(self, stale_after_s: float, forget_after_s: float) -> ReplicaSnapshot:
         """Every worker replica's latest stats (None: silent for over `stale_after_s`)."""
@@ -218,13 +222,19 @@ class EventPublisher:
 
     async def report_stats(self, stats: StatsDict, *, register: bool) -> None:
         """Send one stats sample for `/metrics` and `/health` (`register`: see
-        `cluster.replica_stats`); best effort, a failure is only logged."""
+        `cluster.replica_stats`); best effort, a failure is only logged. A registering report
+        that the index does not know (the actor restarted meanwhile) resyncs at once, so an
+        idle replica is back in the index within a stats period."""
         try:
-            await self._actor.report_stats.remote(
+            missing: bool = await self._actor.report_stats.remote(
                 self.meta.worker_id, self.meta.incarnation, stats, register
             )
         except RayError as exc:
             logger.debug("stats report to the cache index failed: %s", exc)
+            return
+        if missing and register:
+            async with self._lock:
+                await self._resync()
 
     async def close(self) -> None:
         """Remove this incarnation from the index (graceful replica shutdown)."""

@@ -257,6 +257,34 @@ def test_replica_stats_through_the_index_actor(actor_name: str) -> None:
     asyncio.run(run())
 
 
+def test_an_idle_worker_resyncs_through_its_stats_report(actor_name: str) -> None:
+    """After the actor restarted empty, a replica with no events to push is back in the index
+    (with its pages) at its next registering stats report."""
+
+    async def run() -> None:
+        actor = get_or_create_index_actor(actor_name)
+        cache = FakeCache("w0", "i0")
+        publisher = await _started(actor, cache)
+        cache.store(1, 2)
+        await publisher.publish(cache.drain())
+        ray.kill(actor, no_restart=False)  # Ray restarts it empty
+        deadline = time.monotonic() + 30
+        while True:
+            await publisher.report_stats({"timestamp_s": time.time()}, register=True)
+            try:
+                if (await actor.describe.remote())["workers"].get("w0"):
+                    break
+            except ray.exceptions.RayActorError:
+                pass
+            assert time.monotonic() < deadline, "the idle worker never came back"
+            await asyncio.sleep(0.1)  # waits on Ray restarting the actor
+        sub = IndexSubscriber(actor, ClusterIndex())
+        await sub.sync()
+        assert _pages(sub.index, "w0") == {1, 2}
+
+    asyncio.run(run())
+
+
 def test_subscriber_stops_when_actor_killed(actor_name: str) -> None:
     """find_index_actor never creates; a subscriber stops following once the actor is killed."""
 
