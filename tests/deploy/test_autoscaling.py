@@ -5,6 +5,7 @@ No request is lost or cut in either direction; the times are measured and printe
 
 from __future__ import annotations
 
+import os
 import socket
 import time
 from collections.abc import Callable, Iterator
@@ -14,13 +15,21 @@ import pytest
 import ray
 from ray import serve
 
+from cluster import ray_private
 from cluster.ray_local import LocalRayConfig, start_local_ray, stop_local_ray
 from cluster.transport import INDEX_NAMESPACE, index_actor_name, kill_index_actor
-from deploy.app import build_app_from_config
-from deploy.config import WORKER_DEPLOYMENT, ServeConfig
+from deploy.config import APP_IMPORT_PATH, WORKER_DEPLOYMENT, ServeConfig
 from tests.deploy.chaos_load import Load, counts
 
-pytestmark = [pytest.mark.ray, pytest.mark.loaded, pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [
+    pytest.mark.ray,
+    pytest.mark.loaded,
+    pytest.mark.slow,
+    pytest.mark.timeout(600),
+    # Serve compares look_back_period_s with the deprecated metrics_interval_s (10 s); the push
+    # intervals that replaced it are the environment switches below.
+    pytest.mark.filterwarnings("ignore:`look_back_period_s`:FutureWarning"),
+]
 
 APP = "scaling"
 SCALING = {
@@ -50,21 +59,44 @@ class Served:
         return sum(n for state, n in states.items() if str(state).endswith("RUNNING"))
 
 
+# Serve averages ongoing requests over `look_back_period_s` (30 s) of samples pushed every 10 s;
+# the test shortens both (a config file's Worker entry, as on KubeRay, and Serve's push-interval
+# environment switches) so that scaling follows the load within seconds.
+LOOK_BACK_S = 3.0
+PUSH_ENV = {
+    "RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.5",
+    "RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.5",
+}
+
+
 @pytest.fixture(scope="module")
 def served() -> Iterator[Served]:
+    saved = {k: os.environ.get(k) for k in PUSH_ENV}
+    os.environ.update(PUSH_ENV)
     cluster = start_local_ray(LocalRayConfig(num_cpus=2))
     try:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        serve.start(http_options={"host": "127.0.0.1", "port": port}, proxy_location="HeadOnly")
         cfg = ServeConfig(model="tiny", autoscaling=SCALING, worker_num_cpus=0.8)
-        serve.run(build_app_from_config(cfg), name=APP, route_prefix="/")
+        worker = {"name": WORKER_DEPLOYMENT, **cfg.worker_deployment_options()}
+        worker["autoscaling_config"] = {**SCALING, "look_back_period_s": LOOK_BACK_S}
+        app = {"name": APP, "route_prefix": "/", "import_path": APP_IMPORT_PATH, "args": cfg.to_args(),
+               "deployments": [worker]}  # fmt: skip
+        http = {"host": "127.0.0.1", "port": port}
+        ray_private.deploy_config_file({"http_options": http, "proxy_location": "HeadOnly", "applications": [app]})
+        _wait(lambda: str(getattr(serve.status().applications.get(APP), "status", "")).endswith("RUNNING"),
+              300, "the application running")  # fmt: skip
         yield Served(f"http://127.0.0.1:{port}")
     finally:
         serve.shutdown()
         kill_index_actor(index_actor_name(APP, WORKER_DEPLOYMENT))
         stop_local_ray(cluster)
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def test_workers_scale_up_under_load_and_drain_when_it_falls(served: Served) -> None:
