@@ -65,10 +65,6 @@ class LocalCluster:
                 out[proc.info["pid"]] = raylets[proc.info["ppid"]]
         return out
 
-    def worker_node(self, node_id: str) -> Any:
-        """The `Cluster` worker node with this node id."""
-        return next(n for n in self.workers if n.node_id == node_id)
-
 
 def sigkill(pid: int) -> None:
     os.kill(pid, signal.SIGKILL)
@@ -93,7 +89,8 @@ def local_cluster(
     try:
         for _ in range(worker_nodes):
             local.add_worker_node(worker_cpus)
-        cluster.connect(namespace=namespace)
+        # The driver connects without the workers' logs (`Cluster.connect` streams them all).
+        ray.init(address=cluster.address, namespace=namespace, log_to_driver=False)
         assert {n["NodeManagerAddress"] for n in ray.nodes()} == {"127.0.0.1"}
         yield local
     finally:

@@ -31,6 +31,7 @@ class Record:
     kind: str  # "stream" | "plain"
     client: int
     sent: float  # time.monotonic()
+    answered: float = 0.0  # the status line arrived (a stream's: with its first token)
     ended: float = 0.0
     outcome: str = ""
     status: int = 0
@@ -73,6 +74,10 @@ class Load:
 
     def since(self, t: float) -> list[Record]:
         return [r for r in list(self.records) if r.sent >= t]
+
+    def streaming_on(self) -> set[str]:
+        """Replicas with a stream of this load in progress (past its first token) right now."""
+        return {r.replica for r in list(self.records) if r.kind == "stream" and r.answered and not r.ended}
 
     async def _main(self) -> None:
         end = time.monotonic() + self.max_s
@@ -138,6 +143,7 @@ class Load:
 
     @staticmethod
     def _headers(rec: Record, headers: httpx.Headers) -> None:
+        rec.answered = time.monotonic()
         rec.replica = headers.get("x-swaserve-replica", "")
         predicted = headers.get("x-swaserve-predicted-cached-tokens")
         rec.predicted = int(predicted) if predicted else None

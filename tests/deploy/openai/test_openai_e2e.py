@@ -195,6 +195,7 @@ def test_hundred_repeats_hit_on_a_busy_machine(server: Server) -> None:
                     wrong.append((i, turn, predicted, got))
                 if turn == "repeat" and got == 0:
                     misses.append(i)
+    print(f"\n100 repeats with two CPU hogs: {100 - len(misses)} hit, {200 - len(wrong)}/200 predictions exact")
     assert len(misses) <= 1 and not wrong, (misses, wrong)
 
 
@@ -297,7 +298,7 @@ def test_sigterm_drains_then_exits_cleanly(server: Server) -> None:
     'stopped' logged, the port free again (Ctrl-C takes the same path)."""
     import threading
 
-    body = {"model": MODEL, "prompt": "Count:", "max_tokens": 1500, "ignore_eos": True}
+    body = {"model": MODEL, "prompt": "Count:", "max_tokens": 1000, "ignore_eos": True}
     results: dict[str, Any] = {}
 
     def plain() -> None:
@@ -325,7 +326,7 @@ def test_sigterm_drains_then_exits_cleanly(server: Server) -> None:
     assert refused.status_code == 503 and refused.headers["retry-after"], refused.text
     for t in clients:
         t.join(300)
-    assert results == {"plain": (200, 1500), "stream": (200, "data: [DONE]")}, results
+    assert results == {"plain": (200, 1000), "stream": (200, "data: [DONE]")}, results
     assert server.proc.wait(120) == 0, server.text()[-3000:]
     assert "in-flight requests finished" in server.text() and "stopped" in server.text()
     deadline = time.monotonic() + 30
