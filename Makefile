@@ -1,13 +1,14 @@
 # Two commands set everything up on a fresh machine:
 #   make serve   -> creates .venv, installs, serves the built-in tiny model on 127.0.0.1:8000
 #   make test    -> creates .venv, installs, runs the whole test suite
+#   make test-loaded -> the Ray and e2e modules again, with two CPU-burning processes beside them
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 SERVE_ARGS ?=
 
-.PHONY: install serve test test-fast lint bench clean
+.PHONY: install serve test test-loaded test-fast lint bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -22,6 +23,9 @@ serve: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
+
+test-loaded: $(STAMP)
+	$(BIN)/python -m pytest -q -m 'ray and not loaded' --cpu-hogs 2
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m 'not slow and not ray'

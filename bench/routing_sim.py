@@ -222,7 +222,7 @@ class Simulation:
         if not d.finished:
             return
         track.finish_s, track.cached = t, d.cached_tokens
-        self.core.complete(d.request_id)
+        self.core.complete(d.request_id, now=t)
         nxt = self.workload.follow_up(track.req, track.output, t)
         if nxt is not None:
             self._push(nxt.arrival_s, _ARRIVAL, nxt)

@@ -302,6 +302,8 @@ class RoutedRequest:
     # More choices of the same prompt, served by the same replica so they share its prefill;
     # the stream's deltas carry each choice's id (`choice_ids`).
     sibling_params: tuple[SamplingParams, ...] = ()
+    # Replicas to rank last: a retry after a replica died or refused (deploy/replica/client.py).
+    avoid: tuple[str, ...] = ()
 
     def with_routing(self, decision: RoutingDecision) -> RoutedRequest:
         return dataclasses.replace(self, routing=decision)

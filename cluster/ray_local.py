@@ -6,7 +6,10 @@ Ray's environment switches are set here and nowhere else:
 - `RAY_USAGE_STATS_ENABLED=0`: no telemetry (and no network attempt);
 - `RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`: Ray otherwise replaces `_node_ip_address="127.0.0.1"`
   by the host's routable address (`services.resolve_ip_for_localhost`); with "clusters" off it
-  keeps the loopback address, which is all a single-node cluster needs.
+  keeps the loopback address, which is all a single-node cluster needs;
+- `RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S=30`: Serve kills and restarts an HTTP proxy that is not
+  ready within 3 checks of this (5 s by default), and `serve.start` then fails; a proxy actor
+  that imports uvicorn and FastAPI on a busy machine needs longer than 15 s.
 Each cluster gets its own short temp dir (Ray's socket paths must stay under ~107 bytes), so
 parallel jobs on one machine do not share sessions; it is removed on stop. The two Ray internals
 this needs live in `cluster.ray_private`.
@@ -28,6 +31,7 @@ RAY_ENV = {
     "RAY_AUTH_MODE": "disabled",
     "RAY_USAGE_STATS_ENABLED": "0",
     "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+    "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "30",
 }
 
 

@@ -90,7 +90,8 @@ def deployment_config(deployment: Any) -> Any:
 
 def deploy_config_file(doc: dict[str, Any]) -> None:
     """Deploy a Ray Serve config file (`ServeDeploySchema`) the way `serve deploy` and KubeRay
-    do: start Serve with its HTTP options, then the controller's `deploy_apps`, waiting.
+    do: start Serve with its HTTP options, then the controller's `deploy_apps`, without waiting
+    (Serve's own wait gives up after 60 s, too short on a busy machine: poll `serve.status()`).
 
     Why private: the public route for a config file is the dashboard's REST API (`serve deploy`),
     and the test cluster runs without a dashboard; `serve.run` takes applications, not files.
@@ -99,7 +100,7 @@ def deploy_config_file(doc: dict[str, Any]) -> None:
     from ray.serve.schema import ServeDeploySchema
 
     client = serve_start(http_options=doc["http_options"], proxy_location=doc["proxy_location"])
-    client.deploy_apps(ServeDeploySchema.model_validate(doc), _blocking=True)
+    client.deploy_apps(ServeDeploySchema.model_validate(doc), _blocking=False)
 
 
 async def route_one(router: Any, pending_request: Any) -> Any:

@@ -29,6 +29,7 @@ the ingress reads for `/metrics` and `/health` (`report_stats` / `replica_stats`
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import Callable
 from typing import cast
@@ -89,7 +90,11 @@ class CacheIndexActor:
     async def report_stats(
         self, worker_id: str, incarnation: str, stats: StatsDict, register: bool
     ) -> bool:
-        return self._stats.report(worker_id, incarnation, stats, register=register)
+        """Keep the sample; True when the index lacks this incarnation (after this actor
+        restarted, an idle replica learns here that it must resync)."""
+        self._stats.report(worker_id, incarnation, stats, register=register)
+        entry = self._hub.index.worker(worker_id)
+        return entry is None or entry.stale or entry.meta.incarnation != incarnation
 
     async def replica_stats(self, stale_after_s: float, forget_after_s: float) -> ReplicaSnapshot:
         """Every worker replica's latest stats (None: silent for over `stale_after_s`)."""
@@ -221,13 +226,19 @@ class EventPublisher:
 
     async def report_stats(self, stats: StatsDict, *, register: bool) -> None:
         """Send one stats sample for `/metrics` and `/health` (`register`: see
-        `cluster.replica_stats`); best effort, a failure is only logged."""
+        `cluster.replica_stats`); best effort, a failure is only logged. A registering report
+        that the index does not know (the actor restarted meanwhile) resyncs at once, so an
+        idle replica is back in the index within a stats period."""
         try:
-            await self._actor.report_stats.remote(
+            missing: bool = await self._actor.report_stats.remote(
                 self.meta.worker_id, self.meta.incarnation, stats, register
             )
         except RayError as exc:
             logger.debug("stats report to the cache index failed: %s", exc)
+            return
+        if missing and register:
+            async with self._lock:
+                await self._resync()
 
     async def close(self) -> None:
         """Remove this incarnation from the index (graceful replica shutdown)."""
@@ -324,10 +335,16 @@ class IndexSubscriber:
                 backoff = min(backoff * 2, 2.0)
 
     def _apply(self, delta: Delta) -> bool:
-        # Only a delta that continues our cursor (or a reset) applies; a delta overtaken by a
-        # concurrent sync is dropped and the next pull fetches the rest.
-        if not delta.reset and (delta.epoch != self._epoch or delta.since != self._cursor):
-            return False
+        # A delta applies from our cursor on: a reset, or a log slice that reaches past our
+        # cursor. The long poll and a catch-up pull run concurrently, so one may return a slice
+        # that the other's already partly covered: its unseen tail still applies (dropping it
+        # would let the decision waiting on the catch-up run without the newest batch).
+        if not delta.reset:
+            if delta.epoch != self._epoch or not delta.since <= self._cursor < delta.cursor:
+                return False
+            delta = dataclasses.replace(
+                delta, since=self._cursor, updates=delta.updates[self._cursor - delta.since :]
+            )
         apply_delta(self.index, delta)
         self._epoch, self._cursor = delta.epoch, delta.cursor
         return True

@@ -3,7 +3,12 @@
 Steps, each announced on stderr: resolve the config (file, then flags on top), prepare the model
 (create the tiny model, or check the directory), start Ray bound to 127.0.0.1, start Serve's
 HTTP proxy on `--host/--port`, deploy, then report worker progress until every worker has its
-engine loaded and `/health` answers 200. Ctrl-C (or SIGTERM) shuts Serve and Ray down cleanly.
+engine loaded and `/health` answers 200.
+
+SIGTERM (what Kubernetes, systemd and `docker stop` send) or Ctrl-C drains, then stops: the
+ingress stops admitting (503 + Retry-After, `/health` 503), the requests in flight get up to the
+worker deployment's `graceful_shutdown_timeout_s` to finish, then Serve and Ray shut down and the
+command exits 0. A second signal skips what is left of the wait.
 """
 
 from __future__ import annotations
@@ -166,7 +171,11 @@ def serve_foreground(req: ServeRequest, out: TextIO = sys.stdout) -> int:
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:
-        progress.say("stopping (Ctrl-C again to force) ...")
+        progress.say("stopping: new requests get 503, those in flight finish (again: force) ...")
+        try:
+            _drain(progress)
+        except KeyboardInterrupt:
+            progress.say("not waiting for the requests in flight")
         return 0
     except RuntimeError as e:
         print(f"swaserve serve: {e}", file=sys.stderr)
@@ -238,6 +247,25 @@ def _describe(app: Any) -> str:
         parts.append(f"{name}: {states.get('RUNNING', 0)} running" + "".join(
             f", {v} {k.lower()}" for k, v in sorted(states.items()) if k != "RUNNING"))  # fmt: skip
     return "; ".join(parts) or "deploying ..."
+
+
+def _drain(progress: Progress) -> None:
+    """Close the ingress and wait for its requests in flight (the worker replicas' own grace,
+    `graceful_shutdown_timeout_s`, bounds the wait)."""
+    from ray import serve
+
+    from deploy.app import WORKER_LIFECYCLE
+
+    grace_s = WORKER_LIFECYCLE["graceful_shutdown_timeout_s"]
+    try:
+        ingress = serve.get_app_handle(APP_NAME)
+    except Exception:  # noqa: BLE001 - not deployed yet: nothing is in flight
+        return
+    left = ingress.drain.remote(grace_s).result(timeout_s=grace_s + 30)
+    if left:
+        progress.say(f"{left} request(s) still running after {grace_s:.0f}s; stopping anyway")
+    else:
+        progress.say("in-flight requests finished")
 
 
 def _deployment_messages(app: Any) -> str:

@@ -16,6 +16,7 @@ from router.cost import WorkerView
 from router.hashing import PageHasher
 from router.inflight import InflightTracker
 from router.match import WorkerMatch, match_chain
+from router.pending import PendingPages
 from router.policies import Policy, RequestView
 
 
@@ -31,11 +32,13 @@ class RouterCore:
         policy: Policy,
         hasher: PageHasher | None = None,
         inflight: InflightTracker | None = None,
+        pending: PendingPages | None = None,
     ) -> None:
         self.index = index
         self.policy = policy
         self.hasher = hasher or PageHasher()
         self.inflight = inflight or InflightTracker()
+        self.pending = pending if pending is not None else PendingPages()  # it has a len()
 
     def decide(
         self,
@@ -45,13 +48,20 @@ class RouterCore:
         max_new_tokens: int = 0,
         request_key: str | None = None,
         now: float | None = None,
+        avoid: Sequence[str] = (),
     ) -> RoutingDecision:
-        """Rank the candidates for one prompt; with `request_key`, count it as in flight on
-        the first-ranked worker until its next load sample or `complete(request_key)`."""
+        """Rank the candidates for one prompt (workers in `avoid` last); with `request_key`,
+        count it as in flight on the first-ranked worker, and its prompt's pages as pending
+        there, until its completion (`complete`) or what `router.inflight` / `router.pending`
+        say ends them earlier."""
+        now = time.time() if now is None else now
+        self.pending.settle(self.index, now)
         ordered = sorted(candidates, key=lambda c: c.worker_id)
         matched = self._match(token_ids, [c.worker_id for c in ordered])
         views = [self._view(c, matched.get(c.worker_id)) for c in ordered]
         ranked = self.policy.rank(RequestView(len(token_ids), max_new_tokens), views)
+        if avoid:
+            ranked.sort(key=lambda r: views[r.position].worker_id in avoid)  # stable
         predicted = self.policy.predicted
         decision = RoutingDecision(
             self.policy.name,
@@ -62,15 +72,48 @@ class RouterCore:
         )
         if request_key is not None and ranked:
             best = views[ranked[0].position]
-            uncached = max(0, len(token_ids) - best.valid_cached)
-            self.inflight.record(request_key, best.worker_id, uncached, now or time.time())
+            self._place(request_key, token_ids, best, matched.get(best.worker_id), now)
         return decision
 
-    def complete(self, request_key: str) -> None:
-        self.inflight.complete(request_key)
+    def placed(
+        self, request_key: str, token_ids: Sequence[int], worker_id: str, now: float | None = None
+    ) -> None:
+        """Serve sent the request to `worker_id`; move its records there if they sit elsewhere
+        (the first rank was full and Serve took the next one)."""
+        recorded = self.inflight.worker_of(request_key)
+        if recorded is None or recorded == worker_id:
+            return
+        now = time.time() if now is None else now
+        self.pending.complete(request_key)
+        matched = self._match(token_ids, [worker_id]).get(worker_id)
+        self._place(request_key, token_ids, self._view(Candidate(worker_id), matched), matched, now)
+
+    def complete(self, request_key: str, now: float | None = None) -> None:
+        self.inflight.complete(request_key, time.time() if now is None else now)
+        self.pending.complete(request_key)
 
     def forget_worker(self, worker_id: str) -> None:
         self.inflight.forget_worker(worker_id)
+        self.pending.forget_worker(worker_id)
+
+    def _place(
+        self,
+        request_key: str,
+        token_ids: Sequence[int],
+        view: WorkerView,
+        matched: tuple[WorkerEntry, WorkerMatch] | None,
+        now: float,
+    ) -> None:
+        uncached = max(0, len(token_ids) - view.valid_cached)
+        self.inflight.record(request_key, view.worker_id, uncached, now)
+        if matched is None:  # not in the index yet (or stale): nothing to predict pages on
+            self.pending.complete(request_key)
+            return
+        entry, match = matched
+        # Every complete page of the prompt enters the worker's tree LIVE as its chunks are
+        # computed (docs/design.md §10.1); the valid match before them keeps its states.
+        chain = self.hasher.hashes(token_ids, entry.meta.page_size)
+        self.pending.record(request_key, entry, chain[match.valid_pages :], now)
 
     def match(self, token_ids: Sequence[int], worker_ids: Sequence[str]) -> dict[str, WorkerMatch]:
         """Per known, fresh worker: its full and valid match in pages for this prompt.
@@ -90,17 +133,18 @@ class RouterCore:
             if entry is not None and not entry.stale:
                 by_page_size.setdefault(entry.meta.page_size, []).append(entry)
         out: dict[str, tuple[WorkerEntry, WorkerMatch]] = {}
+        pages = self.pending.overlay(self.index.page_map)
         for page_size, entries in by_page_size.items():
             windows = {e.bit: e.meta.window for e in entries}
             hashes = self.hasher.iter_hashes(prefix, page_size)
-            by_bit = match_chain(hashes, self.index.page_map, windows, page_size)
+            by_bit = match_chain(hashes, pages, windows, page_size)
             for e in entries:
                 out[e.meta.worker_id] = (e, by_bit[e.bit])
         return out
 
     def _view(self, cand: Candidate, matched: tuple[WorkerEntry, WorkerMatch] | None) -> WorkerView:
         load = cand.load
-        extra_tokens, extra_requests = self.inflight.pending(
+        extra_tokens, extra_requests = self.inflight.unsampled(
             cand.worker_id, load.timestamp_s if load is not None else None
         )
         if matched is None:

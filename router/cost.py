@@ -15,8 +15,10 @@ Pool needs mirror the worker's admission charge (docs/design.md §11.3): full po
 `uncached + max_new_tokens`, SWA pool `max(uncached, window) + page_size` on hybrid workers.
 
 Load counts come from the worker's last `record_routing_stats` sample (≈1 s old) plus what this
-router routed there after that sample (`extra_*`), so a burst does not pile onto one worker
-between two samples, and each router sees the worker's whole load, not just its own 1/N.
+router routed there after that sample, minus what it saw complete there that the sample still
+holds (`extra_*`, `router/inflight.py`), so a burst does not pile onto one worker between two
+samples, a finished request does not keep weighing on its worker, and each router sees the
+worker's whole load, not just its own 1/N.
 
 Imbalance guard: a worker whose load exceeds the lightest by more than `imbalance_abs_tokens`
 *and* `imbalance_rel`× is ranked after every other worker. It is per worker (the others keep
@@ -61,7 +63,9 @@ class WorkerView(NamedTuple):
     valid_cached: int  # tokens the worker can reuse (window rule applied)
     full_cached: int  # tokens with full KV present (what SWA-unaware routers count)
     load: WorkerLoad | None  # None: the replica has not reported yet
-    extra_prefill_tokens: int = 0  # routed here by this router after the load sample
+    # Routed here by this router after the load sample, minus its completions since of requests
+    # the sample includes (router/inflight.py); may be negative.
+    extra_prefill_tokens: int = 0
     extra_requests: int = 0
     window: int | None = None
     page_size: int = 1
@@ -74,6 +78,10 @@ def load_tokens(view: WorkerView, w: CostWeights) -> float:
     if view.load is not None:
         queued += view.load.queued_prefill_tokens
         decodes += view.load.running_decodes
+    # A credit (negative extra) takes back a completed request's prefill *and* decode, of which
+    # the sample holds one (router/inflight.py): each count stops at 0.
+    queued = queued if queued > 0 else 0
+    decodes = decodes if decodes > 0 else 0
     return w.queued_prefill * queued + w.decode * decodes
 
 
@@ -81,7 +89,7 @@ def capacity_tokens(view: WorkerView, uncached: int, max_new_tokens: int, w: Cos
     """Shortfall and eviction penalties of placing the request's KV in both pools."""
     if view.load is None:
         return 0.0
-    claimed = view.extra_prefill_tokens
+    claimed = view.extra_prefill_tokens if view.extra_prefill_tokens > 0 else 0
     cost = _pool_cost(uncached + max_new_tokens, view.load.full, claimed, w)
     if view.hybrid:
         window = view.window or 0

@@ -19,11 +19,18 @@ worth testing.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
-from typing import NamedTuple
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import NamedTuple, Protocol
 
-from cluster.page_map import PageMap
 from worker.cache.events import PageState
+
+
+class PageSource(Protocol):
+    """What the walk reads: `cluster.page_map.PageMap`, or it with pending pages merged in
+    (`router.pending.OverlaidPages`)."""
+
+    @property
+    def lookup(self) -> Callable[[int], list[int] | None]: ...
 
 
 class WorkerMatch(NamedTuple):
@@ -66,7 +73,7 @@ def valid_match_reference(
 
 
 def match_chain(
-    hashes: Iterable[int], page_map: PageMap, windows: Mapping[int, int | None], page_size: int
+    hashes: Iterable[int], page_map: PageSource, windows: Mapping[int, int | None], page_size: int
 ) -> dict[int, WorkerMatch]:
     """Match one chain for the workers `windows` names (worker bit → its window; all share
     `page_size`) → bit → WorkerMatch, with one dict get per page.

@@ -124,6 +124,7 @@ class SwaPrefixRequestRouter(RequestRouter):
             candidates,
             max_new_tokens=request.max_new_tokens if request else 0,
             request_key=key if request else None,
+            avoid=request.avoid if request else (),
         )
         elapsed = time.perf_counter() - start
         if request is not None and pending_request is not None:
@@ -136,6 +137,16 @@ class SwaPrefixRequestRouter(RequestRouter):
                 while len(self._keys) > _MAX_TRACKED_KEYS:
                     self._keys.popitem(last=False)
         return [[by_id[r.worker_id]] for r in decision.ranked]
+
+    def on_request_routed(
+        self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any
+    ) -> None:
+        """Serve's choice may be a lower rank than ours (the first was full): move the
+        request's in-flight and pending records to the replica that took it."""
+        request = _routed_request(pending_request)
+        if request is not None:
+            key = pending_request.metadata.internal_request_id
+            self.core.placed(key, request.token_ids, replica_id.unique_id)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         self.core.complete(internal_request_id)

@@ -3,10 +3,33 @@
 NOTE: torch's default intra-op threads (one per core) make every test 8-20x slower when Ray
 workers or other processes share the 2 cores of a CI machine; one thread per process is both
 faster and steadier there. Benchmarks (`swaserve bench`) keep torch's default.
+
+`--cpu-hogs N` runs N CPU-burning processes beside the whole session (`make test-loaded`, the
+Ray and e2e modules on a busy machine; tests/cpu_hogs.py).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
+import pytest
 import torch
 
+from tests.cpu_hogs import cpu_hogs
+
 torch.set_num_threads(1)
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--cpu-hogs",
+        type=int,
+        default=0,
+        help="CPU-burning processes to run beside the whole session (the loaded mode)",
+    )
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _session_cpu_hogs(request: pytest.FixtureRequest) -> Iterator[None]:
+    with cpu_hogs(request.config.getoption("--cpu-hogs")):
+        yield

@@ -8,8 +8,9 @@ a `ServeWorkerClient` around the worker handle) and hands Serve the app through
 | concern | where | answer |
 |---|---|---|
 | auth | `GuardMiddleware`, `/v1/*` only | 401 without `Authorization: Bearer <key>` |
-| body size | `GuardMiddleware` (Content-Length) and `_read_body` (actual bytes) | 413 |
+| body size | `GuardMiddleware` (Content-Length) and `_read_body` (actual bytes) | 413, after reading the rest (`drain_body`) |
 | overload | `OpenAIService._admit` (in-flight bound) / worker backpressure | 429 / 503 + `Retry-After` |
+| shutdown | `DrainGate`, closed by `IngressDeployment.drain` (SIGTERM) | 503 + `Retry-After`; `/health` 503 |
 | any error | `APIError` handler, plus 404/405/500 mapped to the same shape | `{"error": {...}}` |
 | client gone before headers | `GuardMiddleware` | counted as 499 in `/metrics` |
 | schema | `deploy.openai.openapi` (`/openapi.json`, `/docs`); `/tokenize` etc. in `utility_routes` | |
@@ -35,7 +36,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from deploy.metrics import CONTENT_TYPE, IngressMetrics
 from deploy.openai.bodies import ChatCompletionResponse, CompletionResponse
 from deploy.openai.openapi import body_spec, install_openapi
-from deploy.openai.schema import APIError, ChatCompletionRequest, CompletionRequest
+from deploy.openai.schema import APIError, ChatCompletionRequest, CompletionRequest, overloaded
 from deploy.openai.service import OpenAIService, Reply, ServiceOptions
 from deploy.openai.utility_routes import add_utility_routes
 
@@ -64,22 +65,60 @@ def to_response(reply: Reply) -> Response:
     return Response(content, media_type="application/json", headers=reply.headers)
 
 
+# An oversized body is read to its end (up to this much, for this long) before the 413 goes
+# out: a server that answers and closes while the client is still sending makes the client's
+# kernel see unread data on a closed socket, a reset, and most clients then report "Connection
+# reset by peer" instead of the answer. Past either bound the client may see that reset.
+MAX_DRAIN_BYTES = 256 << 20
+DRAIN_TIMEOUT_S = 30.0
+
+
+async def drain_body(receive: Any) -> int:
+    """Read and discard the rest of a request body (within the bounds); returns the bytes read."""
+    seen, limit, timeout_s = 0, MAX_DRAIN_BYTES, DRAIN_TIMEOUT_S
+
+    async def read() -> None:
+        nonlocal seen
+        while seen <= limit:
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if message["type"] != "http.request" or not message.get("more_body", False):
+                return
+
+    try:
+        await asyncio.wait_for(read(), timeout_s)
+    except asyncio.TimeoutError:
+        log.warning("gave up draining an oversized body after %.0fs (%d bytes)", timeout_s, seen)
+    return seen
+
+
 async def _read_body(request: Request, limit: int) -> bytes:
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
         if size > limit:
+            await drain_body(request.receive)  # before the 413: see MAX_DRAIN_BYTES
             raise APIError(413, f"request body exceeds {limit} bytes", code="request_too_large")
         chunks.append(chunk)
     return b"".join(chunks)
+
+
+class DrainGate:
+    """Open while serving; closed when the server drains before stopping: new generation
+    requests get 503 + `Retry-After` (a client or balancer retries another instance) and
+    `/health` 503, while the requests in flight finish."""
+
+    def __init__(self) -> None:
+        self.closed = False
 
 
 def create_app(service: OpenAIService, options: IngressOptions) -> FastAPI:
     app = FastAPI(title="swaserve", docs_url="/docs", redoc_url=None, openapi_url="/openapi.json")
     install_openapi(app, options.service.model_name)
     metrics = service.metrics
+    app.state.drain = gate = DrainGate()
 
-    app.add_middleware(GuardMiddleware, options=options, metrics=metrics)
+    app.add_middleware(GuardMiddleware, options=options, metrics=metrics, gate=gate)
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, e: APIError) -> JSONResponse:
@@ -136,8 +175,10 @@ class GuardMiddleware:
     """Pure ASGI (no BaseHTTPMiddleware, which gets in the way of streaming and cancellation):
     auth and the Content-Length limit on `/v1/*`, and a status counter on every response."""
 
-    def __init__(self, app: Any, options: IngressOptions, metrics: IngressMetrics) -> None:
-        self._app, self._options, self._metrics = app, options, metrics
+    def __init__(
+        self, app: Any, options: IngressOptions, metrics: IngressMetrics, gate: DrainGate
+    ) -> None:
+        self._app, self._options, self._metrics, self._gate = app, options, metrics, gate
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -152,11 +193,15 @@ class GuardMiddleware:
             await send(message)
 
         try:
+            if self._gate.closed:
+                _check_open(path, scope["method"], self._options.service.retry_after_s)
             if path.startswith("/v1/"):
                 headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
                 _check_auth(headers, self._options.api_key)
                 _check_length(headers, self._options.max_request_bytes)
         except APIError as e:
+            if e.status == 413:
+                await drain_body(receive)  # before the answer: see MAX_DRAIN_BYTES
             await error_response(e)(scope, receive, counting_send)
         else:
             try:
@@ -178,6 +223,11 @@ def _check_auth(headers: dict[str, str], api_key: str | None) -> None:
             401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
             type="authentication_error", code="invalid_api_key",
         )  # fmt: skip
+
+
+def _check_open(path: str, method: str, retry_after_s: int) -> None:
+    if path == "/health" or (path.startswith("/v1/") and method == "POST"):
+        raise overloaded(503, "server is shutting down; retry on another instance", retry_after_s)
 
 
 def _check_length(headers: dict[str, str], limit: int) -> None:
@@ -208,6 +258,16 @@ class IngressDeployment:
         # `root` names what is loaded where a client can load its tokenizer from (vLLM's clients do)
         service = dataclasses.replace(options.service, model_root=str(model_dir))
         self._service = OpenAIService(tokenizer, ServeWorkerClient(worker), service, chat_format=chat)
+        self._app = create_app(self._service, options)
 
     def __serve_build_asgi_app__(self) -> FastAPI:
-        return create_app(self._service, self._options)
+        return self._app
+
+    async def drain(self, grace_s: float) -> int:
+        """Close the gate (`DrainGate`) and wait up to `grace_s` for the generation requests in
+        flight to finish; returns how many still run. `swaserve serve` calls it on SIGTERM."""
+        self._app.state.drain.closed = True
+        deadline = time.monotonic() + grace_s
+        while self._service.inflight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)  # polls the in-flight count
+        return self._service.inflight

@@ -8,16 +8,24 @@ address (it routes each call to one replica of the router's choosing). Each work
 its stats to the deployment's index actor (`cluster.replica_stats`: about every second, and when
 a request starts and ends); the ingress reads all of them with one awaited actor call. Public
 Ray APIs only: a named actor of our own, found by name.
+
+A request is idempotent until its first token: when the worker replica dies (or refuses it,
+shutting down) before that, `ServeWorkerClient.stream` sends it again, ranking that replica last
+(`RoutedRequest.avoid`), up to `RETRIES` times. The `StreamStart` is held back until the first
+token (or the end), so the caller only ever sees the replica that serves it, and a request that
+cannot be placed fails before its HTTP status line: 503 + Retry-After.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import TYPE_CHECKING, Protocol
 
-from cluster.messages import RoutedRequest, StreamStart, WorkerInfo
+from cluster.messages import RoutedRequest, StreamStart, WorkerInfo, WorkerUnavailableError
 from cluster.replica_stats import ReplicaSnapshot
 from worker.outputs import StreamDelta
 
@@ -34,6 +42,7 @@ log = logging.getLogger("swaserve.ingress")
 # 3 s is down; after 30 s (Serve's health checks have replaced it by then) it is forgotten.
 STATS_STALE_AFTER_S = 3.0
 STATS_FORGET_AFTER_S = 30.0
+RETRIES = 2  # sends after the first, for a replica gone (or refusing) before the first token
 
 
 class WorkerClient(Protocol):
@@ -66,6 +75,37 @@ class ServeWorkerClient:
         self._index: ActorHandle | None = None
 
     async def stream(self, request: RoutedRequest) -> AsyncIterator[StreamStart | StreamDelta]:
+        """The worker stream, sent again on another replica while no token has come back."""
+        for attempt in range(RETRIES + 1):
+            start: StreamStart | None = None
+            produced = False
+            try:
+                # aclosing: leaving early (client gone, stop string) must cancel the Ray stream
+                # at once, which aborts the request on the worker.
+                async with contextlib.aclosing(self._attempt(request)) as items:
+                    async for item in items:
+                        if isinstance(item, StreamStart):
+                            start = item
+                            if item.refusal == "unavailable" and attempt < RETRIES:
+                                raise WorkerUnavailableError(item.message or "refused")
+                            continue
+                        if not produced and start is not None:  # first token: it serves
+                            yield start
+                        produced = True
+                        yield item
+                if not produced and start is not None:
+                    yield start  # a refusal, or a stream with no delta
+                return
+            except Exception as e:  # noqa: BLE001 - re-raised unless the replica is gone
+                if produced or attempt == RETRIES or not _replica_gone(e):
+                    raise
+                gone = start.replica_id if start is not None else "?"
+                log.warning("worker %s gone before the first token of %s (%s); sending again",
+                            gone, request.request_id, type(e).__name__)  # fmt: skip
+                if start is not None:
+                    request = dataclasses.replace(request, avoid=(*request.avoid, gone))
+
+    async def _attempt(self, request: RoutedRequest) -> AsyncGenerator[StreamStart | StreamDelta]:
         from ray.serve.handle import DeploymentResponseGenerator
 
         from cluster.ray_private import own_request_id
@@ -106,3 +146,10 @@ class ServeWorkerClient:
             log.warning("replica stats from %s failed: %s", self._index_name, exc)
             self._index = None
             return {}
+
+
+def _replica_gone(e: BaseException) -> bool:
+    """The replica died, became unreachable, or aborted the request while shutting down."""
+    from ray.exceptions import RayActorError
+
+    return isinstance(e, (RayActorError, WorkerUnavailableError))

@@ -252,6 +252,7 @@ class WorkerDeployment:
         out.update(flatten_stats(s))
         out["inflight"] = float(len(self._inflight))
         out["draining"] = 1.0 if self._draining else 0.0
+        out["pid"] = float(os.getpid())  # which process serves this replica (operators, fault tests)
         return out
 
     def check_health(self) -> None:

@@ -28,6 +28,7 @@ from cluster.messages import (
     RoutedRequest,
     WorkerMeta,
     WorkerRemoved,
+    WorkerResync,
     make_routing_stats,
 )
 from cluster.ray_local import LocalRayConfig, start_local_ray, stop_local_ray
@@ -39,6 +40,7 @@ from cluster.transport import (
     index_actor_name,
     kill_index_actor,
 )
+from router import ingress_signal
 from router.match import valid_match_reference
 from worker.cache.events import CacheEvent, EventKind, PageState, page_hashes
 
@@ -122,6 +124,27 @@ def test_push_then_pull(actor_name: str) -> None:
     asyncio.run(run())
 
 
+def test_overlapping_pulls_apply_their_unseen_tail() -> None:
+    """The long poll and a catch-up pull race: a delta that starts before the cursor (the other
+    pull applied its head) still applies the rest; an older one changes nothing. No Ray needed."""
+    from cluster.index_hub import IndexHub
+
+    hub, cache = IndexHub(), FakeCache("w0", "i0")
+    hub.resync(WorkerResync(cache.meta, cache.snapshot()))
+    sub = IndexSubscriber(None, ClusterIndex())  # type: ignore[arg-type]  # _apply only
+    assert sub._apply(hub.pull(None, 0))  # the reset: cursor at the log's end
+    base = hub.end
+    cache.store(1)
+    hub.push(cache.drain())
+    head = hub.pull(hub.epoch, base)  # what the long poll got: batch 1
+    cache.store(2)
+    hub.push(cache.drain())
+    both = hub.pull(hub.epoch, base)  # what the catch-up got, sent before the poll's applied
+    assert sub._apply(head) and sub._apply(both)
+    assert _pages(sub.index, "w0") == {1, 2}
+    assert not sub._apply(head)  # nothing past the cursor
+
+
 def test_long_poll_delivers_quickly(actor_name: str) -> None:
     """A router's background long poll sees a push well within a second."""
 
@@ -137,7 +160,7 @@ def test_long_poll_delivers_quickly(actor_name: str) -> None:
         await publisher.publish(cache.drain())
         while _pages(sub.index, "w0") != {7}:
             assert time.perf_counter() - t0 < 1.0, "long poll did not deliver the push"
-            await asyncio.sleep(0.001)
+            await asyncio.sleep(0.001)  # waits on the long poll applying the push
         await sub.stop()
         return time.perf_counter() - t0
 
@@ -234,6 +257,34 @@ def test_replica_stats_through_the_index_actor(actor_name: str) -> None:
     asyncio.run(run())
 
 
+def test_an_idle_worker_resyncs_through_its_stats_report(actor_name: str) -> None:
+    """After the actor restarted empty, a replica with no events to push is back in the index
+    (with its pages) at its next registering stats report."""
+
+    async def run() -> None:
+        actor = get_or_create_index_actor(actor_name)
+        cache = FakeCache("w0", "i0")
+        publisher = await _started(actor, cache)
+        cache.store(1, 2)
+        await publisher.publish(cache.drain())
+        ray.kill(actor, no_restart=False)  # Ray restarts it empty
+        deadline = time.monotonic() + 30
+        while True:
+            await publisher.report_stats({"timestamp_s": time.time()}, register=True)
+            try:
+                if (await actor.describe.remote())["workers"].get("w0"):
+                    break
+            except ray.exceptions.RayActorError:
+                pass
+            assert time.monotonic() < deadline, "the idle worker never came back"
+            await asyncio.sleep(0.1)  # waits on Ray restarting the actor
+        sub = IndexSubscriber(actor, ClusterIndex())
+        await sub.sync()
+        assert _pages(sub.index, "w0") == {1, 2}
+
+    asyncio.run(run())
+
+
 def test_subscriber_stops_when_actor_killed(actor_name: str) -> None:
     """find_index_actor never creates; a subscriber stops following once the actor is killed."""
 
@@ -245,11 +296,10 @@ def test_subscriber_stops_when_actor_killed(actor_name: str) -> None:
         sub.start()
         assert await sub.wait_ready(10.0)
         kill_index_actor(actor_name)
-        for _ in range(100):
-            if sub.stopped:
-                break
-            await asyncio.sleep(0.05)
-        assert sub.stopped
+        deadline = time.monotonic() + 10
+        while not sub.stopped:
+            assert time.monotonic() < deadline, "the subscriber still follows a killed actor"
+            await asyncio.sleep(0.05)  # waits on the long poll seeing the actor die
 
     asyncio.run(run())
 
@@ -270,14 +320,16 @@ def test_late_router_and_actor_restart(actor_name: str) -> None:
         assert _pages(late.index, "w0") == {1}
         ray.kill(actor, no_restart=False)  # Ray restarts it empty, with a new epoch
         cache.store(2)
-        for _ in range(100):  # calls fail while it restarts; the publisher retries per batch
+        deadline = time.monotonic() + 30
+        while True:  # calls fail while it restarts; the publisher retries per batch
             await publisher.publish(cache.drain())
             try:
                 if (await actor.describe.remote())["workers"].get("w0"):
                     break
             except ray.exceptions.RayActorError:
                 pass
-            await asyncio.sleep(0.1)
+            assert time.monotonic() < deadline, "the restarted actor never got the resync"
+            await asyncio.sleep(0.1)  # waits on Ray restarting the actor
         await sub.sync()
         assert _pages(sub.index, "w0") == {1, 2}
 
@@ -366,10 +418,11 @@ def _family(head: int, pages: int, extra: int = 0) -> list[int]:
 
 
 def _send(handle, tokens: list[int], frontier: int = 0) -> dict:
-    out = handle.remote(RoutedRequest(tokens, params=frontier)).result(timeout_s=30)
-    # Quiescent, as a client behind HTTP is: Serve reports the completion to the router a
-    # moment after `.result()` returns; a driver calling in a tight loop would outrun it.
-    time.sleep(0.05)
+    rid = uuid.uuid4().hex
+    out = handle.remote(RoutedRequest(tokens, request_id=rid, params=frontier)).result(timeout_s=30)
+    # What the ingress does when it sees a request's last delta (the router lives in this
+    # process, the driver's): Serve's own completion report may come after the next request.
+    ingress_signal.note_finished(rid)
     return out
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import math
 import re
 import warnings
 from functools import cache
@@ -432,3 +433,19 @@ def test_readme_has_the_commands() -> None:
         "target_ongoing_requests",
     ]:
         assert needle in text, needle
+
+
+@pytest.mark.parametrize("name", VALUE_SETS)
+def test_termination_grace_covers_the_replica_drain(name: str) -> None:
+    """Kubernetes waits after SIGTERM at least as long as Serve drains a worker replica
+    (graceful_shutdown_timeout_s, polled every graceful_shutdown_wait_loop_s), plus the margin."""
+    worker = _worker_entry(name)
+    drain = worker.get("graceful_shutdown_timeout_s", 20) + worker.get(
+        "graceful_shutdown_wait_loop_s", 2
+    )
+    serve = {**yaml.safe_load((CHART / "values.yaml").read_text())["serve"], **_values(name).get("serve", {})}
+    margin = serve["shutdownMarginSeconds"]
+    cluster = _rayservice(name)["spec"]["rayClusterConfig"]
+    for group in [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]:
+        grace = group["template"]["spec"]["terminationGracePeriodSeconds"]
+        assert grace == math.ceil(drain) + margin and grace > drain, (name, grace, drain)

@@ -88,7 +88,7 @@ class FakeEngine:
                                   prompt_logprobs=prompt_lps)  # fmt: skip
                 return
             while True:
-                await asyncio.sleep(self._step_s)
+                await asyncio.sleep(self._step_s)  # one simulated engine step, not a wait
                 if request_id in self._aborted:
                     return
                 tok = self._next(last, params, rng, produced)

@@ -78,10 +78,10 @@ def test_inflight_bounded_and_retried_key_moves() -> None:
     t = InflightTracker(max_per_worker=2)
     t.record("r1", "a", 10, at=1.0)
     t.record("r1", "b", 10, at=2.0)
-    assert t.pending("a", None) == (0, 0) and t.pending("b", None) == (10, 1)
+    assert t.unsampled("a", None) == (0, 0) and t.unsampled("b", None) == (10, 1)
     for i in range(5):
         t.record(f"x{i}", "c", 1, at=3.0 + i)
-    assert t.pending("c", None) == (2, 2)
-    assert t.pending("c", 6.5) == (1, 1)  # the sample at 6.5 includes x3
+    assert t.unsampled("c", None) == (2, 2)
+    assert t.unsampled("c", 6.5) == (1, 1)  # the sample at 6.5 includes x3
     t.forget_worker("c")
-    assert t.pending("c", None) == (0, 0)
+    assert t.unsampled("c", None) == (0, 0)

@@ -121,10 +121,11 @@ def test_inflight_spreads_a_burst_between_samples() -> None:
     ]
     assert picks.count("a") == 2 and picks.count("b") == 2
     fresh = [Candidate("a", load("a", at=12.0)), Candidate("b", load("b", at=12.0))]
-    assert core.inflight.pending("a", 12.0) == (0, 0)  # the newer sample includes them
+    assert core.inflight.unsampled("a", 12.0) == (0, 0)  # the newer sample includes them
     core.decide(tokens, fresh, request_key="r9", now=13.0)
     core.complete("r9")
-    assert core.inflight.pending("a", None) == (0, 0) and core.inflight.pending("b", None) == (0, 0)
+    assert core.inflight.unsampled("a", None) == (0, 0)
+    assert core.inflight.unsampled("b", None) == (0, 0)
 
 
 def test_least_loaded_ignores_cache() -> None:

@@ -94,11 +94,16 @@ def test_full_routing_loop_skips_busy_first_rank() -> None:
         router.core.index = index_with(tokens, {"a": "LLLL", "b": ""})
         chosen = await asyncio.wait_for(ray_private.route_one(router, _pending(tokens)), 5)
         assert chosen.name == "a"
+        router.on_request_completed(a.replica_id, "r1")
         a.queue_len = a.max_ongoing_requests
         pending = _pending(tokens, "r2")
         chosen = await asyncio.wait_for(ray_private.route_one(router, pending), 5)
         assert chosen.name == "b"
         assert pending.args[0].routing.predicted_for("b") == 0
+        assert router.core.inflight.worker_of("r2") == "a"  # ranked first, so recorded there
+        router.on_request_routed(pending, chosen.replica_id, None)  # Serve: b took it
+        assert router.core.pending.worker_of("r2") == "b"
+        assert router.core.inflight.worker_of("r2") == "b"
 
     asyncio.run(run())
 
@@ -192,7 +197,7 @@ class CountingSubscriber:
 
     async def sync(self, wait_s: float = 0.0) -> bool:
         self.pulls += 1
-        await asyncio.sleep(0)
+        await asyncio.sleep(0)  # one loop turn, so concurrent decisions overlap
         return False
 
 
@@ -230,10 +235,10 @@ def test_a_completion_the_ingress_noted_stops_counting_as_load_at_once() -> None
         router.core.index = index_with(tokens, {"a": "LLLL", "b": ""})
         replicas = [FakeReplica("a", _stats("a")), FakeReplica("b", _stats("b"))]
         await router.choose_replicas(replicas, _pending(tokens, "first"))
-        assert router.core.inflight.pending("a", None)[1] == 1
+        assert router.core.inflight.unsampled("a", None)[1] == 1
         ingress_signal.note_finished("first")
         await router.choose_replicas(replicas, _pending(tokens, "second"))
-        assert router.core.inflight.pending("a", None)[1] == 1  # only "second" is in flight now
+        assert router.core.inflight.unsampled("a", None)[1] == 1  # only "second" is in flight now
 
     asyncio.run(run())
 

@@ -211,10 +211,23 @@ timeoutSeconds: {{ $p.timeoutSeconds }}
 failureThreshold: {{ $p.failureThreshold }}
 {{- end }}
 
+{{/*
+Seconds Kubernetes waits after SIGTERM before it kills a Ray pod: Serve's graceful shutdown of a
+worker replica (graceful_shutdown_timeout_s, checked every graceful_shutdown_wait_loop_s; Ray's
+defaults 20 and 2 when unset) plus serve.shutdownMarginSeconds, so no drain is cut short.
+*/}}
+{{- define "swaserve.terminationGraceSeconds" -}}
+{{- $o := .Values.serve.workerOptions | default dict }}
+{{- $timeout := ternary $o.graceful_shutdown_timeout_s 20 (hasKey $o "graceful_shutdown_timeout_s") | float64 }}
+{{- $loop := ternary $o.graceful_shutdown_wait_loop_s 2 (hasKey $o "graceful_shutdown_wait_loop_s") | float64 }}
+{{- add (ceil (addf $timeout $loop) | int) (.Values.serve.shutdownMarginSeconds | int) }}
+{{- end }}
+
 {{/* Pod-level settings shared by head and workers: (list $root $groupValues). */}}
 {{- define "swaserve.podCommon" -}}
 {{- $root := index . 0 }}
 {{- $group := index . 1 -}}
+terminationGracePeriodSeconds: {{ include "swaserve.terminationGraceSeconds" $root }}
 {{- with $root.Values.imagePullSecrets }}
 imagePullSecrets:
   {{- toYaml . | nindent 2 }}

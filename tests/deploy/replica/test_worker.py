@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import time
 from typing import Any
 
 import pytest
@@ -76,7 +75,8 @@ def test_health_check_flags_a_stalled_engine() -> None:
     w.check_health()  # idle: healthy
     engine._held["stuck"] = 3  # a running request that never advances
     w.check_health()
-    time.sleep(0.1)
+    steps, since = w._progress
+    w._progress = (steps, since - 1.0)  # the last step was a second ago, past the 0.05 s limit
     with pytest.raises(RuntimeError, match="no step"):
         w.check_health()
 

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 from tests.worker.engine.conftest import Oracle, tokens
 from worker.config import EngineConfig
@@ -36,11 +37,10 @@ def test_streams_match_offline_and_cancel_frees_kv(oracle: Oracle) -> None:
         got = asyncio.run(main())
         assert got == oracle.greedy(prompt, 10)
         # The abort is processed on the step thread; wait until the engine is idle.
-        for _ in range(200):
-            s = engine.stats()
-            if s.running == 0 and s.waiting == 0:
-                break
-            asyncio.run(asyncio.sleep(0.02))
+        deadline = time.monotonic() + 30
+        while (s := engine.stats()).running or s.waiting:
+            assert time.monotonic() < deadline, "the aborted request still runs after 30 s"
+            time.sleep(0.02)  # waits on the step thread processing the abort
         engine.check_integrity()
         s = engine.stats()
         assert s.aborts == 1 and s.full.used == 0 and s.swa.used == 0

@@ -1,0 +1,96 @@
+"""ServeWorkerClient.stream: a request is sent again while no token came back (no Ray: each
+attempt is scripted)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+from ray.exceptions import ActorDiedError
+
+from cluster.messages import RoutedRequest, StreamStart, WorkerUnavailableError
+from deploy.replica.client import RETRIES, ServeWorkerClient
+from worker.outputs import StreamDelta
+
+
+class _Handle:
+    app_name, deployment_name = "app", "Worker"
+
+    def options(self, **_: Any) -> _Handle:
+        return self
+
+
+def _delta(tokens: list[int], finished: bool = False) -> StreamDelta:
+    return StreamDelta("r", tokens, finished, "length" if finished else None, 3, 0, len(tokens))
+
+
+def _client(attempts: list[list[Any]]) -> tuple[ServeWorkerClient, list[RoutedRequest]]:
+    """Each attempt yields its items in order; an exception item is raised there."""
+    client = ServeWorkerClient(_Handle())  # type: ignore[arg-type]
+    sent: list[RoutedRequest] = []
+
+    async def attempt(request: RoutedRequest) -> AsyncIterator[Any]:
+        items = attempts[len(sent)]
+        sent.append(request)
+        for item in items:
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+
+    client._attempt = attempt  # type: ignore[method-assign]
+    return client, sent
+
+
+def _run(client: ServeWorkerClient) -> list[Any]:
+    async def go() -> list[Any]:
+        return [item async for item in client.stream(RoutedRequest([1, 2, 3], "r"))]
+
+    return asyncio.run(go())
+
+
+def test_a_replica_dead_before_the_first_token_is_avoided_on_the_retry() -> None:
+    """The caller sees only the replica that served, and the retry ranks the dead one last."""
+    done = _delta([7, 8], finished=True)
+    client, sent = _client([[StreamStart("a"), ActorDiedError()], [StreamStart("b"), done]])
+    assert _run(client) == [StreamStart("b"), done]
+    assert [r.avoid for r in sent] == [(), ("a",)]
+
+
+def test_a_refusal_while_shutting_down_is_retried_elsewhere() -> None:
+    refusal = StreamStart("a", "unavailable", "worker replica is shutting down; retry")
+    done = _delta([5], finished=True)
+    client, sent = _client([[refusal], [StreamStart("b"), done]])
+    assert _run(client) == [StreamStart("b"), done] and sent[1].avoid == ("a",)
+
+
+def test_dying_before_any_item_is_retried_too() -> None:
+    done = _delta([5], finished=True)
+    client, sent = _client([[ActorDiedError()], [StreamStart("b"), done]])
+    assert _run(client) == [StreamStart("b"), done] and sent[1].avoid == ()
+
+
+def test_after_the_first_token_the_error_reaches_the_caller() -> None:
+    client, sent = _client([[StreamStart("a"), _delta([1]), ActorDiedError()]])
+    with pytest.raises(ActorDiedError):
+        _run(client)
+    assert len(sent) == 1
+
+
+def test_other_errors_and_the_last_attempt_are_not_retried() -> None:
+    client, sent = _client([[StreamStart("a"), ValueError("bad")]])
+    with pytest.raises(ValueError):
+        _run(client)
+    assert len(sent) == 1
+    client, sent = _client([[StreamStart(w), WorkerUnavailableError(w)] for w in "abc"])
+    with pytest.raises(WorkerUnavailableError):
+        _run(client)
+    assert len(sent) == RETRIES + 1 and sent[-1].avoid == ("a", "b")
+
+
+def test_a_last_refusal_is_passed_on() -> None:
+    """Out of retries, the refusal itself goes to the caller (who answers 503)."""
+    refusals = [[StreamStart(w, "unavailable", "shutting down")] for w in "abc"]
+    client, _ = _client(refusals)
+    assert _run(client) == [refusals[-1][0]]
