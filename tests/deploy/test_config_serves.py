@@ -30,6 +30,7 @@ from deploy.config import (
     WORKER_DEPLOYMENT,
     ServeConfig,
 )
+from tests.deploy.serve_wait import wait_running
 
 pytestmark = pytest.mark.ray
 
@@ -121,15 +122,6 @@ def _wait_for_routes(base: str, deadline_s: float = 120.0) -> None:
     raise TimeoutError(f"no Serve routes at {base} after {deadline_s} s")
 
 
-def _wait_running(app_name: str, deadline_s: float) -> None:
-    from ray import serve
-
-    end = time.monotonic() + deadline_s
-    while not str(getattr(serve.status().applications.get(app_name), "status", "")).endswith("RUNNING"):
-        assert time.monotonic() < end, f"{app_name} not RUNNING after {deadline_s} s: {serve.status()}"
-        time.sleep(0.5)  # waits on Serve starting the application's replicas
-
-
 @pytest.fixture(scope="module")
 def served_local() -> Iterator[tuple[str, ServeConfig]]:
     import os
@@ -146,7 +138,7 @@ def served_local() -> Iterator[tuple[str, ServeConfig]]:
     try:
         ray_private.deploy_config_file(doc)
         base = f"http://127.0.0.1:{port}"
-        _wait_running(APP_NAME, 300)
+        wait_running(APP_NAME, 300)
         _wait_for_routes(base)
         yield base, ServeConfig.from_yaml(LOCAL)
     finally:

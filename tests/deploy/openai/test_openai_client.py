@@ -240,7 +240,7 @@ def test_auto_tool_calls_parsed_from_the_model_output(tokenizer: Any) -> None:
 
 def test_guard_counts_a_client_gone_before_headers_as_499(tokenizer: Any) -> None:
     """The request counter records 499 when the handler is cancelled before the response starts."""
-    from deploy.openai.ingress import GuardMiddleware, IngressOptions
+    from deploy.openai.ingress import DrainGate, GuardMiddleware, IngressOptions
     from deploy.openai.service import ServiceOptions
 
     h = make_harness(tokenizer)
@@ -250,10 +250,11 @@ def test_guard_counts_a_client_gone_before_headers_as_499(tokenizer: Any) -> Non
         started.set()
         await asyncio.Event().wait()
 
-    guard = GuardMiddleware(slow_app, IngressOptions(service=ServiceOptions(model_name=MODEL)), h.service.metrics)
+    options = IngressOptions(service=ServiceOptions(model_name=MODEL))
+    guard = GuardMiddleware(slow_app, options, h.service.metrics, DrainGate())
 
     async def go() -> None:
-        scope = {"type": "http", "path": "/v1/completions", "headers": []}
+        scope = {"type": "http", "path": "/v1/completions", "method": "POST", "headers": []}
         task = asyncio.create_task(guard(scope, None, None))
         await started.wait()
         task.cancel()
