@@ -129,6 +129,7 @@ def build_sim_engine(config: EngineConfig, window: int) -> tuple[Engine, SimRunn
         spec.window if plan.hybrid else None,
         enable_radix_cache=config.enable_radix_cache,
         eager_swa_free=config.eager_swa_free,
+        swa_eviction_policy=config.swa_eviction_policy,
     )
     runner = SimRunner()
     parts = EngineParts(spec, allocator, cache, runner, SIM_MAX_MODEL_LEN, plan=plan)

@@ -27,7 +27,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
 from router.policies import DEFAULT_POLICY, POLICY_NAMES
-from worker.config import EngineConfig
+from worker.config import SWA_EVICTION_POLICIES, TOMBSTONE_REPAIR_MODES, EngineConfig
 
 # Names the Serve config files, the Helm chart and `deploy.app` share.
 APP_NAME = "swaserve"
@@ -41,6 +41,8 @@ DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024  # a 128k-token prompt is ~0.5 MB of
 RoutingPolicy = Literal[POLICY_NAMES]  # type: ignore[valid-type]  # router.policies names them
 Dtype = Literal["float32", "bfloat16", "float16"]
 AttentionBackend = Literal["torch", "flashinfer"]
+SwaEvictionPolicy = Literal[SWA_EVICTION_POLICIES]  # type: ignore[valid-type]
+TombstoneRepair = Literal[TOMBSTONE_REPAIR_MODES]  # type: ignore[valid-type]
 
 
 def _api_key_from_env() -> SecretStr | None:
@@ -150,6 +152,22 @@ class ServeConfig(BaseModel):
     eager_swa_free: bool = Field(
         False,
         description="Free SWA KV of unfinished chunked prefills at once (saves memory, costs branch reuse).",
+    )
+    swa_eviction_policy: SwaEvictionPolicy = Field(
+        "tail_first",
+        description=(
+            "Which SWA KV the prefix cache gives up first under SWA pool pressure: tail_first "
+            "(SWA no future match reads, then the window tails, least recently used first; full "
+            "KV is kept) or lru (SGLang's plain SWA LRU)."
+        ),
+    )
+    tombstone_repair: TombstoneRepair = Field(
+        "auto",
+        description=(
+            "auto: a prefix whose SWA KV was freed is reused by recomputing the few tokens that "
+            "rebuild its tail window from the cached full KV, when that is at most half of what "
+            "it saves; off: reuse only the window-valid prefix."
+        ),
     )
     max_model_len: int | None = Field(
         None,
