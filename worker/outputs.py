@@ -23,9 +23,10 @@ class Output:
     prompt_len: int
     token_ids: list[int]
     finish_reason: FinishReason
-    cached_tokens: int  # prompt tokens served from the prefix cache
+    cached_tokens: int  # prompt tokens whose forward was skipped (served from the prefix cache)
     logprobs: list[TokenLogprob] | None = None
     error: str | None = None  # set when the request was refused (finish_reason "abort")
+    repaired_tokens: int = 0  # tokens recomputed to repair a tombstoned prefix (design.md §9.8)
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,7 @@ class StreamDelta:
     completion_tokens: int  # total so far
     logprobs: list[TokenLogprob] | None = None
     error: str | None = None
+    repaired_tokens: int = 0  # of the prompt after `cached_tokens`, recomputed as a repair
 
 
 @dataclass(frozen=True)
@@ -77,3 +79,5 @@ class EngineStats:
     aborts: int
     steps: int
     last_step_seconds: float
+    repairs: int = 0  # admissions through a tombstone repair
+    repaired_tokens: int = 0  # tokens those repairs recomputed

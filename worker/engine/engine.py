@@ -56,6 +56,8 @@ class Engine:
                 max_running_requests=config.max_running_requests,
                 swa_eviction_interval=config.swa_eviction_interval,
                 radix=config.enable_radix_cache,
+                swa_layers=len(p.spec.swa_layer_ids),
+                tombstone_repair=config.tombstone_repair == "auto",
             ),
             self.allocator,
             self.cache,
@@ -176,6 +178,7 @@ class Engine:
             completion_tokens=len(req.output),
             logprobs=lps,
             error=req.error,
+            repaired_tokens=req.repaired_tokens,
         )
         sink = self._sinks.get(req.rid)
         if sink is not None:
@@ -282,4 +285,5 @@ def _output(req: Req) -> Output:
         cached_tokens=max(req.cached_tokens, 0),
         logprobs=req.logprobs,
         error=req.error,
+        repaired_tokens=req.repaired_tokens,
     )

@@ -15,6 +15,11 @@ A batch mixes prefill chunks and decodes. For each request (`ForwardReq`):
   by the caller (``HybridAllocator.alloc_extend`` / ``alloc_decode``, which also set their SWA
   mapping). The runner writes the new K/V there; the caller owns the slots.
 - ``need_logits``: False for a non-final prefill chunk (no token is sampled from it).
+- ``repair``: set while the request repairs a tombstoned prefix (docs/design.md §9.8). Its rows
+  at positions ``[repair.start, repair.end)`` recompute KV the tree already holds at
+  ``table[repair.start:repair.end]``: every layer *reads* those cached slots for FULL keys, but
+  the rows *write* their K/V to ``repair.slots`` (scratch full slots whose SWA twins hold the
+  rebuilt SWA KV), and the SWA keys of the whole request start at ``repair.start``.
 
 What must hold when `ModelRunner.forward` is called:
 
@@ -50,6 +55,18 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True, slots=True)
+class RepairRows:
+    """The repair rows of a request: positions ``[start, start + len(slots))`` (§9.8)."""
+
+    start: int
+    slots: torch.Tensor  # int64, CPU: scratch full slots by position - start
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.slots)
+
+
+@dataclass(frozen=True, slots=True)
 class ForwardReq:
     """One request's part of a step (see the module docstring for the contract)."""
 
@@ -57,10 +74,17 @@ class ForwardReq:
     prefix_len: int
     table: torch.Tensor  # int64, CPU: full-pool slots by position
     need_logits: bool = True
+    repair: RepairRows | None = None
 
     @property
     def seq_len(self) -> int:
         return self.prefix_len + len(self.token_ids)
+
+    @property
+    def repair_tokens(self) -> int:
+        """New tokens of this step that are repair rows."""
+        r = self.repair
+        return 0 if r is None else max(0, min(self.seq_len, r.end) - self.prefix_len)
 
     def validate(self) -> None:
         if len(self.token_ids) == 0:
@@ -71,6 +95,11 @@ class ForwardReq:
             raise ValueError(
                 f"ForwardReq.table has {self.table.numel()} slots but the request ends at "
                 f"{self.seq_len}: allocate the new tokens' slots before the forward"
+            )
+        if self.repair is not None and not 0 <= self.repair.start <= self.prefix_len:
+            raise ValueError(
+                f"ForwardReq.repair starts at {self.repair.start}, after the first new token "
+                f"({self.prefix_len}): a repair is fed from its start"
             )
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from worker.runner.forward_batch import ForwardReq
+from worker.runner.forward_batch import ForwardReq, RepairRows
 from worker.scheduler.request import Req
 
 
@@ -16,6 +16,8 @@ class SchedulerLimits:
     max_running_requests: int
     swa_eviction_interval: int
     radix: bool  # False: chunk cache (frees SWA before each chunk with the exact window)
+    swa_layers: int = 0  # SWA layers of the model (the repair rule's n_swa)
+    tombstone_repair: bool = False  # repair tombstoned prefixes (docs/design.md §9.8)
 
 
 @dataclass(frozen=True)
@@ -35,7 +37,12 @@ class StepWork:
     def forward_req(self) -> ForwardReq:
         kv = self.req.kv
         assert kv is not None, f"request {self.req.rid} was scheduled without KV"
-        return ForwardReq(kv.tokens[self.start : self.start + self.n], self.start, kv.table, self.samples)
+        repair = None
+        if kv.repair_slots is not None:
+            repair = RepairRows(kv.repair_start, kv.repair_slots)
+        return ForwardReq(
+            kv.tokens[self.start : self.start + self.n], self.start, kv.table, self.samples, repair
+        )
 
 
 @dataclass(slots=True)
@@ -48,3 +55,5 @@ class SchedulerCounters:
     swa_evicted_tokens: int = 0
     finished_prompt_tokens: int = 0  # prompt tokens of finished requests
     cache_hit_tokens: int = 0  # of those, served from the prefix cache at first admission
+    repairs: int = 0  # admissions through a tombstone repair (docs/design.md §9.8)
+    repaired_tokens: int = 0  # repair rows those admissions recomputed
