@@ -35,7 +35,7 @@ from cluster.messages import CacheSnapshot, EventBatch, WorkerLoad, WorkerMeta, 
 from router.core import Candidate, RouterCore
 from router.policies import make_policy
 from worker.cache.events import EventKind
-from worker.config import EngineConfig
+from worker.config import EngineConfig, repairs_tombstones
 from worker.engine.engine import Engine
 from worker.outputs import StreamDelta
 from worker.sampling_params import SamplingParams
@@ -134,7 +134,10 @@ class Simulation:
         wid = f"w{i:03d}"
         s = engine.stats()
         window = engine.spec.window if s.hybrid else None
-        meta = WorkerMeta(wid, "sim", c.page_size, window, s.full.total, s.swa.total, s.hybrid)
+        meta = WorkerMeta(
+            wid, "sim", c.page_size, window, s.full.total, s.swa.total, s.hybrid,
+            len(engine.spec.swa_layer_ids), repairs_tombstones(engine.config),
+        )  # fmt: skip
         # A fresh replica registers with an empty snapshot at seq 0; its batch 1 applies directly.
         self.index.resync(WorkerResync(meta, CacheSnapshot(wid, "sim", 0, {})))
         return _Worker(wid, engine, runner)

@@ -17,6 +17,7 @@ from router.hashing import PageHasher
 from router.inflight import InflightTracker
 from router.match import WorkerMatch, match_chain
 from router.policies import Policy, RequestView
+from worker.cache.reuse import plan_reuse
 
 
 class Candidate(NamedTuple):  # one per replica per request: a NamedTuple is cheap to build
@@ -52,12 +53,13 @@ class RouterCore:
         matched = self._match(token_ids, [c.worker_id for c in ordered])
         views = [self._view(c, matched.get(c.worker_id)) for c in ordered]
         ranked = self.policy.rank(RequestView(len(token_ids), max_new_tokens), views)
-        predicted = self.policy.predicted
+        predicted, repaired = self.policy.predicted, self.policy.predicted_repaired
         decision = RoutingDecision(
             self.policy.name,
             tuple(
-                RankedWorker(views[r.position].worker_id, predicted(views[r.position]), r.cost)
+                RankedWorker(v.worker_id, predicted(v), r.cost, repaired(v))
                 for r in ranked
+                for v in (views[r.position],)
             ),
         )
         if request_key is not None and ranked:
@@ -107,16 +109,22 @@ class RouterCore:
             return WorkerView(cand.worker_id, 0, 0, load, extra_tokens, extra_requests)
         meta, match = matched[0].meta, matched[1]
         page = meta.page_size
+        reused, full, repaired = match.valid_pages * page, match.full_pages * page, 0
+        if meta.tombstone_repair and meta.hybrid and full > reused:
+            # The worker's own rule (worker/cache/reuse.py): the prediction is its decision.
+            reused, repaired = plan_reuse(full, reused, window=meta.window,
+                                          swa_layers=meta.swa_layers, page_size=page, repair=True)  # fmt: skip
         # Positional: WorkerView(worker_id, valid_cached, full_cached, load, extra_prefill_tokens,
-        # extra_requests, window, page_size, hybrid); keywords cost a third more per candidate.
+        # extra_requests, window, page_size, hybrid, repaired); keywords cost a third more.
         return WorkerView(
             cand.worker_id,
-            match.valid_pages * page,
-            match.full_pages * page,
+            reused,
+            full,
             load,
             extra_tokens,
             extra_requests,
             meta.window,
             page,
             meta.hybrid,
+            repaired,
         )

@@ -31,3 +31,9 @@ class EngineConfig:
     tombstone_repair: str = "auto"  # auto | off: rebuild tombstoned SWA from full KV (§9.8)
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     seed: int = 0
+
+
+def repairs_tombstones(config: EngineConfig) -> bool:
+    """Whether an engine with this config repairs tombstoned prefixes (docs/design.md §9.8):
+    `tombstone_repair: auto` and a radix cache (the chunk cache never matches)."""
+    return config.tombstone_repair == "auto" and config.enable_radix_cache

@@ -24,7 +24,7 @@ from deploy.metrics import IngressMetrics
 from deploy.openai.checks import check_chat, check_completion, sampling_params
 from deploy.openai.choices import ChoiceState, merged, usage_of
 from deploy.openai.detokenize import StopTextStream
-from deploy.openai.headers import PREDICTED_CACHED_TOKENS_HEADER, REPLICA_HEADER
+from deploy.openai.headers import PREDICTED_CACHED_TOKENS_HEADER, REPLICA_HEADER, repair_headers
 from deploy.openai.prompts import PromptBuilder
 from deploy.openai.responses import ResponseBuilder
 from deploy.openai.schema import (
@@ -168,6 +168,7 @@ class OpenAIService:
         predicted = [c.start.predicted_cached_tokens if c.start else None for c in choices]
         if any(p is not None for p in predicted):
             headers[PREDICTED_CACHED_TOKENS_HEADER] = ",".join("" if p is None else str(p) for p in predicted)
+        headers.update(repair_headers([c.start.predicted_repaired_tokens if c.start else None for c in choices]))
         timer = RequestTimer(self.metrics, endpoint, t0)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -180,6 +181,7 @@ class OpenAIService:
             await self._collect(choices, timer)
             body = builder.final(choices, usage_of(choices))
             self._count_tokens(choices)
+            headers.update(repair_headers([], [c.repaired_tokens for c in choices]))
             return Reply(headers, body=body)
         finally:
             timer.done()
@@ -274,6 +276,7 @@ class OpenAIService:
         u = usage_of(choices)
         self.metrics.prompt_tokens.inc(u.prompt_tokens)
         self.metrics.cached_tokens.inc(u.prompt_tokens_details.cached_tokens)
+        self.metrics.count_repairs([c.repaired_tokens for c in choices])
         self.metrics.completion_tokens.inc(u.completion_tokens)
 
 

@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from worker.cache.events import CacheEvent, PageState
-from worker.config import EngineConfig
+from worker.config import EngineConfig, repairs_tombstones
 from worker.engine.setup import EngineParts, build_engine_parts
 from worker.engine.stats import EngineCounters, PoolPeaks, snapshot
 from worker.engine.stopping import StopChecker
@@ -57,7 +57,7 @@ class Engine:
                 swa_eviction_interval=config.swa_eviction_interval,
                 radix=config.enable_radix_cache,
                 swa_layers=len(p.spec.swa_layer_ids),
-                tombstone_repair=config.tombstone_repair == "auto",
+                tombstone_repair=repairs_tombstones(config),
             ),
             self.allocator,
             self.cache,

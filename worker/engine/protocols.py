@@ -60,6 +60,11 @@ class EngineClient(Protocol):
         ...
 
     @property
+    def swa_layers(self) -> int:
+        """How many layers slide (the repair rule's n_swa, docs/design.md §9.8)."""
+        ...
+
+    @property
     def error(self) -> BaseException | None:
         """Set when the step thread died; the replica then reports unhealthy."""
         ...
