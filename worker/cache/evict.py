@@ -11,9 +11,9 @@
 * SWA (`tail_first`): a match ends at a leaf or a branch point and needs only the window
   before it, so first the *interior* goes (retention.py): the least recently used SWA-unlocked
   node holding interior SWA is split at ``len − keep`` and its head tombstoned, its last `keep`
-  tokens stay live. Only when no unlocked interior SWA is left is a tail taken, the oldest
-  SWA-unlocked live node, tombstoned in place (full KV kept: a repair can rebuild its SWA,
-  docs/design.md §9.8)::
+  tokens stay live. Only when no unlocked interior SWA is left is a tail taken, tombstoned in
+  place (full KV kept: a repair can rebuild its SWA, docs/design.md §9.8): the oldest
+  SWA-unlocked one no match has ended at, else the oldest SWA-unlocked live node::
 
       leaf [=========== head ===========|== T ==]   →   [tombstone (SWA_REMOVED) ][== T ==]
 
@@ -54,7 +54,7 @@ def evict(tree: RadixTree, full_tokens: int, swa_tokens: int) -> tuple[int, int,
     # reads them any more), so the interior runs dry again before each further tail.
     while tally.swa < swa_tokens:
         _interior_phase(tree, tree.retention, swa_tokens, tally)
-        if tally.swa >= swa_tokens or not _one_tail(tree, tally):
+        if tally.swa >= swa_tokens or not _one_tail(tree, tree.retention, tally):
             break
     return tally.full, tally.swa, tally.ops
 
@@ -89,8 +89,19 @@ def _interior_phase(
         retention.interior.add(node)
 
 
-def _one_tail(tree: RadixTree, tally: _Tally) -> bool:
-    """Tombstone the least recently used SWA-unlocked live node; False when there is none."""
+def _one_tail(tree: RadixTree, retention: TailRetention, tally: _Tally) -> bool:
+    """Tombstone one tail: the least recently used SWA-unlocked node on probation, else the
+    least recently used SWA-unlocked live node; False when there is none."""
+    locked: list[Node] = []
+    node = retention.probation.pop_oldest()
+    while node is not None and node.swa_lock > 0:
+        locked.append(node)
+        node = retention.probation.pop_oldest()
+    for n in locked:
+        retention.probation.add(n)
+    if node is not None:
+        _tombstone(tree, node, tally)
+        return True
     for node in tree.swa_lru.iter_oldest():
         if node.swa_lock == 0:
             _tombstone(tree, node, tally)

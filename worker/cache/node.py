@@ -36,6 +36,7 @@ class Node:
     boundary_id: int | None = None  # set on the topmost SWA-locked node of some lock
     last_access: int = 0  # tick of the cache's logical clock (full-eviction order)
     swa_tick: int = 0  # tick of its last move to the SWA LRU's newest end (interior order)
+    swa_hit: bool = False  # a match has ended here (tail-first retention keeps such tails longer)
     attached: bool = True  # False once deleted from the tree
     # Intrusive links of the SWA LRU list (lru.py); `in_lru` says whether they are meaningful.
     lru_newer: Node | None = None

@@ -92,13 +92,13 @@ class RadixCache(PrefixCache):
         key = self._key(tokens)
         path, length, full_length = match_walk(self.tree, key)
         end = path[-1] if path else self.tree.root
-        self.tree.touch(end)
+        self.tree.touch(end, hit=True)
         return MatchResult(_cat([n.full for n in path]), length, end, full_length)
 
     def match_full(self, tokens: Sequence[int]) -> MatchResult:
         path, length = match_path(self.tree, self._key(tokens), window_rule=False)
         end = path[-1] if path else self.tree.root
-        self.tree.touch(end)
+        self.tree.touch(end, hit=True)
         return MatchResult(_cat([n.full for n in path]), length, end, length)
 
     def insert(

@@ -18,10 +18,15 @@ conversation, the chunks of a long prefill) is interior as a whole::
     leaf / branch:   [====== interior ======|== keep T ==]
     chain:           [==== interior (all) ====] ─ [= 4 =|= keep T−4 =] ─ [leaf, 4 tokens]
 
-`TailRetention` keeps the nodes that hold interior SWA in a heap by `swa_tick` (their place in
-the SWA LRU), so SWA eviction takes the least recently used interior first without scanning.
-keep() walks at most T/P nodes down; a change at a node re-classifies the ancestors within T
-above it (at most T/P of them).
+Among the tails, those no match has ended at yet (*on probation*: the user turn of a one-off
+request, a chat's latest leaf) go before those a match ended at (a tenant's system prompt, a
+fork point), least recently used first in each group, as segmented LRU caches do: a reused end
+is the best predictor of the next reuse.
+
+`TailRetention` keeps the nodes that hold interior SWA, and the live nodes on probation, in two
+heaps by `swa_tick` (their place in the SWA LRU), so SWA eviction takes the least recently used
+of each without scanning. keep() walks at most T/P nodes down; a change at a node re-classifies
+the ancestors within T above it (at most T/P of them).
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ class TailRetention:
     def __init__(self, tail: int) -> None:
         self.tail = tail
         self.interior = NodeHeap(_swa_tick)  # live nodes with keep(n) < len(n)
+        self.probation = NodeHeap(_swa_tick)  # live nodes no match has ended at
 
     def keep(self, node: Node) -> int:
         """Tokens at the end of live `node` that a match ending at or below it may need."""
@@ -56,12 +62,20 @@ class TailRetention:
         return node.swa is not None and not node.is_root and self.keep(node) < len(node)
 
     def classify(self, node: Node) -> None:
-        """Update `node`'s membership after its state, length or children changed."""
-        if self.is_interior(node):
-            if node not in self.interior:
-                self.interior.add(node)
-        else:
-            self.interior.discard(node)
+        """Update `node`'s memberships after its state, length, children or hit changed."""
+        _member(self.interior, node, self.is_interior(node))
+        _member(self.probation, node, node.swa is not None and not node.swa_hit)
+
+    def forget(self, node: Node) -> None:
+        """`node` left the tree."""
+        self.interior.discard(node)
+        self.probation.discard(node)
+
+    def hit(self, node: Node) -> None:
+        """A match ended at `node`: its tail leaves probation."""
+        if not node.is_root:
+            node.swa_hit = True
+            self.probation.discard(node)
 
     def classify_up(self, node: Node | None) -> None:
         """`node` changed (children, liveness): re-classify it and the ancestors whose keep()
@@ -75,3 +89,11 @@ class TailRetention:
     def touched(self, node: Node) -> None:
         """`node.swa_tick` changed."""
         self.interior.touched(node)
+        self.probation.touched(node)
+
+
+def _member(heap: NodeHeap, node: Node, want: bool) -> None:
+    if not want:
+        heap.discard(node)
+    elif node not in heap:
+        heap.add(node)

@@ -134,7 +134,7 @@ class RadixTree:
         if parent.is_leaf and parent.full_lock == 0:
             self.leaves.add(parent)
         if self.retention is not None:
-            self.retention.interior.discard(node)
+            self.retention.forget(node)
             self.retention.classify_up(parent)
 
     def tombstone(self, node: Node) -> None:
@@ -168,9 +168,10 @@ class RadixTree:
         self._clock += 1
         return self._clock
 
-    def touch(self, end: Node) -> None:
+    def touch(self, end: Node, *, hit: bool = False) -> None:
         """Record an access of the path root → `end`: full order (deeper = newer) and a
-        window-bounded SWA refresh above `end` (docs/design.md §9.6)."""
+        window-bounded SWA refresh above `end` (docs/design.md §9.6). `hit`: a match ended at
+        `end` (tail-first retention, docs/design.md §9.5)."""
         path = []
         node = end
         while not node.is_root:
@@ -184,6 +185,8 @@ class RadixTree:
             n.swa_tick = self.tick()
             if self.retention is not None:
                 self.retention.touched(n)
+        if hit and self.retention is not None:
+            self.retention.hit(end)
 
     # ---- locks ----------------------------------------------------------------------------
 

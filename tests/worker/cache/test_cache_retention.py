@@ -166,3 +166,17 @@ def test_repair_keeps_live_pages_and_an_aborted_repair_frees_its_scratch() -> No
     cache.cache_finished_req(aborted)
     assert cache.allocator.swa_available_size() == free_swa + 8 + P  # scratch + its one page
     cache.check_integrity()
+
+
+def test_a_tail_a_match_ended_at_outlives_older_tails_on_probation() -> None:
+    """Segmented order among tails: a matched end (a tenant's system prompt) stays while
+    never-matched tails go first, even newer ones."""
+    cache = make_cache(P, W, 128, 64, swa_eviction_policy="tail_first")
+    system, other = seq(1, 8), seq(200, 8)
+    put(cache, system)
+    put(cache, other)  # newer than `system`, never matched
+    assert cache.match_prefix(system + [3]).length == 8  # a match ends at system's end
+    assert cache.evict(0, 8 + 4).swa == 12  # both heads (interior), then one tail
+    assert not node_at(cache, system).is_tombstone
+    assert node_at(cache, other).is_tombstone
+    cache.check_integrity()
