@@ -12,8 +12,12 @@ events. Every workload (`routing_workloads.py`) runs under every KV pool layout 
 | `single_pool` | `disable_hybrid_swa_memory`: SWA layers keep all KV, no tombstones (`swa_prefix` ≡ `prefix`) |
 
 Then the decision latency at `--latency-workers` (64): one workload, every policy, on that many
-workers. With `--real`, the same policies also drive the real stack (`routing_real.py`).
-Output: `routing.json`, `summary.md`, `routing_prefill.png`, `routing_ttft.png` in --output-dir.
+workers. Then the model presets (`--models`, `routing_stacks.py`): GPT-OSS-120B and
+MiMo-V2-Flash layer plans, an SGLang-like stack vs swaserve's full stack at SWA ratios 0.05,
+0.1, 0.25 and a roomy SWA pool, prefill in token-layers next to the capacity each ratio buys.
+With `--real`, the same policies also drive the real stack (`routing_real.py`).
+Output: `routing.json`, `summary.md`, `routing_prefill.png`, `routing_ttft.png`,
+`routing_tradeoff.png` in --output-dir.
 """
 
 from __future__ import annotations
@@ -22,14 +26,19 @@ import argparse
 import dataclasses
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from bench.harness import add_output_arguments, prepare_output_dir, write_json, write_text
 from bench.machine import MachineInfo
 from bench.routing_figures import RunFigures
 from bench.routing_sim import SimCluster
+from bench.routing_stacks import PRESETS, StackRun, StackSettings
 from bench.routing_workloads import WORKLOADS
 from router.policies import POLICY_NAMES
+
+T = TypeVar("T")
 
 POOLS = ("swa_pressure", "roomy_swa", "single_pool")
 LATENCY_WORKLOAD = "multi_tenant"
@@ -52,6 +61,8 @@ class RoutingSettings:
     seed: int = 0
     jobs: int = 1  # simulations in parallel processes
     real: bool = False
+    models: tuple[str, ...] = tuple(PRESETS)  # model presets of the stack comparison; () skips it
+    stack_requests_per_worker: int = 250
 
     def __post_init__(self) -> None:
         for name in ("workers", "requests_per_worker", "latency_requests_per_worker", "jobs"):
@@ -64,6 +75,11 @@ class RoutingSettings:
         _check_names("workload", self.workloads, WORKLOADS)
         _check_names("pool", self.pools, POOLS)
         _check_names("policy", self.policies, POLICY_NAMES)
+        self.stack_settings()  # validates the preset part
+
+    def stack_settings(self) -> StackSettings:
+        return StackSettings(models=self.models, requests_per_worker=self.stack_requests_per_worker,
+                             load=self.load, page_size=self.page_size, seed=self.seed)  # fmt: skip
 
 
 def _check_names(kind: str, given: tuple[str, ...], known: object) -> None:
@@ -88,6 +104,7 @@ class RoutingBenchResult:
     step_cost: dict[str, float]
     runs: tuple[RunFigures, ...]  # workers = settings.workers
     latency_runs: tuple[RunFigures, ...]  # workers = settings.latency_workers
+    stacks: tuple[StackRun, ...]  # the model presets (routing_stacks.py)
     real: object | None  # routing_real.RealResult when --real ran
     wall_s: float
     load_avg_after: float
@@ -133,18 +150,30 @@ def plan_jobs(s: RoutingSettings) -> tuple[list[SimJob], list[SimJob]]:
 
 
 def run_jobs(s: RoutingSettings, jobs: list[SimJob]) -> list[RunFigures]:
+    return _parallel(s.jobs, run_job, [(s, j) for j in jobs], "routing simulations")
+
+
+def run_stack_jobs(s: RoutingSettings) -> list[StackRun]:
+    from bench.routing_stacks import plan_stack_jobs, run_stack_job
+
+    st = s.stack_settings()
+    jobs = plan_stack_jobs(st) if s.models else []
+    return _parallel(s.jobs, run_stack_job, [(st, j) for j in jobs], "model presets")
+
+
+def _parallel(n: int, fn: Callable[..., T], args: list[tuple[object, ...]], desc: str) -> list[T]:
     from bench.harness import progress
 
-    if s.jobs == 1:
-        return [run_job(s, j) for j in progress(jobs, desc="routing simulations")]
+    if n == 1:
+        return [fn(*a) for a in progress(args, desc=desc)]
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
     # NOTE: spawn, not fork: the parent has torch loaded, and forked OpenMP state can hang.
     ctx = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(max_workers=s.jobs, mp_context=ctx) as pool:
-        futures = [pool.submit(run_job, s, j) for j in jobs]
-        return [f.result() for f in progress(futures, desc="routing simulations")]
+    with ProcessPoolExecutor(max_workers=n, mp_context=ctx) as pool:
+        futures = [pool.submit(fn, *a) for a in args]
+        return [f.result() for f in progress(futures, desc=desc)]
 
 
 def run_bench(s: RoutingSettings) -> RoutingBenchResult:
@@ -158,6 +187,7 @@ def run_bench(s: RoutingSettings) -> RoutingBenchResult:
     # The latency runs go one at a time after the pool: their wall-clock decision times are
     # then measured without a sibling simulation competing for the cores.
     latency_figures = [run_job(s, j) for j in latency]
+    stacks = run_stack_jobs(s)
     real = None
     if s.real:
         from bench.routing_real import RealSettings, run_real
@@ -169,6 +199,7 @@ def run_bench(s: RoutingSettings) -> RoutingBenchResult:
         step_cost=dataclasses.asdict(StepCost()),
         runs=tuple(figures),
         latency_runs=tuple(latency_figures),
+        stacks=tuple(stacks),
         real=real,
         wall_s=time.perf_counter() - t0,
         load_avg_after=load_average(),
@@ -225,6 +256,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=min(2, _cpus()),
         help="simulations run in parallel processes (default: min(2, CPUs))",
     )
+    a("--models", nargs="*", default=list(d.models), choices=list(PRESETS),
+      help="model presets of the stack comparison (none: skip it)")  # fmt: skip
+    a("--stack-requests-per-worker", type=int, default=d.stack_requests_per_worker,
+      help="requests per worker of the presets' short workloads")  # fmt: skip
     a(
         "--real",
         action=argparse.BooleanOptionalAction,
@@ -247,7 +282,8 @@ def settings_from_args(args: argparse.Namespace) -> RoutingSettings:
         swa_ratio=args.swa_ratio, full_tokens=args.full_tokens, page_size=args.page_size,
         window=args.window, latency_workers=args.latency_workers,
         latency_requests_per_worker=args.latency_requests_per_worker, seed=args.seed,
-        jobs=args.jobs, real=args.real,
+        jobs=args.jobs, real=args.real, models=tuple(args.models),
+        stack_requests_per_worker=args.stack_requests_per_worker,
     )  # fmt: skip
 
 

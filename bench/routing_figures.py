@@ -3,7 +3,8 @@
 | figure | definition |
 |---|---|
 | hit rate | Σ cached tokens / Σ prompt tokens (cached = what the engine reused at admission) |
-| prefill tokens | tokens the runners computed as prefill (fed tokens − decode feeds; includes re-prefill after a retraction) |
+| prefill tokens | tokens the runners computed as prefill (fed tokens − decode feeds; includes re-prefill after a retraction and repair rows) |
+| repaired tokens | of those, repair rows: recomputed only to rebuild a tombstoned prefix's SWA KV (docs/design.md §9.8) |
 | TTFT | first token's step end − arrival, virtual seconds |
 | throughput | generated tokens / (last finish − first arrival), virtual seconds |
 | prediction | the policy's predicted cached tokens for the worker it chose vs the engine's actual: exact / over (credited a prefix the worker did not reuse) / under |
@@ -52,6 +53,8 @@ class RunFigures:
     full_evicted_tokens: int
     max_requests_per_worker: int
     sim_wall_s: float
+    repaired_tokens: int = 0
+    repairs: int = 0
 
 
 def quantile(values: Sequence[float], q: float) -> float:
@@ -109,4 +112,6 @@ def summarize(outcome: SimOutcome, workload: str, pool: str) -> RunFigures:
         full_evicted_tokens=outcome.full_evicted_tokens,
         max_requests_per_worker=max(per_worker.values()),
         sim_wall_s=outcome.wall_s,
+        repaired_tokens=outcome.repaired_tokens,
+        repairs=outcome.repairs,
     )

@@ -29,7 +29,9 @@ def command_line(s: RoutingSettings) -> str:
     parts = ["swaserve bench routing", f"--workers {s.workers}",
              f"--requests-per-worker {s.requests_per_worker}", f"--load {s.load:g}",
              f"--swa-ratio {s.swa_ratio:g}", f"--full-tokens {s.full_tokens}",
-             f"--latency-workers {s.latency_workers}", f"--seed {s.seed}"]  # fmt: skip
+             f"--latency-workers {s.latency_workers}", f"--seed {s.seed}",
+             " ".join(["--models", *s.models]),
+             f"--stack-requests-per-worker {s.stack_requests_per_worker}"]  # fmt: skip
     if s.real:
         parts.append("--real")
     return " ".join(parts)
@@ -101,6 +103,10 @@ def console_table(r: RoutingBenchResult) -> str:
     lat = markdown_table(["policy", "workers", "decisions", "p50 us", "p99 us", "< 1 ms"],
                          latency_rows(r))  # fmt: skip
     parts = [markdown_table(headers, rows), "decision latency (wall clock):", lat]
+    if r.stacks:
+        from bench.routing_stacks_report import targets_table
+
+        parts += ["model presets, targets at ratio 0.1:", targets_table(r.stacks)]
     if r.real is not None:
         from bench.routing_real import real_table
 
@@ -150,12 +156,29 @@ def write_summary(r: RoutingBenchResult) -> str:
     )
     for w in s.workloads:
         lines += [f"## {w}", workload_table(r, w)]
+    if r.stacks:
+        lines += stacks_summary(r)
     if r.real is not None:
         from bench.routing_real import real_summary
 
         lines += ["## Real stack", real_summary(r.real)]  # type: ignore[arg-type]
     lines += ["## Definitions", (FIGURES_DOC or "").strip()]
     return "\n\n".join(lines)
+
+
+def stacks_summary(r: RoutingBenchResult) -> list[str]:
+    from bench.routing_stacks import SCALED
+    from bench.routing_stacks import __doc__ as STACKS_DOC
+    from bench.routing_stacks_report import model_table, targets_table
+
+    sizes = "; ".join(f"{w}: {SCALED[w].workers} workers, {SCALED[w].fraction * 80:g} GiB KV each, "
+                      f"chunk {SCALED[w].chunk}" for w in dict.fromkeys(x.workload for x in r.stacks))  # fmt: skip
+    lines = ["## Model presets: SGLang-like vs swaserve", (STACKS_DOC or "").strip(),
+             f"Clusters: {sizes}; {r.settings.stack_requests_per_worker} requests per worker "
+             "(short workloads).", "### Targets (ratio 0.1)", targets_table(r.stacks)]  # fmt: skip
+    for model in dict.fromkeys(x.model for x in r.stacks):
+        lines += [f"### {model}", model_table(r.stacks, model)]
+    return lines
 
 
 # ---------------------------------------------------------------- plots
@@ -196,6 +219,10 @@ def write_plots(r: RoutingBenchResult, out: Path) -> list[Path]:
         _p99_marks(ax, r, w)
     axes[0].legend(fontsize=8)
     paths.append(save_figure(fig, out / "routing_ttft.png"))
+    if r.stacks:
+        from bench.routing_stacks_report import write_tradeoff_plot
+
+        paths.append(write_tradeoff_plot(r.stacks, out))
     return paths
 
 

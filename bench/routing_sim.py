@@ -35,8 +35,9 @@ from cluster.messages import CacheSnapshot, EventBatch, WorkerLoad, WorkerMeta, 
 from router.core import Candidate, RouterCore
 from router.policies import make_policy
 from worker.cache.events import EventKind
-from worker.config import EngineConfig
+from worker.config import EngineConfig, repairs_tombstones
 from worker.engine.engine import Engine
+from worker.models.spec import ModelSpec
 from worker.outputs import StreamDelta
 from worker.sampling_params import SamplingParams
 
@@ -59,6 +60,9 @@ class SimCluster:
     swa_eviction_interval: int = 128
     stats_period_s: float = 1.0  # deploy.app.ROUTING_STATS_PERIOD_S
     cost: StepCost = field(default_factory=StepCost)
+    swa_eviction_policy: str = "tail_first"
+    tombstone_repair: str = "auto"
+    spec: ModelSpec | None = None  # a real layer plan (bench.routing_presets); None: sim_spec
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(
@@ -70,6 +74,8 @@ class SimCluster:
             chunked_prefill_size=self.chunked_prefill_size,
             max_running_requests=self.max_running_requests,
             swa_eviction_interval=self.swa_eviction_interval,
+            swa_eviction_policy=self.swa_eviction_policy,
+            tombstone_repair=self.tombstone_repair,
         )
 
 
@@ -108,7 +114,9 @@ class SimOutcome:
     policy: str
     cluster: SimCluster
     tracks: list[Track]
-    prefill_tokens: int  # tokens fed as prefill (runner count minus decode feeds)
+    prefill_tokens: int  # tokens fed as prefill (runner count minus decode feeds), repairs included
+    repaired_tokens: int  # of those, repair rows (docs/design.md §9.8)
+    repairs: int  # admissions through a repair
     tombstone_pages: int  # pages that became tombstones (SWA_REMOVED + STORED_FULL_ONLY)
     retractions: int
     swa_evicted_tokens: int
@@ -130,11 +138,14 @@ class Simulation:
 
     def _worker(self, i: int) -> _Worker:
         c = self.cluster
-        engine, runner = build_sim_engine(c.engine_config(), c.window)
+        engine, runner = build_sim_engine(c.engine_config(), c.window, c.spec)
         wid = f"w{i:03d}"
         s = engine.stats()
         window = engine.spec.window if s.hybrid else None
-        meta = WorkerMeta(wid, "sim", c.page_size, window, s.full.total, s.swa.total, s.hybrid)
+        meta = WorkerMeta(
+            wid, "sim", c.page_size, window, s.full.total, s.swa.total, s.hybrid,
+            len(engine.spec.swa_layer_ids), repairs_tombstones(engine.config),
+        )  # fmt: skip
         # A fresh replica registers with an empty snapshot at seq 0; its batch 1 applies directly.
         self.index.resync(WorkerResync(meta, CacheSnapshot(wid, "sim", 0, {})))
         return _Worker(wid, engine, runner)
@@ -244,6 +255,8 @@ class Simulation:
             cluster=self.cluster,
             tracks=tracks,
             prefill_tokens=fed - decodes,
+            repaired_tokens=sum(w.runner.repair_tokens for w in self.workers.values()),
+            repairs=sum(s.repairs for s in stats),
             tombstone_pages=sum(w.tombstone_pages for w in self.workers.values()),
             retractions=sum(s.retractions for s in stats),
             swa_evicted_tokens=sum(s.swa_evicted_tokens for s in stats),

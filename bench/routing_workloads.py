@@ -10,6 +10,8 @@ Three shapes of prefix sharing, each sized by `WorkloadSize` (requests scale wit
 - `agent_branching`: per task a long trunk (system + tools + context); branches fork off the
   trunk at varied depths (Poisson in time), then each branch runs a few steps closed-loop
   (previous prompt + answer + a tool result), like an agent exploring alternatives.
+- `long_agent` (model presets only): agent sessions growing from ~8K to 64K tokens through tool
+  calls, several at once per worker, a new one starting whenever one ends.
 
 Token ids are random in [2, vocab) (0 and 1 stay out: 1 is what the simulated runner generates).
 A workload is an object with `initial()` (the requests known at t=0, with arrival times) and
@@ -220,11 +222,64 @@ class AgentBranching:
         )
 
 
+# ---------------------------------------------------------------- long-context agents
+
+
+@dataclass
+class LongAgent:
+    """Agent sessions that grow from ~`start_tokens` to `end_tokens` through tool calls: each
+    step's prompt is the previous prompt + the model's tool call (`max_tokens`) + the tool's
+    result. `concurrent_per_worker` × workers sessions run at once (closed loop); when one
+    ends the next starts, until `sessions_per_worker` × workers sessions have run. Session k's
+    content is seeded by k alone, so every policy sees the same sessions."""
+
+    size: WorkloadSize
+    sessions_per_worker: float = 12.0
+    concurrent_per_worker: float = 3.0
+    start_tokens: tuple[int, int] = (6144, 10240)
+    end_tokens: int = 65536
+    tool_tokens: tuple[int, int] = (2048, 6144)
+    max_tokens: int = 64
+    tool_s: float = 1.0  # mean tool latency between steps
+    name: str = "long_agent"
+    _started: int = field(default=0, init=False, repr=False)
+    _ids: _Ids = field(default_factory=lambda: _Ids("long"), init=False, repr=False)
+
+    @property
+    def sessions(self) -> int:
+        return max(1, round(self.sessions_per_worker * self.size.workers))
+
+    def initial(self) -> list[SimRequest]:
+        rng = random.Random(self.size.seed)
+        n = min(self.sessions, max(1, round(self.concurrent_per_worker * self.size.workers)))
+        return [self._session(rng.uniform(0.0, self.tool_s * n / self.size.workers)) for _ in range(n)]
+
+    def _session(self, at: float) -> SimRequest:
+        k, self._started = self._started, self._started + 1
+        rng = _step_rng(self.size.seed, f"long-{k}", 0)
+        prompt = _tokens(rng, rng.randint(*self.start_tokens))
+        return SimRequest(self._ids.next(), prompt, self.max_tokens, at, f"long-{k:04d}", 0)
+
+    def follow_up(self, req: SimRequest, output: list[int], finish_s: float) -> SimRequest | None:
+        rng = _step_rng(self.size.seed, req.session, req.step + 1)
+        tool = _tokens(rng, rng.randint(*self.tool_tokens))
+        arrival = finish_s + rng.expovariate(1.0 / self.tool_s)
+        if len(req.tokens) + len(output) + len(tool) > self.end_tokens - self.max_tokens:
+            # This session is done: the next one takes its place (if any are left).
+            return self._session(arrival) if self._started < self.sessions else None
+        prompt = req.tokens + tuple(output) + tool
+        return SimRequest(
+            self._ids.next(), prompt, self.max_tokens, arrival, req.session, req.step + 1
+        )
+
+
 WORKLOADS: dict[str, Callable[[WorkloadSize], Workload]] = {
     "multi_tenant": MultiTenant,
     "multi_turn": MultiTurn,
     "agent_branching": AgentBranching,
 }
+# Workloads the model presets also run (bench/routing_stacks.py); its prompts need a large pool.
+LONG_WORKLOADS: dict[str, Callable[[WorkloadSize], Workload]] = {"long_agent": LongAgent}
 
 
 def make_workload(name: str, size: WorkloadSize) -> Workload:

@@ -61,15 +61,17 @@ class SimRunner:
         self.last_prefill_tokens = 0
         self.last_decode_tokens = 0
         self.fed_tokens = 0  # every token fed since start (prefill and decode)
+        self.repair_tokens = 0  # of those, repair rows (docs/design.md §9.8; priced as prefill)
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         prefill = decode = 0
         for r in batch.reqs:
             n = len(r.token_ids)
-            if n == 1 and r.prefix_len > 0:
+            if n == 1 and r.prefix_len > 0 and r.repair is None:
                 decode += 1
             else:
                 prefill += n
+            self.repair_tokens += r.repair_tokens
         self.last_prefill_tokens, self.last_decode_tokens = prefill, decode
         self.fed_tokens += prefill + decode
         # Logits with no vocabulary: the row count is all `sample` needs.
@@ -99,18 +101,22 @@ def sim_spec(window: int, vocab_size: int = SIM_VOCAB) -> ModelSpec:
     )
 
 
-def build_sim_engine(config: EngineConfig, window: int) -> tuple[Engine, SimRunner]:
+def build_sim_engine(
+    config: EngineConfig, window: int, spec: ModelSpec | None = None
+) -> tuple[Engine, SimRunner]:
     """The real `Engine` over pools sized as `build_engine_parts` would, with a `SimRunner`.
 
     `config.max_total_tokens` sizes the full pool; `swa_full_tokens_ratio` and
     `disable_hybrid_swa_memory` the SWA pool, through the same `plan_pools` as a real worker
     (so its fail-fast checks apply). Raises `worker.errors.ConfigError` on an impossible plan.
+    `spec` (a real model's layer plan, e.g. a `bench.routing_presets` preset) replaces the
+    default 1 full : 3 SWA shape with `window`.
     """
     from worker.cache import create_cache
     from worker.kv.hybrid_allocator import HybridAllocator
     from worker.kv.memory_plan import plan_pools
 
-    spec = sim_spec(window)
+    spec = spec or sim_spec(window)
     plan = plan_pools(
         spec,
         page_size=config.page_size,
@@ -125,6 +131,7 @@ def build_sim_engine(config: EngineConfig, window: int) -> tuple[Engine, SimRunn
         spec.window if plan.hybrid else None,
         enable_radix_cache=config.enable_radix_cache,
         eager_swa_free=config.eager_swa_free,
+        swa_eviction_policy=config.swa_eviction_policy,
     )
     runner = SimRunner()
     parts = EngineParts(spec, allocator, cache, runner, SIM_MAX_MODEL_LEN, plan=plan)

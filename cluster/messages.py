@@ -61,6 +61,9 @@ class WorkerMeta:
     full_tokens: int
     swa_tokens: int
     hybrid: bool
+    # What the repair rule needs (worker/cache/reuse.py, docs/design.md §9.8):
+    swa_layers: int = 0  # SWA layers of the model
+    tombstone_repair: bool = False  # the worker repairs tombstoned prefixes
 
 
 @dataclass(frozen=True)
@@ -263,6 +266,7 @@ class RankedWorker(NamedTuple):  # one per candidate per request: a NamedTuple i
     worker_id: str
     predicted_cached_tokens: int  # what the policy believes this worker will reuse
     cost: float  # the policy's score (lower is better); comparable only within one decision
+    predicted_repaired_tokens: int = 0  # of the rest, what it believes the worker recomputes as a repair
 
 
 @dataclass(frozen=True)
@@ -279,10 +283,16 @@ class RoutingDecision:
     def predicted_for(self, worker_id: str) -> int | None:
         """The prediction for the replica that actually serves (it may not be the first rank
         when that one was full); None when the worker was not a candidate."""
-        for ranked in self.ranked:
-            if ranked.worker_id == worker_id:
-                return ranked.predicted_cached_tokens
-        return None
+        ranked = self._ranked(worker_id)
+        return None if ranked is None else ranked.predicted_cached_tokens
+
+    def predicted_repaired_for(self, worker_id: str) -> int | None:
+        """The predicted repaired tokens on that replica (docs/design.md §9.8)."""
+        ranked = self._ranked(worker_id)
+        return None if ranked is None else ranked.predicted_repaired_tokens
+
+    def _ranked(self, worker_id: str) -> RankedWorker | None:
+        return next((r for r in self.ranked if r.worker_id == worker_id), None)
 
 
 @dataclass(frozen=True)
@@ -327,6 +337,7 @@ class StreamStart:
     message: str | None = None  # why it was refused; says what to change
     predicted_cached_tokens: int | None = None  # the router's prediction for this replica
     routing_policy: str | None = None
+    predicted_repaired_tokens: int | None = None  # ... and its predicted repair
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
 from router.policies import DEFAULT_POLICY, POLICY_NAMES
-from worker.config import EngineConfig
+from worker.config import SWA_EVICTION_POLICIES, TOMBSTONE_REPAIR_MODES, EngineConfig
 
 # Names the Serve config files, the Helm chart and `deploy.app` share.
 APP_NAME = "swaserve"
@@ -42,6 +42,8 @@ RoutingPolicy = Literal[POLICY_NAMES]  # type: ignore[valid-type]  # router.poli
 Dtype = Literal["float32", "bfloat16", "float16"]
 AttentionBackend = Literal["torch", "flashinfer"]
 PlacementStrategy = Literal["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"]
+SwaEvictionPolicy = Literal[SWA_EVICTION_POLICIES]  # type: ignore[valid-type]
+TombstoneRepair = Literal[TOMBSTONE_REPAIR_MODES]  # type: ignore[valid-type]
 
 
 def _api_key_from_env() -> SecretStr | None:
@@ -151,6 +153,22 @@ class ServeConfig(BaseModel):
     eager_swa_free: bool = Field(
         False,
         description="Free SWA KV of unfinished chunked prefills at once (saves memory, costs branch reuse).",
+    )
+    swa_eviction_policy: SwaEvictionPolicy = Field(
+        "tail_first",
+        description=(
+            "Which SWA KV the prefix cache gives up first under SWA pool pressure: tail_first "
+            "(SWA no future match reads, then the window tails, least recently used first; full "
+            "KV is kept) or lru (SGLang's plain SWA LRU)."
+        ),
+    )
+    tombstone_repair: TombstoneRepair = Field(
+        "auto",
+        description=(
+            "auto: a prefix whose SWA KV was freed is reused by recomputing the few tokens that "
+            "rebuild its tail window from the cached full KV, when that is at most half of what "
+            "it saves; off: reuse only the window-valid prefix."
+        ),
     )
     max_model_len: int | None = Field(
         None,

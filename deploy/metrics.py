@@ -14,7 +14,7 @@ Two sources end up in one exposition:
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from prometheus_client import (
@@ -44,6 +44,8 @@ COUNTER_FIELDS = (
     "retractions",
     "aborts",
     "steps",
+    "repairs",
+    "repaired_tokens",
 )
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -130,6 +132,17 @@ class IngressMetrics:
         self.prompt_tokens = Counter("swaserve_prompt_tokens", "Prompt tokens served", registry=r)
         self.cached_tokens = Counter("swaserve_cached_prompt_tokens", "Prompt tokens served from a prefix cache", registry=r)
         self.completion_tokens = Counter("swaserve_completion_tokens", "Generated tokens", registry=r)
+        self.repairs = Counter(
+            "swaserve_repairs", "Choices whose cached prefix was repaired (its SWA KV rebuilt)", registry=r
+        )
+        self.repaired_tokens = Counter(
+            "swaserve_repaired_prompt_tokens", "Prompt tokens recomputed to repair cached prefixes", registry=r
+        )
+
+    def count_repairs(self, repaired_tokens: Sequence[int]) -> None:
+        """One finished request's choices: how many were served through a repair, and its rows."""
+        self.repairs.inc(sum(1 for n in repaired_tokens if n > 0))
+        self.repaired_tokens.inc(sum(repaired_tokens))
 
     def render(self, replica_snapshot: Mapping[str, Mapping[str, Any] | None]) -> bytes:
         """This ingress's metrics, the process default registry (the router's per-policy metrics

@@ -18,6 +18,7 @@ from router.inflight import InflightTracker
 from router.match import WorkerMatch, match_chain
 from router.pending import PendingPages
 from router.policies import Policy, RequestView
+from worker.cache.reuse import Reuse, live_after, plan_reuse
 
 
 class Candidate(NamedTuple):  # one per replica per request: a NamedTuple is cheap to build
@@ -62,12 +63,13 @@ class RouterCore:
         ranked = self.policy.rank(RequestView(len(token_ids), max_new_tokens), views)
         if avoid:
             ranked.sort(key=lambda r: views[r.position].worker_id in avoid)  # stable
-        predicted = self.policy.predicted
+        predicted, repaired = self.policy.predicted, self.policy.predicted_repaired
         decision = RoutingDecision(
             self.policy.name,
             tuple(
-                RankedWorker(views[r.position].worker_id, predicted(views[r.position]), r.cost)
+                RankedWorker(v.worker_id, predicted(v), r.cost, repaired(v))
                 for r in ranked
+                for v in (views[r.position],)
             ),
         )
         if request_key is not None and ranked:
@@ -110,10 +112,13 @@ class RouterCore:
             self.pending.complete(request_key)
             return
         entry, match = matched
-        # Every complete page of the prompt enters the worker's tree LIVE as its chunks are
-        # computed (docs/design.md §10.1); the valid match before them keeps its states.
-        chain = self.hasher.hashes(token_ids, entry.meta.page_size)
-        self.pending.record(request_key, entry, chain[match.valid_pages :], now)
+        # Every complete page the worker computes enters its tree LIVE (docs/design.md §10.1), and
+        # a repair revives its tail (§9.8); the pages before keep their indexed states.
+        page = entry.meta.page_size
+        reuse = Reuse(view.valid_cached, view.repaired)
+        first_live = live_after(reuse, view.full_cached, entry.meta.window, page) // page
+        chain = self.hasher.hashes(token_ids, page)
+        self.pending.record(request_key, entry, chain[first_live:], now)
 
     def match(self, token_ids: Sequence[int], worker_ids: Sequence[str]) -> dict[str, WorkerMatch]:
         """Per known, fresh worker: its full and valid match in pages for this prompt.
@@ -151,16 +156,22 @@ class RouterCore:
             return WorkerView(cand.worker_id, 0, 0, load, extra_tokens, extra_requests)
         meta, match = matched[0].meta, matched[1]
         page = meta.page_size
+        reused, full, repaired = match.valid_pages * page, match.full_pages * page, 0
+        if meta.tombstone_repair and meta.hybrid and full > reused:
+            # The worker's own rule (worker/cache/reuse.py): the prediction is its decision.
+            reused, repaired = plan_reuse(full, reused, window=meta.window,
+                                          swa_layers=meta.swa_layers, page_size=page, repair=True)  # fmt: skip
         # Positional: WorkerView(worker_id, valid_cached, full_cached, load, extra_prefill_tokens,
-        # extra_requests, window, page_size, hybrid); keywords cost a third more per candidate.
+        # extra_requests, window, page_size, hybrid, repaired); keywords cost a third more.
         return WorkerView(
             cand.worker_id,
-            match.valid_pages * page,
-            match.full_pages * page,
+            reused,
+            full,
             load,
             extra_tokens,
             extra_requests,
             meta.window,
             page,
             meta.hybrid,
+            repaired,
         )

@@ -12,7 +12,9 @@ Lowest cost wins. The first three terms approximate time to first token (the que
 our own prefill), as Dynamo's cost does; the last two keep requests off workers whose pools are
 full (a shortfall stalls the request) or full of useful cache (eviction costs future hits).
 Pool needs mirror the worker's admission charge (docs/design.md §11.3): full pool
-`uncached + max_new_tokens`, SWA pool `max(uncached, window) + page_size` on hybrid workers.
+`uncached + max_new_tokens`, SWA pool `max(uncached, window) + page_size` on hybrid workers
+(`repaired + max(uncached − repaired, window) + page_size` through a repair). `cached` is what
+the worker skips: with a repair (docs/design.md §9.8) its rows count as compute, in `uncached`.
 
 Load counts come from the worker's last `record_routing_stats` sample (≈1 s old) plus what this
 router routed there after that sample, minus what it saw complete there that the sample still
@@ -60,7 +62,9 @@ class WorkerView(NamedTuple):
     """
 
     worker_id: str
-    valid_cached: int  # tokens the worker can reuse (window rule applied)
+    # Tokens the worker will reuse: its window-valid match, or where its repair starts
+    # (worker/cache/reuse.py, docs/design.md §9.8); `repaired` tokens after it are recomputed.
+    valid_cached: int
     full_cached: int  # tokens with full KV present (what SWA-unaware routers count)
     load: WorkerLoad | None  # None: the replica has not reported yet
     # Routed here by this router after the load sample, minus its completions since of requests
@@ -70,6 +74,7 @@ class WorkerView(NamedTuple):
     window: int | None = None
     page_size: int = 1
     hybrid: bool = False
+    repaired: int = 0  # repair rows the worker would recompute before `full_cached`
 
 
 def load_tokens(view: WorkerView, w: CostWeights) -> float:
@@ -93,7 +98,9 @@ def capacity_tokens(view: WorkerView, uncached: int, max_new_tokens: int, w: Cos
     cost = _pool_cost(uncached + max_new_tokens, view.load.full, claimed, w)
     if view.hybrid:
         window = view.window or 0
-        need_swa = (uncached if uncached > window else window) + view.page_size
+        # A repair's rows take scratch SWA slots at once (the worker's repair_swa_charge).
+        rest = uncached - view.repaired
+        need_swa = view.repaired + (rest if rest > window else window) + view.page_size
         cost += _pool_cost(need_swa, view.load.swa, claimed, w)
     return cost
 

@@ -2,10 +2,10 @@
 
 | policy | ranks by | reports as predicted cached tokens |
 |---|---|---|
-| `swa_prefix` (default) | cost model with the *valid* match (window rule applied) | valid match |
+| `swa_prefix` (default) | cost model with what the worker reuses (window rule, repair rule; repair rows charged as compute) | reused (+ repaired) |
 | `prefix` | cost model with the *full* match (tombstones count as hits) — the baseline other routers implement | full match (its belief) |
-| `least_loaded` | load + capacity, no cache credit | valid match (informational) |
-| `round_robin` | rotation over candidates sorted by id | valid match (informational) |
+| `least_loaded` | load + capacity, no cache credit | reused (informational) |
+| `round_robin` | rotation over candidates sorted by id | reused (informational) |
 
 Ties (equal cost and load) rotate with every decision, so a cold or idle fleet is spread evenly
 instead of sending everything to the first candidate.
@@ -63,6 +63,10 @@ class Policy(ABC):
         """Cached tokens this policy predicts for the worker (header and metrics)."""
         return view.valid_cached
 
+    def predicted_repaired(self, view: WorkerView) -> int:
+        """Repaired tokens this policy predicts for the worker (docs/design.md §9.8)."""
+        return view.repaired
+
     def _order(self, costs: Sequence[float], keys: Sequence[tuple[float, ...]]) -> list[Ranked]:
         """Sort by `keys`, ties by a rotation that advances every decision."""
         n = len(costs)
@@ -106,6 +110,9 @@ class PrefixPolicy(_CachePolicy):
 
     def cached(self, view: WorkerView) -> int:
         return view.full_cached
+
+    def predicted_repaired(self, view: WorkerView) -> int:
+        return 0  # it believes the whole full match is reused
 
 
 class LeastLoadedPolicy(Policy):

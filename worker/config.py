@@ -7,6 +7,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+SWA_EVICTION_POLICIES = ("tail_first", "lru")  # docs/design.md §9.5
+TOMBSTONE_REPAIR_MODES = ("auto", "off")  # docs/design.md §9.8
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -24,6 +27,14 @@ class EngineConfig:
     max_running_requests: int = 64
     swa_eviction_interval: int = 128  # decode frees out-of-window SWA once this many tokens left it
     eager_swa_free: bool = False  # free SWA of unfinished prefills at once (docs/design.md §10.1)
+    swa_eviction_policy: str = "tail_first"  # tail_first | lru (docs/design.md §9.5)
+    tombstone_repair: str = "auto"  # auto | off: rebuild tombstoned SWA from full KV (§9.8)
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     seed: int = 0
     tensor_parallel_size: int = 1  # ranks splitting the model, one device each (docs/design.md §17)
+
+
+def repairs_tombstones(config: EngineConfig) -> bool:
+    """Whether an engine with this config repairs tombstoned prefixes (docs/design.md §9.8):
+    `tombstone_repair: auto` and a radix cache (the chunk cache never matches)."""
+    return config.tombstone_repair == "auto" and config.enable_radix_cache

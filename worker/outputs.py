@@ -23,11 +23,12 @@ class Output:
     prompt_len: int
     token_ids: list[int]
     finish_reason: FinishReason
-    cached_tokens: int  # prompt tokens served from the prefix cache
+    cached_tokens: int  # prompt tokens whose forward was skipped (served from the prefix cache)
     logprobs: list[TokenLogprob] | None = None
     error: str | None = None  # set when the request was refused (finish_reason "abort")
     # One per prompt token when asked for (SamplingParams.prompt_logprobs); the first is None.
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    repaired_tokens: int = 0  # tokens recomputed to repair a tombstoned prefix (design.md §9.8)
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,7 @@ class StreamDelta:
     error: str | None = None
     # Sent once, in the first delta after the prompt is computed (see Output.prompt_logprobs).
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    repaired_tokens: int = 0  # of the prompt after `cached_tokens`, recomputed as a repair
 
 
 @dataclass(frozen=True)
@@ -81,3 +83,5 @@ class EngineStats:
     aborts: int
     steps: int
     last_step_seconds: float
+    repairs: int = 0  # admissions through a tombstone repair
+    repaired_tokens: int = 0  # tokens those repairs recomputed

@@ -27,7 +27,7 @@ from deploy.openai.checks import check_chat, check_completion, sampling_params, 
 from deploy.openai.choices import ChoiceState, best_of, usage_of
 from deploy.openai.detokenize import StopTextStream
 from deploy.openai.fanout import Fanout, PromptStream
-from deploy.openai.headers import PREDICTED_CACHED_TOKENS_HEADER, REPLICA_HEADER
+from deploy.openai.headers import PREDICTED_CACHED_TOKENS_HEADER, REPLICA_HEADER, repair_headers
 from deploy.openai.prompts import PromptBuilder
 from deploy.openai.responses import ResponseBuilder, Shape
 from deploy.openai.schema import (
@@ -222,6 +222,7 @@ class OpenAIService:
             kept = best_of(run.choices, [st.prompt_index for st in run.fanout.streams], run.keep)
             body = run.builder.final(kept, usage_of(run.choices))
             self._count_tokens(run)
+            headers.update(repair_headers([], [c.repaired_tokens for c in kept]))
             return Reply(headers, body=body)
         finally:
             timer.done()
@@ -234,6 +235,7 @@ class OpenAIService:
         predicted = [s.start.predicted_cached_tokens if s.start else None for s in streams]
         if any(p is not None for p in predicted):
             headers[PREDICTED_CACHED_TOKENS_HEADER] = ",".join("" if p is None else str(p) for p in predicted)
+        headers.update(repair_headers([s.start.predicted_repaired_tokens if s.start else None for s in streams]))
         return headers
 
     async def _start(self, fanout: Fanout) -> None:
@@ -343,4 +345,5 @@ class OpenAIService:
         u = usage_of(run.choices)
         self.metrics.prompt_tokens.inc(u.prompt_tokens)
         self.metrics.cached_tokens.inc(u.prompt_tokens_details.cached_tokens)
+        self.metrics.count_repairs([c.repaired_tokens for c in run.choices])
         self.metrics.completion_tokens.inc(u.completion_tokens)

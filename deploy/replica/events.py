@@ -18,6 +18,7 @@ import uuid
 from cluster.messages import CacheSnapshot, EventBatch, StatsDict, WorkerMeta
 from cluster.transport import EventPublisher, get_or_create_index_actor, index_actor_name
 from worker.cache.events import CacheEvent, PageState
+from worker.config import repairs_tombstones
 from worker.engine.protocols import EngineClient
 
 log = logging.getLogger("swaserve.worker.events")
@@ -56,6 +57,8 @@ class CacheEventPump:
             full_tokens=stats.full.total,
             swa_tokens=stats.swa.total,
             hybrid=stats.hybrid,
+            swa_layers=self._engine.swa_layers,
+            tombstone_repair=repairs_tombstones(self._engine.config),
         )
 
     async def ensure_started(self) -> None:

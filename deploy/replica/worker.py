@@ -134,6 +134,9 @@ class WorkerDeployment:
             self.replica_id,
             predicted_cached_tokens=routing.predicted_for(self.replica_id) if routing else None,
             routing_policy=routing.policy if routing else None,
+            predicted_repaired_tokens=(
+                routing.predicted_repaired_for(self.replica_id) if routing else None
+            ),
         )
         queue: _DeltaQueue = asyncio.Queue()  # (choice id, delta | error | None: ended)
         first = choices[0][0]

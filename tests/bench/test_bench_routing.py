@@ -105,7 +105,7 @@ def bench(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, Path, dict[str
         "--output-dir", str(out), "--workers", str(WORKERS), "--requests-per-worker",
         str(PER_WORKER), "--workloads", "multi_turn", "agent_branching", "--pools",
         "swa_pressure", "single_pool", "--latency-workers", "6", "--latency-requests-per-worker",
-        "2", "--jobs", "1",
+        "2", "--jobs", "1", "--models",
     ])  # fmt: skip
     code = routing.run(args)
     data = json.loads((out / "routing.json").read_text()) if code == 0 else {}

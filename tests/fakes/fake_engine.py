@@ -36,6 +36,7 @@ class FakeEngine:
         self.model_dir = model_dir or Path(".")
         self.max_model_len = config.max_model_len or max_model_len
         self.window: int | None = None
+        self.swa_layers = 0
         self.error: BaseException | None = None
         self._vocab = vocab_size
         self._eos = eos_token_id

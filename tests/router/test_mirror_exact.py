@@ -1,5 +1,6 @@
-"""The router's mirror is exact: fed the real radix cache's events, its valid match equals the
-cache's own `match_prefix` for every probe, after every insert, SWA free and eviction."""
+"""The router's mirror is exact: fed the real radix cache's events, its valid and full matches
+equal the cache's own `match_prefix` for every probe, after every insert, SWA free and eviction,
+and its (reused, repaired) prediction is the worker's own repair decision (worker/cache/reuse.py)."""
 
 from __future__ import annotations
 
@@ -12,12 +13,14 @@ from hypothesis import strategies as st
 
 from cluster.index import ClusterIndex
 from cluster.messages import CacheSnapshot, EventBatch, WorkerMeta, WorkerResync
-from router.core import RouterCore
+from router.core import Candidate, RouterCore
 from router.policies import make_policy
 from worker.cache.radix_cache import RadixCache
+from worker.cache.reuse import plan_reuse
 from worker.kv.hybrid_allocator import HybridAllocator
 
 PAGE = 2
+SWA_LAYERS = 2
 
 
 class MirroredWorker:
@@ -26,7 +29,8 @@ class MirroredWorker:
     def __init__(self, window: int) -> None:
         self.cache = RadixCache(HybridAllocator(256, 96, PAGE, True), window)
         self.index = ClusterIndex()
-        meta = WorkerMeta("w", "i", PAGE, window, full_tokens=256, swa_tokens=96, hybrid=True)
+        meta = WorkerMeta("w", "i", PAGE, window, full_tokens=256, swa_tokens=96, hybrid=True,
+                          swa_layers=SWA_LAYERS, tombstone_repair=True)  # fmt: skip
         self.index.resync(WorkerResync(meta, CacheSnapshot("w", "i", 0, {})))
         self.core = RouterCore(self.index, make_policy())
         self.seq = 0
@@ -53,12 +57,19 @@ class MirroredWorker:
         self.seq += 1
         assert self.index.apply(EventBatch("w", "i", self.seq, tuple(events))).changed
 
-    def predicted(self, prompt: list[int]) -> int:
+    def predicted(self, prompt: list[int]) -> tuple[int, int, int, int]:
+        """(valid, full) matches, then the decision's (cached, repaired) prediction."""
         match = self.core.match(prompt, ["w"]).get("w")
-        return 0 if match is None else match.valid_pages * PAGE
+        valid, full = (0, 0) if match is None else (match.valid_pages * PAGE, match.full_pages * PAGE)
+        best = self.core.decide(prompt, [Candidate("w")]).best
+        assert best is not None
+        return valid, full, best.predicted_cached_tokens, best.predicted_repaired_tokens
 
-    def actual(self, prompt: list[int]) -> int:
-        return self.cache.match_prefix(prompt[:-1]).length
+    def actual(self, prompt: list[int]) -> tuple[int, int, int, int]:
+        m = self.cache.match_prefix(prompt[:-1])
+        reuse = plan_reuse(m.full_length, m.length, window=self.cache.window,
+                           swa_layers=SWA_LAYERS, page_size=PAGE, repair=True)  # fmt: skip
+        return m.length, m.full_length, reuse.reused, reuse.repaired
 
     def _alloc(self, n: int) -> torch.Tensor | None:
         slots = self.cache.allocator.alloc(n)

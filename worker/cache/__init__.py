@@ -19,12 +19,18 @@ def create_cache(
     *,
     enable_radix_cache: bool = True,
     eager_swa_free: bool = False,
+    swa_eviction_policy: str = "tail_first",
 ) -> PrefixCache:
     """The cache the engine config asks for (implementations import lazily)."""
     if enable_radix_cache:
         from worker.cache.radix_cache import RadixCache
 
-        return RadixCache(allocator, window, eager_swa_free=eager_swa_free)
+        return RadixCache(
+            allocator,
+            window,
+            eager_swa_free=eager_swa_free,
+            swa_eviction_policy=swa_eviction_policy,
+        )
     from worker.cache.chunk_cache import ChunkCache
 
     return ChunkCache(allocator, window)

@@ -27,11 +27,16 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class MatchResult:
     """A prefix match. `indices` are FULL-pool slots (int64, CPU), tombstoned spans included;
-    `length == len(indices)` is page-aligned; `node` ends the match (the root when 0)."""
+    `length == len(indices)` is page-aligned; `node` ends the match (the root when 0).
+
+    `length` is the window-valid match; `full_length` (≥ `length`) counts every token whose
+    FULL KV is cached, tombstones included: the `p_full` of a repair (docs/design.md §9.8).
+    """
 
     indices: torch.Tensor
     length: int
     node: Node
+    full_length: int = 0
 
 
 @dataclass(frozen=True)
@@ -131,3 +136,13 @@ class PrefixCache(abc.ABC):
     def reset(self) -> None:
         """Flush: free everything unlocked (the engine calls it when idle)."""
         return None
+
+    def match_full(self, tokens: Sequence[int]) -> MatchResult:
+        """The full-KV match (tombstones included), ending at a node: what a repair locks."""
+        return self.match_prefix(tokens)
+
+    def finish_repair(self, req: ReqKV) -> None:
+        """A repair's rows are computed (docs/design.md §9.8): revive the tombstoned pages of
+        the tail window before `cache_protected_len` with the request's private SWA slots, free
+        the rest of them, and move the lock so it SWA-protects that tail."""
+        raise NotImplementedError(f"{type(self).__name__} has no tombstones to repair")

@@ -35,7 +35,6 @@ import torch
 
 from worker.cache.node import Key, Node
 from worker.cache.tree import AllocOps, RadixTree
-from worker.kv.pages import ceil_page
 
 
 @dataclass(frozen=True)
@@ -142,16 +141,10 @@ def _add_suffix(
         parent = tree.add_node(parent, key[pos:evicted], full[pos:evicted], None)
         pos = evicted
     leaf = tree.add_node(parent, key[pos:], full[pos:], swa[pos:])
-    tail = _window_tail(tree)
+    tail = tree.tail
     if tail is not None and len(leaf) > tail:
         # NOTE: a long leaf would be SWA-locked whole by a request that matches it; only its
         # last window matters for the next query (docs/design.md §9.3).
         tree.split(leaf, len(leaf) - tail)
     return leaf
 
-
-def _window_tail(tree: RadixTree) -> int | None:
-    if tree.window is None:
-        return None
-    p = tree.page_size
-    return max(p, ceil_page(tree.window, p))

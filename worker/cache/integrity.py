@@ -78,6 +78,17 @@ def _check_orders(tree: RadixTree, nodes: list[Node]) -> None:
     for newer, older in zip(order, order[1:]):
         if newer.lru_older is not older or older.lru_newer is not newer:
             _fail("SWA LRU links are not symmetric")
+    ret = tree.retention
+    if ret is not None:
+        interior = {n for n in live if ret.keep(n) < len(n)}
+        if ret.interior.members != interior:
+            _fail(f"interior heap holds {len(ret.interior)} nodes, {len(interior)} are interior")
+        keyed = ret.interior.valid_entries()
+        if any(id(n) not in keyed for n in interior):
+            _fail("an interior node has no up-to-date entry in the interior heap")
+        probation = {n for n in live if not n.swa_hit}
+        if ret.probation.members != probation or not {id(n) for n in probation} <= ret.probation.valid_entries():
+            _fail(f"probation heap holds {len(ret.probation)} nodes, {len(probation)} are on probation")
     leaves = {n for n in nodes if n.is_leaf and n.full_lock == 0}
     if tree.leaves.members != leaves:
         _fail(f"leaf heap members ({len(tree.leaves)}) != unlocked leaves ({len(leaves)})")

@@ -2,15 +2,16 @@
 
 * `LRUList` — intrusive doubly linked list over the nodes that hold live SWA KV (O(1) push,
   remove, move; links live on the node). SWA eviction walks it from the oldest end.
-* `LeafHeap` — the unlocked leaves ("evictable leaves") ordered by `last_access`, with lazy
-  deletion: a stale entry (node no longer a member, or touched since) is skipped when popped.
-  Full eviction pops from it, so it never scans locked or internal nodes.
+* `NodeHeap` — member nodes ordered by a key, with lazy deletion: a stale entry (node no
+  longer a member, or touched since) is skipped when popped. `LeafHeap` holds the unlocked
+  leaves by `last_access`: full eviction pops from it, so it never scans locked or internal
+  nodes. Tail-first retention keeps the interior nodes in one by `swa_tick` (retention.py).
 """
 
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from worker.cache.node import Node
 
@@ -73,16 +74,16 @@ class LRUList:
             self.remove(node)
             self.push_newest(node)
 
-    def refresh_upward(self, node: Node, budget: int) -> None:
+    def refresh_upward(self, node: Node, budget: int) -> list[Node]:
         """Refresh `node` and its ancestors within `budget` tokens above it (the crossing node
         included); nodes outside the list are skipped but their length counts. The deepest
-        node ends newest. `budget <= 0` is a no-op.
+        node ends newest. `budget <= 0` is a no-op. Returns the refreshed nodes, top first.
 
         NOTE: bounded on purpose — refreshing the whole path would keep out-of-window
         ancestors hot, so SWA eviction would hit a branch's tail window first.
         """
         if budget <= 0:
-            return
+            return []
         chain: list[Node] = []
         acc = 0
         cur: Node | None = node
@@ -93,8 +94,10 @@ class LRUList:
             if acc >= budget:
                 break
             cur = cur.parent
-        for n in reversed(chain):
+        chain.reverse()
+        for n in chain:
             self.move_to_newest(n)
+        return chain
 
     def iter_oldest(self) -> Iterator[Node]:
         """Oldest first. Safe against removing the node just yielded."""
@@ -113,10 +116,16 @@ class LRUList:
         return out
 
 
-class LeafHeap:
-    """Unlocked leaves by `last_access` (smallest = least recent), lazy deletion."""
+def _last_access(node: Node) -> int:
+    return node.last_access
 
-    def __init__(self) -> None:
+
+class NodeHeap:
+    """Member nodes by `key(node)` (smallest = least recent), lazy deletion: re-key a member
+    with `touched` after its key changed."""
+
+    def __init__(self, key: Callable[[Node], int]) -> None:
+        self.key = key
         self.members: set[Node] = set()
         self._heap: list[tuple[int, int, Node]] = []
         self._seq = 0  # tie-breaker so nodes are never compared
@@ -142,7 +151,7 @@ class LeafHeap:
     def pop_oldest(self) -> Node | None:
         while self._heap:
             t, _, node = heapq.heappop(self._heap)
-            if node in self.members and node.last_access == t:
+            if node in self.members and self.key(node) == t:
                 self.members.remove(node)
                 return node
         return None
@@ -153,13 +162,20 @@ class LeafHeap:
 
     def _push(self, node: Node) -> None:
         self._seq += 1
-        heapq.heappush(self._heap, (node.last_access, self._seq, node))
+        heapq.heappush(self._heap, (self.key(node), self._seq, node))
         # Stale entries pile up when members are touched often; rebuild at 2x (amortised O(1)).
         if len(self._heap) > 2 * len(self.members) + 64:
-            self._heap = [(n.last_access, i, n) for i, n in enumerate(self.members)]
+            self._heap = [(self.key(n), i, n) for i, n in enumerate(self.members)]
             self._seq = len(self._heap)
             heapq.heapify(self._heap)
 
     def valid_entries(self) -> set[int]:
         """Integrity helper (O(heap)): ids of members with an up-to-date entry."""
-        return {id(n) for t, _, n in self._heap if n in self.members and t == n.last_access}
+        return {id(n) for t, _, n in self._heap if n in self.members and t == self.key(n)}
+
+
+class LeafHeap(NodeHeap):
+    """Unlocked leaves by `last_access` (the full-eviction order)."""
+
+    def __init__(self) -> None:
+        super().__init__(_last_access)

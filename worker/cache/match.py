@@ -25,8 +25,17 @@ def match_path(tree: RadixTree, key: Key, *, window_rule: bool = True) -> tuple[
 
     `key` must be page-aligned. A partially matched last node is split only when the match
     may end inside it. `window_rule=False` gives the plain full-KV match (what the tree holds,
-    used to re-find a just-inserted key).
+    used to re-find a just-inserted key, and the path a repair locks).
     """
+    path, length, _ = match_walk(tree, key, window_rule=window_rule)
+    return path, length
+
+
+def match_walk(
+    tree: RadixTree, key: Key, *, window_rule: bool = True
+) -> tuple[list[Node], int, int]:
+    """`match_path` plus the full-KV match length (tokens present, tombstones included; a
+    partially matched last node counts, unsplit): what a repair could start from (§9.8)."""
     window = tree.window if window_rule else None
     path: list[Node] = []
     best_nodes = best_len = 0
@@ -42,10 +51,10 @@ def match_path(tree: RadixTree, key: Key, *, window_rule: bool = True) -> tuple[
             if valid:
                 path.append(tree.split(child, k))
                 best_nodes, best_len = len(path), pos + k
-            break
+            return path[:best_nodes], best_len, pos + k
         path.append(child)
         pos += k
         node = child
         if valid:
             best_nodes, best_len = len(path), pos
-    return path[:best_nodes], best_len
+    return path[:best_nodes], best_len, pos

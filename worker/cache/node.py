@@ -35,6 +35,8 @@ class Node:
     swa_lock: int = 0  # requests holding this node's SWA KV (<= full_lock)
     boundary_id: int | None = None  # set on the topmost SWA-locked node of some lock
     last_access: int = 0  # tick of the cache's logical clock (full-eviction order)
+    swa_tick: int = 0  # tick of its last move to the SWA LRU's newest end (interior order)
+    swa_hit: bool = False  # a match has ended here (tail-first retention keeps such tails longer)
     attached: bool = True  # False once deleted from the tree
     # Intrusive links of the SWA LRU list (lru.py); `in_lru` says whether they are meaningful.
     lru_newer: Node | None = None
@@ -96,6 +98,7 @@ def split_off_head(node: Node, at: int, page_size: int) -> Node:
         swa_lock=node.swa_lock,
         boundary_id=node.boundary_id,
         last_access=node.last_access,
+        swa_tick=node.swa_tick,
     )
     node.boundary_id = None
     node.key = node.key[at:]

@@ -16,10 +16,12 @@ from worker.cache.events import CacheEvent, EventKind, EventLog, PageState
 from worker.cache.evict import evict as evict_tree
 from worker.cache.insert import InsertOutcome, insert
 from worker.cache.integrity import check_tree
-from worker.cache.match import match_path
+from worker.cache.match import match_path, match_walk
 from worker.cache.node import Node, path_to_root
+from worker.cache.repair import revive_tail
 from worker.cache.req_kv import ReqKV
 from worker.cache.tree import AllocOps, RadixTree
+from worker.config import SWA_EVICTION_POLICIES
 from worker.kv.frontier import free_out_of_window
 from worker.kv.hybrid_allocator import HybridAllocator
 from worker.kv.pages import floor_page
@@ -35,6 +37,8 @@ class RadixCache(PrefixCache):
         window: keys to the left (docs/design.md §1); None when the model has no SWA layer.
         eager_swa_free: free out-of-window SWA of unfinished chunked prefills before inserting
             them (an SGLang option). Saves SWA pool, costs reuse of branches inside that span.
+        swa_eviction_policy: "tail_first" (interior SWA first, tails last, tails tombstoned
+            in place) or "lru" (SGLang's plain SWA LRU; docs/design.md §9.5).
         emit_events: buffer cache events for `drain_events` (off: benchmarks).
     """
 
@@ -44,17 +48,27 @@ class RadixCache(PrefixCache):
         window: int | None,
         *,
         eager_swa_free: bool = False,
+        swa_eviction_policy: str = "tail_first",
         emit_events: bool = True,
     ) -> None:
         if window is not None and window < 0:
             raise ValueError(f"window must be >= 0 keys to the left, got {window}")
+        if swa_eviction_policy not in SWA_EVICTION_POLICIES:
+            raise ValueError(
+                f"swa_eviction_policy must be one of {SWA_EVICTION_POLICIES}, "
+                f"got {swa_eviction_policy!r}"
+            )
         self.allocator = allocator
         self.page_size = allocator.page_size
         # NOTE: with one shared pool the SWA layers keep all their KV, so no window rule applies.
         self.window = window if allocator.hybrid else None
         self.eager_swa_free = eager_swa_free
+        self.tail_first = swa_eviction_policy == "tail_first"
         self.events = EventLog(emit_events)
-        self.tree = RadixTree(self.page_size, self.window, self.events)
+        self.tree = self._new_tree()
+
+    def _new_tree(self) -> RadixTree:
+        return RadixTree(self.page_size, self.window, self.events, tail_first=self.tail_first)
 
     # ---- sizes (tokens) -------------------------------------------------------------------
     @property
@@ -76,10 +90,16 @@ class RadixCache(PrefixCache):
     # ---- match / insert / locks -----------------------------------------------------------
     def match_prefix(self, tokens: Sequence[int]) -> MatchResult:
         key = self._key(tokens)
-        path, length = match_path(self.tree, key)
+        path, length, full_length = match_walk(self.tree, key)
         end = path[-1] if path else self.tree.root
-        self.tree.touch(end)
-        return MatchResult(_cat([n.full for n in path]), length, end)
+        self.tree.touch(end, hit=True)
+        return MatchResult(_cat([n.full for n in path]), length, end, full_length)
+
+    def match_full(self, tokens: Sequence[int]) -> MatchResult:
+        path, length = match_path(self.tree, self._key(tokens), window_rule=False)
+        end = path[-1] if path else self.tree.root
+        self.tree.touch(end, hit=True)
+        return MatchResult(_cat([n.full for n in path]), length, end, length)
 
     def insert(
         self,
@@ -128,6 +148,8 @@ class RadixCache(PrefixCache):
         """
         P = self.page_size
         kv_len = req.kv_committed_len
+        if req.repairing:
+            return  # recomputing rows the tree already holds: nothing new to insert yet
         if self.eager_swa_free and self.window is not None and kv_len > 0:
             req.swa_evicted_seqlen = free_out_of_window(
                 self.allocator,
@@ -171,8 +193,12 @@ class RadixCache(PrefixCache):
         """
         P = self.page_size
         kv_len = req.kv_committed_len
-        aligned = floor_page(kv_len, P)
         protected = req.cache_protected_len
+        if req.repair_slots is not None:  # unfinished repair: its scratch pairs go back
+            self.allocator.free(req.repair_slots)
+            req.repair_slots = None
+        # (max: an unfinished repair committed less than the tree already held for it)
+        aligned = max(floor_page(kv_len, P), protected)
         if insert:
             self.insert(
                 req.tokens[:aligned],
@@ -188,6 +214,18 @@ class RadixCache(PrefixCache):
         if req.lock is not None:
             self.tree.unlock(req.lock, skip_swa=req.swa_lock_released)
         req.lock, req.swa_lock_released = None, False
+
+    def finish_repair(self, req: ReqKV) -> None:
+        assert req.repair_slots is not None and req.lock is not None, "no repair in flight"
+        assert req.kv_committed_len >= req.cache_protected_len, "the repair rows are not all computed"
+        scratch, node = req.repair_slots, req.lock.node
+        ops = revive_tail(self.tree, node, req.repair_start, scratch, self.allocator.translate(scratch))
+        self._apply(ops)
+        req.repair_slots = None
+        # The revived tail is what the request's next queries read: SWA-lock it (new lock first).
+        new_lock = self.tree.lock(node)
+        self.tree.unlock(req.lock, skip_swa=req.swa_lock_released)
+        req.lock, req.swa_lock_released = new_lock, False
 
     # ---- eviction / flush -----------------------------------------------------------------
     def evict(self, full_tokens: int, swa_tokens: int) -> EvictResult:
@@ -206,7 +244,7 @@ class RadixCache(PrefixCache):
         if self.tree.full_protected == 0:
             nodes = self.tree.iter_nodes()
             self._apply(AllocOps(free=[n.full for n in nodes]))
-            self.tree = RadixTree(self.page_size, self.window, self.events)
+            self.tree = self._new_tree()
             self.events.emit(EventKind.CLEARED)
             return
         self.evict(self.tree.full_evictable, self.tree.swa_evictable)

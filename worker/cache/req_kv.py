@@ -5,6 +5,9 @@ Positions are token indices of the request. The ranges, for a radix cache::
     0            cache_protected_len   swa_evicted_seqlen      kv_committed_len  kv_allocated_len
     |--- tree-owned ---|--- request-owned, SWA freed ---|--- request-owned, live ---|- spare -|
 
+While a repair runs, kv_committed_len starts at repair_start < cache_protected_len: the rows
+``[repair_start, cache_protected_len)`` are recomputed into scratch slots (docs/design.md §9.8).
+
 The tree owns `[0, cache_protected_len)` (the request's table points at the tree's slots and
 its lock keeps them); the request owns the rest. The frontier `swa_evicted_seqlen` only ever
 covers request-owned positions (chunk cache: protected is 0, so it covers `[0, frontier)`).
@@ -41,12 +44,25 @@ class ReqKV:
     kv_committed_len: int = 0  # positions whose KV is written and valid
     kv_allocated_len: int = 0  # positions that have a slot in `table`
     swa_evict_floor: int = 0  # positions below it are never window-freed while running
+    # A repair in flight (docs/design.md §9.8): positions [repair_start, cache_protected_len) are
+    # recomputed into these scratch full slots (int64, CPU; fresh pages paired with private SWA
+    # slots, not in the tree). Meanwhile kv_committed_len runs from repair_start up.
+    repair_start: int = 0
+    repair_slots: torch.Tensor | None = None
+
+    @property
+    def repairing(self) -> bool:
+        return self.repair_slots is not None
+
+    def _scratch(self) -> int:
+        return 0 if self.repair_slots is None else len(self.repair_slots)
 
     def owned_full_tokens(self, page_size: int) -> int:
         """Full-pool tokens this request holds beyond the tree (docs/design.md §12)."""
-        return ceil_page(self.kv_allocated_len, page_size) - self.cache_protected_len
+        own = ceil_page(self.kv_allocated_len, page_size) - self.cache_protected_len
+        return own + self._scratch()
 
     def owned_swa_tokens(self, page_size: int) -> int:
         """SWA-pool tokens this request holds beyond the tree (docs/design.md §12)."""
         start = max(self.cache_protected_len, self.swa_evicted_seqlen)
-        return max(0, ceil_page(self.kv_allocated_len, page_size) - start)
+        return max(0, ceil_page(self.kv_allocated_len, page_size) - start) + self._scratch()

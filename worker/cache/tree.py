@@ -20,7 +20,8 @@ from worker.cache.base import LockReceipt
 from worker.cache.events import EventKind, EventLog, page_hashes
 from worker.cache.lru import LeafHeap, LRUList
 from worker.cache.node import Key, Node, split_off_head
-from worker.kv.pages import floor_page
+from worker.cache.retention import TailRetention
+from worker.kv.pages import ceil_page, floor_page
 
 
 @dataclass(slots=True)
@@ -36,15 +37,23 @@ class RadixTree:
     """Nodes + counters + LRUs + locks of one cache.
 
     `window` None means no SWA rule (no SWA layer, or one shared pool): nothing is ever
-    tombstoned and the SWA side simply mirrors the full side.
+    tombstoned and the SWA side simply mirrors the full side. `tail_first` keeps the interior
+    nodes (`retention`) for tail-first SWA eviction (docs/design.md §9.5).
     """
 
-    def __init__(self, page_size: int, window: int | None, events: EventLog) -> None:
+    def __init__(
+        self, page_size: int, window: int | None, events: EventLog, *, tail_first: bool = False
+    ) -> None:
         self.page_size = page_size
         self.window = window
         self.events = events
         self.root = Node.make_root()
         self.swa_lru = LRUList()
+        # One window tail, page-rounded: what a match ending at a node's end needs live.
+        self.tail = None if window is None else max(page_size, ceil_page(window, page_size))
+        self.retention = (
+            TailRetention(self.tail) if tail_first and self.tail is not None else None
+        )
         self.leaves = LeafHeap()  # unlocked leaves: full-eviction order
         self.full_evictable = self.full_protected = 0
         self.swa_evictable = self.swa_protected = 0
@@ -75,6 +84,9 @@ class RadixTree:
         upper = split_off_head(node, at, self.page_size)
         if node.in_lru:
             self.swa_lru.insert_older_than(node, upper)
+        if self.retention is not None:  # lengths changed; the ancestors' walks did not
+            self.retention.classify(upper)
+            self.retention.classify(node)
         return upper
 
     def add_node(
@@ -99,8 +111,11 @@ class RadixTree:
             self.events.emit(EventKind.STORED_FULL_ONLY, node.hashes)
         else:
             self.swa_evictable += len(key)
-            self.swa_lru.push_newest(node)
+            self._push_live(node)
             self.events.emit(EventKind.STORED, node.hashes)
+        if self.retention is not None:
+            self.retention.classify(node)
+            self.retention.classify_up(parent)  # its children changed
         return node
 
     def delete_leaf(self, node: Node) -> None:
@@ -118,6 +133,9 @@ class RadixTree:
         self.events.emit(EventKind.REMOVED, node.hashes)
         if parent.is_leaf and parent.full_lock == 0:
             self.leaves.add(parent)
+        if self.retention is not None:
+            self.retention.forget(node)
+            self.retention.classify_up(parent)
 
     def tombstone(self, node: Node) -> None:
         """Drop the SWA component; the caller frees SWA of `node.full`."""
@@ -127,14 +145,22 @@ class RadixTree:
         self.swa_evictable -= len(node)
         self.swa_lru.remove(node)
         self.events.emit(EventKind.SWA_REMOVED, node.hashes)
+        if self.retention is not None:
+            self.retention.classify_up(node)
 
     def revive(self, node: Node, full: torch.Tensor, swa: torch.Tensor) -> None:
         """Give a tombstone fresh SWA (and maybe new full slots: unlocked revival)."""
         assert node.swa is None and node.swa_lock == 0, node
         node.full, node.swa = full, swa
         self.swa_evictable += len(node)
-        self.swa_lru.push_newest(node)
+        self._push_live(node)
         self.events.emit(EventKind.SWA_RESTORED, node.hashes)
+        if self.retention is not None:
+            self.retention.classify_up(node)
+
+    def _push_live(self, node: Node) -> None:
+        self.swa_lru.push_newest(node)
+        node.swa_tick = self.tick()
 
     # ---- access order ---------------------------------------------------------------------
 
@@ -142,9 +168,10 @@ class RadixTree:
         self._clock += 1
         return self._clock
 
-    def touch(self, end: Node) -> None:
+    def touch(self, end: Node, *, hit: bool = False) -> None:
         """Record an access of the path root → `end`: full order (deeper = newer) and a
-        window-bounded SWA refresh above `end` (docs/design.md §9.6)."""
+        window-bounded SWA refresh above `end` (docs/design.md §9.6). `hit`: a match ended at
+        `end` (tail-first retention, docs/design.md §9.5)."""
         path = []
         node = end
         while not node.is_root:
@@ -154,7 +181,12 @@ class RadixTree:
             n.last_access = self.tick()
         self.leaves.touched(end)
         budget = (1 << 62) if self.window is None else self.window + self.page_size
-        self.swa_lru.refresh_upward(end, budget)
+        for n in self.swa_lru.refresh_upward(end, budget):  # top first: the deepest ends newest
+            n.swa_tick = self.tick()
+            if self.retention is not None:
+                self.retention.touched(n)
+        if hit and self.retention is not None:
+            self.retention.hit(end)
 
     # ---- locks ----------------------------------------------------------------------------
 

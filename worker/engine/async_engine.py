@@ -43,6 +43,7 @@ class AsyncEngine:
         self.max_model_len = self.engine.max_model_len
         self.model_dir: Path | None = self.engine.parts.model_dir
         self.window: int | None = self.spec.window if self.spec.has_swa else None
+        self.swa_layers = len(self.spec.swa_layer_ids)
         self._wake = threading.Event()
         self._stop = threading.Event()
         # (run it, fail it): closures over each call's typed future, run on the step thread

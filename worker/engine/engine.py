@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from worker.cache.events import CacheEvent, PageState
-from worker.config import EngineConfig
+from worker.config import EngineConfig, repairs_tombstones
 from worker.engine.protocols import RankLauncher
 from worker.engine.setup import EngineParts, build_engine_parts
 from worker.engine.stats import EngineCounters, PoolPeaks, snapshot
@@ -65,6 +65,8 @@ class Engine:
                 max_running_requests=config.max_running_requests,
                 swa_eviction_interval=config.swa_eviction_interval,
                 radix=config.enable_radix_cache,
+                swa_layers=len(p.spec.swa_layer_ids),
+                tombstone_repair=repairs_tombstones(config),
             ),
             self.allocator,
             self.cache,
@@ -217,6 +219,7 @@ class Engine:
             logprobs=lps,
             error=req.error,
             prompt_logprobs=prompt_lps,
+            repaired_tokens=req.repaired_tokens,
         )
         sink = self._sinks.get(req.rid)
         if sink is not None:
@@ -337,4 +340,5 @@ def _output(req: Req) -> Output:
         logprobs=req.logprobs,
         error=req.error,
         prompt_logprobs=None if req.prompt_logprobs is None else [None, *req.prompt_logprobs],
+        repaired_tokens=req.repaired_tokens,
     )

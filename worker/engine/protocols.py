@@ -86,6 +86,11 @@ class EngineClient(Protocol):
         ...
 
     @property
+    def swa_layers(self) -> int:
+        """How many layers slide (the repair rule's n_swa, docs/design.md §9.8)."""
+        ...
+
+    @property
     def error(self) -> BaseException | None:
         """Set when the step thread died or a tensor-parallel rank is gone; the replica then
         reports unhealthy and refuses requests."""

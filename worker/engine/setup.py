@@ -88,6 +88,7 @@ def build_engine_parts(config: EngineConfig, launcher: RankLauncher | None = Non
         spec.window if hybrid else None,
         enable_radix_cache=config.enable_radix_cache,
         eager_swa_free=config.eager_swa_free,
+        swa_eviction_policy=config.swa_eviction_policy,
     )
     if config.attention_backend == "flashinfer" and device.type != "cuda":
         raise ConfigError("attention_backend 'flashinfer' needs a CUDA device; use 'torch' on CPU")

@@ -68,9 +68,13 @@ def snapshot(
         hybrid=a.hybrid,
         waiting=len(scheduler.waiting),
         running=len(scheduler.running),
-        queued_prefill_tokens=scheduler.queued_prefill_tokens(),
-        running_decodes=scheduler.running_decodes(),
+        # Prompt tokens still to compute: waiting requests plus unfinished chunked prefills.
+        queued_prefill_tokens=sum(r.remaining for r in scheduler.waiting)
+        + sum(r.remaining for r in scheduler.running if not r.is_decoding),
+        running_decodes=sum(1 for r in scheduler.running if r.is_decoding),
         cache_hit_tokens=s.cache_hit_tokens,
+        repairs=s.repairs,
+        repaired_tokens=s.repaired_tokens,
         prompt_tokens=s.finished_prompt_tokens,
         generated_tokens=counters.generated_tokens,
         full_evicted_tokens=s.full_evicted_tokens,

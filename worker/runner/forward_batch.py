@@ -17,6 +17,11 @@ A batch mixes prefill chunks and decodes. For each request (`ForwardReq`):
 - ``need_logits``: False for a non-final prefill chunk (no token is sampled from it).
 - ``all_logits``: logits for every new token, not only the last (prompt logprobs); each of
   its rows is the distribution of the token after that position.
+- ``repair``: set while the request repairs a tombstoned prefix (docs/design.md §9.8). Its rows
+  at positions ``[repair.start, repair.end)`` recompute KV the tree already holds at
+  ``table[repair.start:repair.end]``: every layer *reads* those cached slots for FULL keys, but
+  the rows *write* their K/V to ``repair.slots`` (scratch full slots whose SWA twins hold the
+  rebuilt SWA KV), and the SWA keys of the whole request start at ``repair.start``.
 
 What must hold when `ModelRunner.forward` is called:
 
@@ -53,6 +58,18 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True, slots=True)
+class RepairRows:
+    """The repair rows of a request: positions ``[start, start + len(slots))`` (§9.8)."""
+
+    start: int
+    slots: torch.Tensor  # int64, CPU: scratch full slots by position - start
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.slots)
+
+
+@dataclass(frozen=True, slots=True)
 class ForwardReq:
     """One request's part of a step (see the module docstring for the contract)."""
 
@@ -61,6 +78,7 @@ class ForwardReq:
     table: torch.Tensor  # int64, CPU: full-pool slots by position
     need_logits: bool = True
     all_logits: bool = False  # a row per new token (prompt logprobs), the last one included
+    repair: RepairRows | None = None
 
     @property
     def logit_rows(self) -> int:
@@ -71,6 +89,12 @@ class ForwardReq:
     def seq_len(self) -> int:
         return self.prefix_len + len(self.token_ids)
 
+    @property
+    def repair_tokens(self) -> int:
+        """New tokens of this step that are repair rows."""
+        r = self.repair
+        return 0 if r is None else max(0, min(self.seq_len, r.end) - self.prefix_len)
+
     def validate(self) -> None:
         if len(self.token_ids) == 0:
             raise ValueError("ForwardReq.token_ids is empty: every request needs >= 1 new token")
@@ -80,6 +104,11 @@ class ForwardReq:
             raise ValueError(
                 f"ForwardReq.table has {self.table.numel()} slots but the request ends at "
                 f"{self.seq_len}: allocate the new tokens' slots before the forward"
+            )
+        if self.repair is not None and not 0 <= self.repair.start <= self.prefix_len:
+            raise ValueError(
+                f"ForwardReq.repair starts at {self.repair.start}, after the first new token "
+                f"({self.prefix_len}): a repair is fed from its start"
             )
 
 

@@ -3,7 +3,8 @@
 Per step it builds, on the host and once: the input ids and positions, the new tokens' FULL slots
 (`out_loc`) and SWA slots (`swa_out_loc`), and one key view per layer kind (FULL slots as given;
 SWA slots for the window only, translated through the allocator in ONE call). Everything is
-copied to the model device once, the backend plans once, then the model runs.
+copied to the model device once, the backend plans once, then the model runs. A repair's rows
+write to and read SWA keys from its scratch slots, FULL keys from the cached ones (§9.8).
 
 The two halves are separate methods: `_prepare` (host, needs the allocator) and `execute`
 (device). Under tensor parallelism rank 0 prepares once and every rank executes the same host
@@ -21,7 +22,7 @@ import torch
 
 from worker.attention.base import AttentionBackend, AttnBatch, KVView
 from worker.models.spec import LayerKind, ModelSpec
-from worker.runner.forward_batch import ForwardBatch, ForwardContext
+from worker.runner.forward_batch import ForwardBatch, ForwardContext, ForwardReq
 from worker.runner.sampler import SampleOutput, Sampler, SampleRow
 
 if TYPE_CHECKING:
@@ -144,12 +145,15 @@ class ModelRunner:
         # has full layers (else the SWA window start). The SWA view and both out_locs are
         # sub-ranges of this one concatenation.
         window = self.spec.window or 0
-        swa_starts = [max(0, p - window) for p in prefix]
+        # NOTE: a repair has no SWA keys before its start (docs/design.md §9.8).
+        swa_starts = [max(0 if r.repair is None else r.repair.start, p - window) for r, p in zip(reqs, prefix)]
         has_full = bool(self.spec.full_layer_ids)
         starts = [0] * len(reqs) if has_full else swa_starts
         slots = torch.cat([r.table[s:n] for r, s, n in zip(reqs, starts, seq)]).to(torch.int64)
         ptr = _offsets([n - s for n, s in zip(seq, starts)])
-        out_loc = slots[
+        # What the new tokens write and the SWA layers read: the same, except repair rows.
+        wslots = _with_repair_slots(slots, reqs, starts, seq, ptr)
+        out_loc = wslots[
             _spread([e - q - o for e, q, o in zip(ptr[1:], q_lens, q_off)], q_lens, total)
         ]
         views: dict[LayerKind, KVView] = {}
@@ -158,7 +162,7 @@ class ModelRunner:
             views[LayerKind.FULL] = KVView(slots, torch.tensor(ptr), (0,) * len(reqs))
         if self.spec.swa_layer_ids:
             views[LayerKind.SWA], swa_out_loc = self._swa_view(
-                slots, ptr, starts, swa_starts, seq, q_lens
+                wslots, ptr, starts, swa_starts, seq, q_lens
             )
         if self.check_slots:
             _check_slots(views, out_loc, swa_out_loc)
@@ -192,6 +196,28 @@ class ModelRunner:
         tails = [e - q - o for e, q, o in zip(swa_ptr[1:], q_lens, q_off)]
         swa_out_loc = swa_idx[_spread(tails, q_lens, q_off[-1])]
         return KVView(swa_idx, torch.tensor(swa_ptr), tuple(swa_starts)), swa_out_loc
+
+
+def _with_repair_slots(
+    slots: torch.Tensor,
+    reqs: Sequence[ForwardReq],
+    starts: list[int],
+    seq: list[int],
+    ptr: list[int],
+) -> torch.Tensor:
+    """`slots` with each repair's positions pointing at its scratch slots (a copy; `slots`
+    itself when no request repairs). Full layers still read `slots` (the cached KV)."""
+    if all(r.repair is None for r in reqs):
+        return slots
+    out = slots.clone()
+    for i, r in enumerate(reqs):
+        rep = r.repair
+        if rep is None:
+            continue
+        lo, hi = max(starts[i], rep.start), min(seq[i], rep.end)
+        if hi > lo:
+            out[ptr[i] + lo - starts[i] : ptr[i] + hi - starts[i]] = rep.slots[lo - rep.start : hi - rep.start]
+    return out
 
 
 def _check_slots(

@@ -30,6 +30,13 @@ def swa_admission_charge(
     return max(alloc, window) + page_size
 
 
+def repair_swa_charge(chunk: int, rows: int, window: int, page_size: int) -> int:
+    """SWA tokens a repairing admission is charged (docs/design.md §9.8): its `rows` scratch
+    slots, taken at once, plus `swa_admission_charge` for the part of the first `chunk` past
+    them: rows + max(chunk − rows, W) + P."""
+    return rows + max(chunk - rows, window) + page_size
+
+
 def full_admission_charge(extend_len: int, max_new_tokens: int, page_size: int) -> int:
     """Full-pool tokens one request is charged: ceil_P(e) + max_new_tokens + P.
 
@@ -50,6 +57,26 @@ def chunk_cap(rem_swa: int, window: int, page_size: int) -> int:
     <= 0 means no room: reject now (or if chunking is disabled).
     """
     return floor_page(rem_swa - window - page_size, page_size)
+
+
+def first_chunk_len(
+    extend_len: int, chunk_budget: int, rem_swa: int, window: int, page_size: int, *, alone: bool
+) -> int:
+    """First chunk of an admitted extend under the SWA budget; <= 0: not now.
+
+    The whole `min(e, chunk)` when its charge fits; else the escape hatch (no head-of-line
+    livelock) `chunk_cap`. NOTE: alone, nothing will ever free more (unlocked tree KV already
+    counts as evictable) and the matched prefix's SWA lock covers whole nodes, so reserving W
+    of headroom on top would stall the queue forever: take what the pool physically holds
+    (one page kept for the allocation, as for a continuing chunk).
+    """
+    n = min(extend_len, chunk_budget)
+    if swa_admission_charge(extend_len, chunk_budget, window, page_size) < rem_swa:
+        return n
+    cap = chunk_cap(rem_swa, window, page_size)
+    if cap <= 0 and alone:
+        cap = rem_swa - page_size
+    return min(n, cap) if cap > 0 else 0
 
 
 def continuing_chunk_len(

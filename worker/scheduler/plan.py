@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from worker.runner.forward_batch import ForwardReq
+from worker.runner.forward_batch import ForwardReq, RepairRows
 from worker.scheduler.request import Req
 
 
@@ -16,6 +16,8 @@ class SchedulerLimits:
     max_running_requests: int
     swa_eviction_interval: int
     radix: bool  # False: chunk cache (frees SWA before each chunk with the exact window)
+    swa_layers: int = 0  # SWA layers of the model (the repair rule's n_swa)
+    tombstone_repair: bool = False  # repair tombstoned prefixes (docs/design.md §9.8)
 
 
 @dataclass(frozen=True)
@@ -42,7 +44,12 @@ class StepWork:
         assert kv is not None, f"request {self.req.rid} was scheduled without KV"
         tokens = kv.tokens[self.start : self.start + self.n]
         all_logits = bool(self.req.prompt_rows(self.start, self.n))
-        return ForwardReq(tokens, self.start, kv.table, self.samples, all_logits=all_logits)
+        repair = None
+        if kv.repair_slots is not None:
+            repair = RepairRows(kv.repair_start, kv.repair_slots)
+        return ForwardReq(
+            tokens, self.start, kv.table, self.samples, all_logits=all_logits, repair=repair
+        )
 
 
 @dataclass(slots=True)
@@ -55,3 +62,5 @@ class SchedulerCounters:
     swa_evicted_tokens: int = 0
     finished_prompt_tokens: int = 0  # prompt tokens of finished requests
     cache_hit_tokens: int = 0  # of those, served from the prefix cache at first admission
+    repairs: int = 0  # admissions through a tombstone repair (docs/design.md §9.8)
+    repaired_tokens: int = 0  # repair rows those admissions recomputed

@@ -40,7 +40,8 @@ class Req:
     logprobs: list[TokenLogprob] | None = None
     kv: ReqKV | None = None  # set while the request holds KV (running)
     state: ReqState = ReqState.WAITING
-    cached_tokens: int = -1  # prompt tokens served from the cache at first admission; -1 = not yet
+    cached_tokens: int = -1  # prompt tokens whose forward was skipped at first admission; -1 = not yet
+    repaired_tokens: int = 0  # tokens recomputed at first admission to repair a tombstoned prefix
     finish_reason: FinishReason | None = None
     error: str | None = None
     emitted: int = 0  # output tokens already handed out as stream deltas

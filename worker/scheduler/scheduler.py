@@ -4,20 +4,13 @@ Every state change of a request happens here: `add` (waiting), admission (runnin
 `commit` (the KV a forward wrote), `append_token`, retraction (KV given back, requeued), `finish`
 and `abort` (KV given back, finished). The engine only asks for a plan, runs it and reports.
 
-Policy (mixed batches, decode first):
-1. every decoding request feeds its one token (SWA out of its window is freed first, per
-   request, once `swa_eviction_interval` tokens left the window since its last free);
-   when the pools cannot take the decode tokens even after evicting the tree and freeing
-   everything already out of the window, the most recently admitted requests are retracted
-   (KV freed, requeued) until they can;
-2. requests still prefilling get their next chunk, then waiting requests are admitted, while
-   the step's prefill budget (`chunked_prefill_size` tokens) lasts and within both pools'
-   budgets (`worker.scheduler.budget`): full = free + evictable − what running requests will
-   still take; SWA = free + evictable − the decode headroom running requests keep. An extend
-   is charged max(min(e, chunk), W) + P SWA tokens; one too large for the SWA budget starts
-   with a capped chunk instead of blocking the queue; a continuing chunk with no SWA room is
-   deferred; with nothing running, the queue head gets at least the chunk the SWA pool
-   physically holds (nothing would ever free more).
+Policy (docs/design.md §11): mixed batches, decode first. Every decoding request feeds its one
+token (out-of-window SWA freed per request every `swa_eviction_interval`; when the pools cannot
+take the decode tokens even after evicting the tree and freeing everything out of the window,
+the most recently admitted requests are retracted); then prefilling requests get their next
+chunk and waiting requests are admitted FIFO while the step's prefill budget lasts, within both
+pools' budgets (`worker.scheduler.budget`), through a tombstone repair when the shared rule
+says so (`worker.cache.reuse`, docs/design.md §9.8).
 """
 
 from __future__ import annotations
@@ -26,16 +19,17 @@ from collections import deque
 
 import torch
 
-from worker.cache.base import PrefixCache
+from worker.cache.base import MatchResult, PrefixCache
 from worker.cache.req_kv import ReqKV
+from worker.cache.reuse import Reuse, plan_reuse
 from worker.kv.hybrid_allocator import HybridAllocator
 from worker.kv.pages import ceil_page
 from worker.outputs import FinishReason, TokenLogprob
 from worker.scheduler.budget import (
-    chunk_cap,
     continuing_chunk_len,
+    first_chunk_len,
     full_admits,
-    swa_admission_charge,
+    repair_swa_charge,
 )
 from worker.scheduler.plan import SchedulerCounters, SchedulerLimits, StepWork
 from worker.scheduler.request import Req, ReqState
@@ -98,11 +92,17 @@ class Scheduler:
         (the last one too) into the tree, so the prompt is tree-owned from now on — decode never
         frees its SWA and another request can reuse all of it (under SWA pressure the tree
         tombstones it instead)."""
-        for w in work:
-            kv = w.req.kv
+        kvs = [w.req.kv for w in work]
+        for w, kv in zip(work, kvs):
             assert kv is not None
             kv.kv_committed_len = w.start + w.n
-            if not w.decode and self.limits.radix:
+        # Repairs whose rows are all computed first: their revived tails are in the tree before
+        # any insert of this step (docs/design.md §9.8).
+        for kv in kvs:
+            if kv is not None and kv.repairing and kv.kv_committed_len >= kv.cache_protected_len:
+                self.cache.finish_repair(kv)
+        for w, kv in zip(work, kvs):
+            if not w.decode and self.limits.radix and kv is not None:
                 self.cache.cache_unfinished_req(kv)
 
     def append_token(self, req: Req, token: int, logprob: TokenLogprob | None) -> None:
@@ -153,15 +153,6 @@ class Scheduler:
         # The tree takes only committed (written) KV; the rest of the allocation is freed.
         if req.kv is not None:
             self.cache.cache_finished_req(req.kv, insert=self.limits.radix)
-
-    # ---- load, for stats ------------------------------------------------------------------------
-    def queued_prefill_tokens(self) -> int:
-        """Prompt tokens still to compute: waiting requests plus unfinished chunked prefills."""
-        queued = sum(r.remaining for r in self.waiting)
-        return queued + sum(r.remaining for r in self.running if not r.is_decoding)
-
-    def running_decodes(self) -> int:
-        return sum(1 for r in self.running if r.is_decoding)
 
     # ---- budgets --------------------------------------------------------------------------------
     def _future_tokens(self, req: Req) -> int:
@@ -264,15 +255,63 @@ class Scheduler:
     def _admit(self, req: Req, budget: int) -> StepWork | None:
         tokens = req.all_tokens()
         match = self.cache.match_prefix(tokens[: req.reusable])
-        receipt = self.cache.lock(match.node)
-        kv = ReqKV(tokens=tokens, table=torch.zeros(req.max_len + self.limits.page_size, dtype=torch.int64))
-        kv.table[: match.length] = match.indices
-        kv.cache_protected_len = kv.kv_committed_len = kv.kv_allocated_len = match.length
-        kv.lock = receipt
+        lim = self.limits
+        reuse = plan_reuse(
+            match.full_length, match.length, window=lim.window, swa_layers=lim.swa_layers,
+            page_size=lim.page_size, repair=lim.tombstone_repair and lim.radix,
+        )  # fmt: skip
+        if reuse.repaired:
+            admitted, item = self._admit_repair(req, tokens, reuse, budget)
+            if admitted:
+                return item
+        kv = self._new_kv(req, tokens, match)
         n = self._admissible_chunk(req, len(tokens) - match.length, budget)
         if n <= 0:
-            self.cache.unlock(receipt)
+            assert kv.lock is not None
+            self.cache.unlock(kv.lock)
             return None
+        item = self._start(req, kv, n)
+        if item is not None and req.cached_tokens < 0:
+            req.cached_tokens = match.length
+        return item
+
+    def _admit_repair(
+        self, req: Req, tokens: list[int], reuse: Reuse, budget: int
+    ) -> tuple[bool, StepWork | None]:
+        """Admit through a repair (docs/design.md §9.8): lock the full match, take scratch pairs
+        for the repair rows, start the forward at `reuse.reused`. (False, None): not now and
+        nothing running, so fall back to the valid match (alone, nothing will free more)."""
+        P, W, rows = self.limits.page_size, self.limits.window, reuse.repaired
+        assert W is not None
+        kv = self._new_kv(req, tokens, self.cache.match_full(tokens[: req.reusable]))
+        assert kv.cache_protected_len == reuse.reused + rows, "the full match moved"
+        extend = len(tokens) - reuse.reused  # the scratch rows + the new slots after p_full
+        n = min(extend, budget)
+        fits = (
+            not self.running or full_admits(extend, self._future_tokens(req), P, self.rem_full())
+        ) and repair_swa_charge(n, rows, W, P) < self.rem_swa()
+        scratch = self.allocator.alloc(rows) if fits and self._make_room(rows, rows) else None
+        if scratch is None:
+            self.cache.cache_finished_req(kv, insert=False)
+            return bool(self.running), None
+        kv.kv_committed_len, kv.repair_start, kv.repair_slots = reuse.reused, reuse.reused, scratch
+        item = self._start(req, kv, n)
+        if item is not None:
+            self.counters.repairs += 1
+            self.counters.repaired_tokens += rows
+            if req.cached_tokens < 0:
+                req.cached_tokens, req.repaired_tokens = reuse.reused, rows
+        return True, item
+
+    def _new_kv(self, req: Req, tokens: list[int], match: MatchResult) -> ReqKV:
+        """A fresh ReqKV (every admission: a retracted request restarts clean) on a locked match."""
+        table = torch.zeros(req.max_len + self.limits.page_size, dtype=torch.int64)
+        kv = ReqKV(tokens=tokens, table=table, lock=self.cache.lock(match.node))
+        kv.table[: match.length] = match.indices
+        kv.cache_protected_len = kv.kv_committed_len = kv.kv_allocated_len = match.length
+        return kv
+
+    def _start(self, req: Req, kv: ReqKV, n: int) -> StepWork | None:
         req.kv, req.state = kv, ReqState.RUNNING
         self.running.append(req)
         item = self._alloc_extend(req, n)
@@ -280,8 +319,6 @@ class Scheduler:
             self.running.remove(req)
             self.cache.cache_finished_req(kv, insert=False)
             req.kv, req.state = None, ReqState.WAITING
-        elif req.cached_tokens < 0:
-            req.cached_tokens = match.length
         return item
 
     def _admissible_chunk(self, req: Req, extend: int, budget: int) -> int:
@@ -290,40 +327,33 @@ class Scheduler:
         # requests that can never fit, so the full budget only gates when others run.
         if self.running and not full_admits(extend, self._future_tokens(req), P, self.rem_full()):
             return 0
-        n = min(extend, budget)
         if not self.swa_budgeted:
-            return n
-        window = self.limits.window
-        assert window is not None
-        rem_swa = self.rem_swa()
-        if swa_admission_charge(extend, budget, window, P) < rem_swa:
-            return n
-        # Escape hatch (no head-of-line livelock): start with a chunk the SWA budget can hold.
-        cap = chunk_cap(rem_swa, window, P)
-        if cap <= 0 and not self.running:
-            # NOTE: alone, nothing will ever free more (unlocked tree KV already counts as
-            # evictable), and the matched prefix's SWA lock covers whole nodes: reserving W of
-            # headroom on top would stall the queue forever. Take what the pool physically holds
-            # (one page kept for the allocation, as for a continuing chunk).
-            cap = rem_swa - P
-        return min(n, cap) if cap > 0 else 0
+            return min(extend, budget)
+        assert self.limits.window is not None
+        return first_chunk_len(
+            extend, budget, self.rem_swa(), self.limits.window, P, alone=not self.running
+        )
 
     def _alloc_extend(self, req: Req, n: int) -> StepWork | None:
         kv = req.kv
         assert kv is not None
         P = self.limits.page_size
         start = kv.kv_committed_len
-        # Exactly the fresh pages alloc_extend takes (the partial page at `start` is already
-        # ours): an over-estimate here defers a chunk the pools can hold, forever when alone.
-        need = ceil_page(start + n, P) - ceil_page(start, P)
+        # Repair rows already have their slots (the tree's, and scratch pairs): allocate past them.
+        lo = max(start, kv.cache_protected_len) if kv.repairing else start
+        end = start + n
+        # Exactly the fresh pages alloc_extend takes (the partial page at `lo` is already ours):
+        # an over-estimate here defers a chunk the pools can hold, forever when alone.
+        need = ceil_page(end, P) - ceil_page(lo, P) if end > lo else 0
         if not self._make_room(need, need):
             return None
-        last = int(kv.table[start - 1]) if start > 0 else -1
-        out = self.allocator.alloc_extend([start], [start + n], [last])
-        if out is None:
-            return None
-        kv.table[start : start + n] = out
-        kv.kv_allocated_len = start + n
+        if end > lo:
+            last = int(kv.table[lo - 1]) if lo > 0 else -1
+            out = self.allocator.alloc_extend([lo], [end], [last])
+            if out is None:
+                return None
+            kv.table[lo:end] = out
+        kv.kv_allocated_len = max(kv.kv_allocated_len, end)
         return StepWork(req, start, n)
 
     def _make_room(self, full_tokens: int, swa_tokens: int) -> bool:

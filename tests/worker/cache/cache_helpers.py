@@ -14,6 +14,9 @@ from worker.cache.req_kv import ReqKV
 from worker.kv.frontier import free_out_of_window
 from worker.kv.hybrid_allocator import HybridAllocator
 
+# The policy `make_cache` uses when none is given (conftest's `both_policies` switches it).
+DEFAULT_SWA_POLICY = "lru"
+
 
 def make_cache(
     page_size: int = 1,
@@ -23,10 +26,14 @@ def make_cache(
     *,
     hybrid: bool = True,
     eager_swa_free: bool = False,
+    swa_eviction_policy: str | None = None,
 ) -> RadixCache:
     """A radix cache over a real allocator; pool sizes in tokens."""
     return RadixCache(
-        HybridAllocator(full, swa, page_size, hybrid), window, eager_swa_free=eager_swa_free
+        HybridAllocator(full, swa, page_size, hybrid),
+        window,
+        eager_swa_free=eager_swa_free,
+        swa_eviction_policy=swa_eviction_policy or DEFAULT_SWA_POLICY,
     )
 
 

@@ -9,6 +9,8 @@ from cache_helpers import make_cache, node_at, put
 from worker.cache.base import EvictResult
 from worker.cache.radix_cache import RadixCache
 
+pytestmark = pytest.mark.usefixtures("both_policies")
+
 
 def locked_leaf_without_swa_lock(cache: RadixCache, toks: list[int]):
     """A live leaf that is FULL-locked but not SWA-locked: lock it while it has a child,

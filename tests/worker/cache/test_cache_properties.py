@@ -1,10 +1,12 @@
 """Stateful property test: random request interleavings against a brute-force page model.
 
 The model records, per cached page (by chained hash), whether it holds full + SWA KV (LIVE) or
-full KV only (TOMBSTONE). Inserts are predicted by the model from the rules alone; evictions
-and early releases are the cache's choice, so the model takes them from the events and checks
-they are allowed (never a locked page). After every step: each match equals the model's valid
-match, event replay == model == snapshot, and `check_integrity` (incl. the pool identity) holds.
+full KV only (TOMBSTONE). Inserts and repair revivals are predicted by the model from the rules
+alone; evictions and early releases are the cache's choice, so the model takes them from the
+events and checks they are allowed (never a locked page; under `tail_first` interior SWA before
+any tail, and tails tombstoned, never deleted, by the SWA phase). After every step: each match
+equals the model's valid match (and its full match), event replay == model == snapshot, and
+`check_integrity` (incl. the pool identity, repairs' scratch slots counted) holds.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from cache_helpers import decode, make_cache, move_frontier
+from cache_helpers import _alloc, decode, make_cache, move_frontier
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -59,6 +61,23 @@ class PageModel:
                 best = (i + 1) * self.P
         return best
 
+    def full_match(self, tokens: list[int]) -> int:
+        n = 0
+        for h in page_hashes(tokens, self.P):
+            if h not in self.pages:
+                break
+            n += self.P
+        return n
+
+    def revive(self, tokens: list[int], start: int, tail: int) -> None:
+        """A finished repair over tokens[start:]: the last `tail` tokens' pages are LIVE."""
+        end = len(tokens)
+        lo = max(start, end - tail)
+        for i, h in enumerate(page_hashes(tokens, self.P)):
+            if i * self.P >= lo:
+                assert h in self.pages, "a repaired page vanished while FULL-locked"
+                self.pages[h] = LIVE
+
     def insert(self, tokens: list[int], prev: int, evicted: int) -> None:
         for i, h in enumerate(page_hashes(tokens, self.P)):
             pos = i * self.P
@@ -74,11 +93,14 @@ class CacheMachine(RuleBasedStateMachine):
     page_size = 1
     window: int | None = 4
     eager = False
+    policy = "lru"
 
     def __init__(self) -> None:
         super().__init__()
         P = self.page_size
-        self.cache = make_cache(P, self.window, 96 * P, 48 * P, eager_swa_free=self.eager)
+        self.cache = make_cache(
+            P, self.window, 96 * P, 48 * P, eager_swa_free=self.eager, swa_eviction_policy=self.policy
+        )
         self.model = PageModel(P, self.window)
         self.replayed: dict[int, PageState] = {}
         self.reqs: list[ReqKV] = []
@@ -148,22 +170,28 @@ class CacheMachine(RuleBasedStateMachine):
         if req is not None:
             self.reqs.append(req)
 
-    @precondition(lambda self: self.reqs)
+    def _ready(self) -> list[ReqKV]:
+        return [r for r in self.reqs if not r.repairing]
+
+    @precondition(lambda self: self._ready())
     @rule(data=st.data(), new=st.lists(st.integers(0, 2), min_size=1, max_size=6))
     def decode(self, data: st.DataObject, new: list[int]) -> None:
-        req = data.draw(st.sampled_from(self.reqs))
+        req = data.draw(st.sampled_from(self._ready()))
         decode(self.cache, req, new)
         self.absorb()
 
-    @precondition(lambda self: self.reqs and self.window is not None)
+    @precondition(lambda self: self._ready() and self.window is not None)
     @rule(data=st.data())
     def frontier(self, data: st.DataObject) -> None:
-        move_frontier(self.cache, data.draw(st.sampled_from(self.reqs)))
+        move_frontier(self.cache, data.draw(st.sampled_from(self._ready())))
 
-    @precondition(lambda self: any(id(r) not in self.released for r in self.reqs))
+    def _unreleased(self) -> list[ReqKV]:
+        return [r for r in self._ready() if id(r) not in self.released]
+
+    @precondition(lambda self: self._unreleased())
     @rule(data=st.data())
     def unfinished(self, data: st.DataObject) -> None:
-        req = data.draw(st.sampled_from([r for r in self.reqs if id(r) not in self.released]))
+        req = data.draw(st.sampled_from(self._unreleased()))
         prev = req.cache_protected_len
         self.cache.cache_unfinished_req(req)  # may move the frontier first (eager)
         aligned = req.kv_committed_len - req.kv_committed_len % self.page_size
@@ -183,18 +211,79 @@ class CacheMachine(RuleBasedStateMachine):
             self.model.insert(req.tokens[:aligned], req.cache_protected_len, req.swa_evicted_seqlen)
         self.absorb(inserted=insert)
 
-    @precondition(lambda self: any(id(r) not in self.released for r in self.reqs))
+    @precondition(lambda self: self._unreleased())
     @rule(data=st.data())
     def early_release(self, data: st.DataObject) -> None:
-        req = data.draw(st.sampled_from([r for r in self.reqs if id(r) not in self.released]))
+        req = data.draw(st.sampled_from(self._unreleased()))
         req.lock = self.cache.release_window_lock(req.lock)
         req.swa_lock_released = True
         self.released.add(id(req))
         self.absorb()
 
+    @precondition(lambda self: len(self.reqs) < 4 and self.window is not None)
+    @rule(data=st.data(), tail=tokens_st)
+    def start_repair(self, data: st.DataObject, tail: list[int]) -> None:
+        """A request whose full match runs past its valid one recomputes the R tokens before
+        p_full into scratch pairs (docs/design.md §9.8); nothing changes in the tree yet."""
+        tokens = self._query(data, tail, shared=True)
+        if self.model.full_match(tokens[:-1]) <= self.model.valid_match(tokens[:-1]):
+            self._tombstone_on_path(data, tokens[:-1])  # make one more often than chance would
+        p_full = self.model.full_match(tokens[:-1])
+        p_valid = self.model.valid_match(tokens[:-1])
+        m = self.cache.match_prefix(tokens[:-1])
+        assert (m.length, m.full_length) == (p_valid, p_full)
+        tail = self.cache.tree.tail
+        assert tail is not None
+        if p_full <= p_valid or p_full < tail:
+            return
+        # R >= one tail (the real R is, docs/design.md §9.8); it may start below p_valid here.
+        P = self.page_size
+        rows = data.draw(st.integers(tail // P, p_full // P)) * P
+        m = self.cache.match_full(tokens[:-1])
+        assert m.length == p_full
+        receipt = self.cache.lock(m.node)
+        scratch = _alloc(self.cache, [0], [rows], [-1])
+        rest = None if scratch is None else _alloc(self.cache, [p_full], [len(tokens)], [-1])
+        self.absorb()
+        if rest is None:
+            if scratch is not None:
+                self.cache.allocator.free(scratch)
+            self.cache.unlock(receipt)
+            return
+        self.history.append(tokens)
+        self.reqs.append(ReqKV(
+            tokens=list(tokens), table=torch.cat([m.indices, rest]), cache_protected_len=p_full,
+            lock=receipt, kv_committed_len=p_full - rows, kv_allocated_len=len(tokens),
+            repair_start=p_full - rows, repair_slots=scratch,
+        ))  # fmt: skip
+
+    def _tombstone_on_path(self, data: st.DataObject, query: list[int]) -> None:
+        path, _ = match_path(self.cache.tree, tuple(query[: len(query) - len(query) % self.page_size]), window_rule=False)
+        live = [n for n in path if n.swa is not None and n.swa_lock == 0]
+        if live:
+            node = data.draw(st.sampled_from(live))
+            self.cache.tree.tombstone(node)
+            self.cache.allocator.free_swa(node.full)
+            self.absorb()
+
+    @precondition(lambda self: any(r.repairing for r in self.reqs))
+    @rule(data=st.data())
+    def finish_repair(self, data: st.DataObject) -> None:
+        """The repair's forward ran: the tail's tombstones come back LIVE (SWA_RESTORED)."""
+        req = data.draw(st.sampled_from([r for r in self.reqs if r.repairing]))
+        start, end = req.repair_start, req.cache_protected_len
+        req.kv_committed_len = len(req.tokens)
+        self.cache.finish_repair(req)
+        tail = self.cache.tree.tail
+        assert tail is not None
+        self.model.revive(req.tokens[:end], start, tail)
+        self.absorb(inserted=True)
+        assert self.model.valid_match(req.tokens[:end]) == end, "a repaired prefix must be valid"
+
     @rule(full=st.integers(0, 8), swa=st.integers(0, 8))
     def evict(self, full: int, swa: int) -> None:
         before = dict(self.model.pages)
+        roles = retention_roles(self.cache) if self.policy == "tail_first" else []
         res = self.cache.evict(full * self.page_size, swa * self.page_size)
         self.absorb()
         gone = before.keys() - self.model.pages.keys()
@@ -203,6 +292,15 @@ class CacheMachine(RuleBasedStateMachine):
         if self.window is not None:
             lost_swa = len(tombed) + sum(before[h] is LIVE for h in gone)
             assert res.swa == lost_swa * self.page_size
+        if self.policy == "tail_first" and full == 0:
+            # The SWA phase tombstones in place, and interior SWA goes before any tail: a
+            # node's kept tail loses SWA only once every interior page has, or once something
+            # in the chain below it (which made it interior) has.
+            assert not gone, "tail-first SWA eviction deleted a page"
+            interior = set().union(*(r.interior for r in roles))
+            for r in roles:
+                if r.kept & tombed:
+                    assert interior <= tombed or r.below & tombed, "a tail went before interior"
 
     @precondition(lambda self: self.window is not None)
     @rule(data=st.data())
@@ -234,11 +332,11 @@ class CacheMachine(RuleBasedStateMachine):
         self.readers.remove(rd)
         self.cache.unlock(rd.receipt)
 
-    def _query(self, data: st.DataObject, tail: list[int]) -> list[int]:
-        """Often a prefix of an earlier sequence plus a tail: that is where sharing,
-        splits and revivals happen."""
+    def _query(self, data: st.DataObject, tail: list[int], shared: bool = False) -> list[int]:
+        """Often (`shared`: whenever possible) a prefix of an earlier sequence plus a tail:
+        that is where sharing, splits, revivals and repairs happen."""
         sources = self.history + [r.tokens for r in self.reqs]
-        if not sources or not data.draw(st.booleans()):
+        if not sources or not (shared or data.draw(st.booleans())):
             return tail
         src = data.draw(st.sampled_from(sources))
         return src[: data.draw(st.integers(0, len(src)))] + tail
@@ -248,13 +346,18 @@ class CacheMachine(RuleBasedStateMachine):
     def integrity(self) -> None:
         self.cache.check_integrity(running_reqs=self.reqs)
         assert self.cache.snapshot_pages() == self.model.pages
+        ret = self.cache.tree.retention
+        if ret is not None:  # the heap holds exactly the nodes the literal rule calls interior
+            want = {h for r in retention_roles(self.cache, locked=True) for h in r.interior}
+            got = {h for n in ret.interior.members for h in n.hashes[: (len(n) - ret.keep(n)) // self.page_size]}
+            assert got == want
 
     @invariant()
     def locked_prefixes_stay_valid(self) -> None:
         for rd in self.readers:
             assert self.model.valid_match(rd.tokens) == len(rd.tokens)
         for r in self.reqs:
-            if id(r) in self.released:
+            if id(r) in self.released or r.repairing:
                 hs = page_hashes(r.tokens[: r.cache_protected_len], self.page_size)
                 assert all(h in self.model.pages for h in hs)
             else:
@@ -271,6 +374,46 @@ class CacheMachine(RuleBasedStateMachine):
         self.cache.reset()
         a = self.cache.allocator
         assert a.full_available_size() == a.full_size and a.swa_available_size() == a.swa_size
+
+
+@dataclass(frozen=True)
+class Roles:
+    """One SWA-unlocked live node's pages by the tail-first rule (docs/design.md §9.5)."""
+
+    interior: frozenset[int]
+    kept: frozenset[int]
+    below: frozenset[int]  # pages of the single-child chain under it (what its keep reads)
+
+
+def retention_roles(cache, locked: bool = False) -> list[Roles]:
+    """The rule read literally (unbounded recursion, no shortcut): a match ends at a leaf or
+    a branch point and needs the T tokens before it; D = distance down to such an end."""
+    tree, P = cache.tree, cache.page_size
+    T = tree.tail
+    inf = 1 << 60
+
+    def chain(n):
+        out = []
+        while len(n.children) == 1:
+            (n,) = n.children.values()
+            out.append(n)
+        return out
+
+    def distance(n) -> int:
+        if len(n.children) != 1:
+            return 0
+        (c,) = n.children.values()
+        return inf if c.swa is None else len(c) + distance(c)
+
+    out = []
+    for n in tree.iter_nodes():
+        if n.swa is None or (n.swa_lock and not locked):
+            continue
+        keep = max(0, min(len(n), T - distance(n)))
+        cut = (len(n) - keep) // P
+        below = frozenset(h for c in chain(n) for h in c.hashes)
+        out.append(Roles(frozenset(n.hashes[:cut]), frozenset(n.hashes[cut:]), below))
+    return out
 
 
 def _allocate(cache, tokens, indices, length, receipt) -> ReqKV | None:
@@ -290,14 +433,15 @@ def _allocate(cache, tokens, indices, length, receipt) -> ReqKV | None:
     )
 
 
+@pytest.mark.parametrize("policy", ["lru", "tail_first"])
 @pytest.mark.parametrize("page_size", [1, 4])
 @pytest.mark.parametrize("window", [1, 4, 7])
-def test_cache_matches_brute_force_model(page_size: int, window: int) -> None:
-    """Random interleavings keep matches, events and accounting exact."""
+def test_cache_matches_brute_force_model(page_size: int, window: int, policy: str) -> None:
+    """Random interleavings (repairs included) keep matches, events and accounting exact."""
     machine = type(
-        f"CacheMachineP{page_size}W{window}",
+        f"CacheMachineP{page_size}W{window}{policy}",
         (CacheMachine,),
-        {"page_size": page_size, "window": window, "eager": window == 4},
+        {"page_size": page_size, "window": window, "eager": window == 4, "policy": policy},
     )
     run_state_machine_as_test(
         machine,

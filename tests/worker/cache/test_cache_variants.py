@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from cache_helpers import decode, make_cache, move_frontier, node_at, put, start_req
 
 from worker.cache import create_cache
@@ -10,6 +11,8 @@ from worker.cache.events import EventKind, PageState, page_hashes, replay
 from worker.cache.req_kv import ReqKV
 from worker.kv.frontier import free_out_of_window
 from worker.kv.hybrid_allocator import HybridAllocator
+
+pytestmark = pytest.mark.usefixtures("both_policies")
 
 
 def test_chunk_cache_hooks_free_everything_at_finish() -> None:

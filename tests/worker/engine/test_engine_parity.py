@@ -55,7 +55,7 @@ def test_sixteen_concurrent_requests_match_each_alone(oracle: Oracle) -> None:
 
 
 def test_shared_prefix_reports_the_valid_match(oracle: Oracle) -> None:
-    engine = oracle.engine()
+    engine = oracle.engine(tombstone_repair="off")  # the repair path: test_engine_repair.py
     first = tokens(96, seed=3)
     engine.generate([first], SamplingParams(max_tokens=4, **GREEDY))
     second = first[:64] + tokens(20, seed=4)

@@ -85,3 +85,77 @@ def test_random_mixes_keep_invariants_and_parity(oracle: Oracle, mix: Mix) -> No
         else:
             assert (got[rid], reasons[rid]) == (want, "length"), f"request {i}"
     assert_all_free(engine)
+
+
+LONG_PREFIXES = (tokens(160, seed=610), tokens(160, seed=611))
+
+
+@st.composite
+def repair_mixes(draw: st.DrawFn) -> Mix:
+    """Long shared prefixes, SWA pools far below them, both policies: tombstoned prefixes
+    come back through repairs while others evict, abort and retract."""
+    config = dict(
+        page_size=draw(st.sampled_from([1, 4, 8])),
+        max_total_tokens=draw(st.sampled_from([384, 512, 768])),
+        chunked_prefill_size=draw(st.sampled_from([16, 48, 256])),
+        swa_eviction_interval=draw(st.sampled_from([1, 8])),
+        max_running_requests=draw(st.integers(1, 6)),
+        swa_eviction_policy=draw(st.sampled_from(["tail_first", "lru"])),
+        tombstone_repair=draw(st.sampled_from(["auto", "auto", "off"])),
+    )
+    swa = draw(st.sampled_from([56, 96, 192]))
+    config["swa_full_tokens_ratio"] = swa / config["max_total_tokens"]
+    prompts, max_tokens, abort_at = [], [], []
+    for _ in range(draw(st.integers(2, 6))):
+        prefix = LONG_PREFIXES[draw(st.integers(0, 1))][: draw(st.integers(64, 160))]
+        prompts.append(prefix + tokens(draw(st.integers(1, 24)), seed=draw(st.integers(0, 10_000))))
+        max_tokens.append(draw(st.integers(1, 40)))
+        abort_at.append(draw(st.one_of(st.none(), st.none(), st.integers(0, 60))))
+    return Mix(config, prompts, max_tokens, abort_at)
+
+
+@settings(
+    max_examples=20,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(mix=repair_mixes(), evict_every=st.sampled_from([2, 5, 1000]))
+def test_random_mixes_with_repairs_keep_invariants_and_parity(
+    oracle: Oracle, mix: Mix, evict_every: int
+) -> None:
+    """Requests arrive one after another (so later ones find earlier prefixes), SWA is evicted
+    from the tree every few steps: repairs, retention, eviction, aborts and retraction mix;
+    invariants after every step, greedy parity, free pools after a flush."""
+    engine = oracle.engine(**mix.config)
+    got: dict[str, list[int]] = {}
+    reasons: dict[str, str | None] = {}
+
+    def sink(d: StreamDelta) -> None:
+        got.setdefault(d.request_id, []).extend(d.token_ids)
+        reasons[d.request_id] = d.finish_reason
+
+    rids: list[str] = []
+
+    def on_step(step: int) -> None:
+        if step % 3 == 0 and len(rids) < len(mix.prompts):
+            i = len(rids)
+            params = SamplingParams(max_tokens=mix.max_tokens[i], **GREEDY)
+            rids.append(engine.add_request(mix.prompts[i], params, on_delta=sink))
+        if step % evict_every == evict_every - 1:
+            engine.cache.evict(0, engine.cache.swa_evictable)
+        for rid, at in zip(rids, mix.abort_at):
+            if at == step:
+                engine.abort(rid)
+
+    on_step(0)
+    run_checked(engine, on_step, limit=4000)
+    while len(rids) < len(mix.prompts):  # the engine went idle before every request arrived
+        on_step(3 * len(rids))
+        run_checked(engine, on_step, limit=4000)
+    for i, (rid, prompt, m) in enumerate(zip(rids, mix.prompts, mix.max_tokens)):
+        want = oracle.greedy(prompt, m)
+        if reasons[rid] == "abort":
+            assert got[rid] == want[: len(got[rid])], f"request {i} before its abort"
+        else:
+            assert (got[rid], reasons[rid]) == (want, "length"), f"request {i}"
+    assert_all_free(engine)
