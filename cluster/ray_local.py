@@ -6,7 +6,12 @@ Ray's environment switches are set here and nowhere else:
 - `RAY_USAGE_STATS_ENABLED=0`: no telemetry (and no network attempt);
 - `RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`: Ray otherwise replaces `_node_ip_address="127.0.0.1"`
   by the host's routable address (`services.resolve_ip_for_localhost`); with "clusters" off it
-  keeps the loopback address, which is all a single-node cluster needs.
+  keeps the loopback address, which is all a single-node cluster needs;
+- `RAY_worker_niceness=0`: Ray's core worker raises its own niceness by this value at start
+  (`nice(worker_niceness)`, default 15), so every actor, our replicas included, would run
+  behind any normal-priority process on the machine. 0 leaves replicas at the raylet's
+  priority; it only ever lowers priority, so no privilege is needed (a non-root pod too; the
+  Helm chart sets the same variable on its pods).
 Each cluster gets its own short temp dir (Ray's socket paths must stay under ~107 bytes), so
 parallel jobs on one machine do not share sessions; it is removed on stop. The two Ray internals
 this needs live in `cluster.ray_private`.
@@ -28,6 +33,7 @@ RAY_ENV = {
     "RAY_AUTH_MODE": "disabled",
     "RAY_USAGE_STATS_ENABLED": "0",
     "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+    "RAY_worker_niceness": "0",
 }
 
 
