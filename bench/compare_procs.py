@@ -79,28 +79,27 @@ def role_pids(root: int, proc_root: Path = PROC) -> dict[str, list[int]]:
     return out
 
 
-def thread_cpu_seconds(pid: int, proc_root: Path = PROC) -> dict[str, float]:
-    """Thread name (the kernel's 15-character comm) → CPU seconds so far, summed over the
-    process's threads of that name; empty if the process is gone."""
-    out: dict[str, float] = {}
+def thread_cpu_seconds(pid: int, proc_root: Path = PROC) -> dict[int, float]:
+    """Thread id → CPU seconds so far, for every thread of `pid`; empty if it is gone."""
+    task_root = proc_root / str(pid) / "task"
     try:
-        tasks = list((proc_root / str(pid) / "task").iterdir())
+        tids = [int(t.name) for t in task_root.iterdir() if t.name.isdigit()]
     except OSError:
-        return out
-    for task in tasks:
-        info = read_proc(int(task.name), proc_root / str(pid) / "task")
-        if info is not None:
-            name = _comm(task / "stat")
-            out[name] = out.get(name, 0.0) + info.cpu_s
+        return {}
+    return {i.pid: i.cpu_s for i in (read_proc(t, task_root) for t in tids) if i is not None}
+
+
+def thread_comms(pid: int, proc_root: Path = PROC) -> dict[int, str]:
+    """Thread id → the kernel's name of the thread (Python's thread names are not it: Ray's
+    threads mostly carry the process title they started under, e.g. ``ray::IDLE``)."""
+    out = {}
+    for tid in thread_cpu_seconds(pid, proc_root):
+        try:
+            stat = (proc_root / str(pid) / "task" / str(tid) / "stat").read_text()
+        except OSError:
+            continue
+        out[tid] = stat[stat.index("(") + 1 : stat.rindex(")")]
     return out
-
-
-def _comm(stat: Path) -> str:
-    try:
-        text = stat.read_text()
-    except OSError:
-        return "?"
-    return text[text.index("(") + 1 : text.rindex(")")]
 
 
 def cpu_seconds(pids: dict[str, list[int]], proc_root: Path = PROC) -> dict[str, float]:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import signal
 import subprocess
 import sys
@@ -27,7 +28,7 @@ from pathlib import Path
 
 from bench.compare_client import ClientResult, Workload, client_command, run_client
 from bench.compare_model import ensure_compare_model
-from bench.compare_procs import cpu_seconds, role_pids, thread_cpu_seconds
+from bench.compare_procs import cpu_seconds, role_pids, thread_comms, thread_cpu_seconds
 from bench.compare_servers import RunningServer, start_server, stop_server, swaserve_spec
 from bench.harness import (
     add_output_arguments,
@@ -118,16 +119,35 @@ def _cpu_run(
     command = client_command(Path(s.vllm), w, server.spec.url, model_dir, result)
     client = run_client(command, result, out / f"{tag}.client.log", timeout_s=1800)
     cpu1, load1, threads1 = cpu_seconds(pids), load_average(), _threads(pids)
-    threads = {role: {n: t - threads0[role].get(n, 0.0) for n, t in names.items()}
-               for role, names in threads1.items()}  # fmt: skip
+    threads = {role: _named(s.py_spy, pids[role][0], {t: c - threads0[role].get(t, 0.0)
+                                                        for t, c in tids.items()})
+               for role, tids in threads1.items()}  # fmt: skip
     run = CpuRun(client, {k: cpu1[k] - cpu0[k] for k in cpu1}, (load0, load1), threads)
     print(f"{tag}: {client.output_throughput:.1f} tok/s, load {load0:.1f}->{load1:.1f}, CPU-s/1k "
           + ", ".join(f"{k} {v:.2f}" for k, v in run.per_1k_tokens().items()), file=sys.stderr)  # fmt: skip
     return run
 
 
-def _threads(pids: dict[str, list[int]]) -> dict[str, dict[str, float]]:
+def _threads(pids: dict[str, list[int]]) -> dict[str, dict[int, float]]:
     return {role: thread_cpu_seconds(pids[role][0]) for role in ("worker", "ingress") if pids.get(role)}
+
+
+def _named(py_spy: str, pid: int, cpu: dict[int, float]) -> dict[str, float]:
+    """Thread id → CPU seconds, keyed by the Python thread name where py-spy knows the thread
+    (`py-spy dump --json`), else by the kernel's name; threads of one name are summed."""
+    names = {tid: f"{comm} (native)" for tid, comm in thread_comms(pid).items()}
+    try:
+        dump = subprocess.run([py_spy, "dump", "--pid", str(pid), "--json", "--nonblocking"],
+                              capture_output=True, timeout=60, check=True)  # fmt: skip
+        for t in json.loads(dump.stdout):
+            names[int(t["os_thread_id"])] = str(t.get("thread_name") or "python")
+    except (OSError, subprocess.SubprocessError, ValueError, KeyError, TypeError):
+        pass  # kernel names only
+    out: dict[str, float] = {}
+    for tid, seconds in cpu.items():
+        name = names.get(tid, "?")
+        out[name] = out.get(name, 0.0) + seconds
+    return out
 
 
 def _profiled(

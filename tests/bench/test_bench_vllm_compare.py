@@ -11,9 +11,21 @@ from pathlib import Path
 import pytest
 
 from bench import vllm_compare
-from bench.compare_client import ClientResult, client_command, counter_sum, default_workloads, parse_result
+from bench.compare_client import (
+    ClientResult,
+    client_command,
+    counter_sum,
+    default_workloads,
+    parse_result,
+)
 from bench.compare_model import CompareModelShape, build_compare_model, ensure_compare_model
-from bench.compare_procs import cpu_seconds, descendants, role_pids, thread_cpu_seconds
+from bench.compare_procs import (
+    cpu_seconds,
+    descendants,
+    role_pids,
+    thread_comms,
+    thread_cpu_seconds,
+)
 from bench.compare_report import RunRecord, compare, comparison_table, runs_table
 
 SMALL = CompareModelShape(hidden=64, layers=6, heads=2, kv_heads=1, head_dim=32, intermediate=128,
@@ -138,8 +150,8 @@ def test_process_roles_are_the_started_servers_own(tmp_path: Path) -> None:
     assert cpu_seconds(roles, tmp_path) == {"worker": 3.0, "ingress": 1.0, "proxy": 1.0}
 
 
-def test_thread_cpu_by_name(tmp_path: Path) -> None:
-    """Per-thread CPU of one process, summed per thread name."""
+def test_thread_cpu_and_names(tmp_path: Path) -> None:
+    """Per-thread CPU seconds and kernel names of one process."""
     ticks = os.sysconf("SC_CLK_TCK")
     _fake_proc(tmp_path, 30, 1, "ray::ServeReplica:swaserve:Worker", 6 * ticks)
     tasks = tmp_path / "30" / "task"
@@ -148,10 +160,9 @@ def test_thread_cpu_by_name(tmp_path: Path) -> None:
         _fake_proc(tasks, tid, 1, "x", t * ticks)
         stat = tasks / str(tid) / "stat"
         stat.write_text(stat.read_text().replace("(python)", f"({name})"))
-    _fake_proc(tasks, 33, 1, "x", ticks)  # a second thread named like the first: "python"
-    got = thread_cpu_seconds(30, tmp_path)
-    assert got == {"ray::ServeRepli": 1.0, "swaserve-engine": 4.0, "worker.io": 1.0, "python": 1.0}
-    assert thread_cpu_seconds(99, tmp_path) == {}
+    assert thread_cpu_seconds(30, tmp_path) == {30: 1.0, 31: 4.0, 32: 1.0}
+    assert thread_comms(30, tmp_path) == {30: "ray::ServeRepli", 31: "swaserve-engine", 32: "worker.io"}
+    assert thread_cpu_seconds(99, tmp_path) == {} == thread_comms(99, tmp_path)
 
 
 def test_without_vllm_the_command_says_where_it_looked(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
