@@ -47,7 +47,7 @@ def scaled_model(base: Path, hidden: int | None, layers: int | None, out_dir: Pa
     _rescale(config, hidden or config.hidden_size, layers or config.num_hidden_layers)
     torch.manual_seed(SEED)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").float().eval()
-    _randomize(model)
+    randomize(model)
     model.save_pretrained(out_dir)
     for name in ("generation_config.json", "tokenizer.json", "tokenizer_config.json"):
         if (base / name).is_file() and not (out_dir / name).exists():
@@ -73,7 +73,8 @@ def _rescale(config: Any, hidden: int, layers: int) -> None:
 
 
 @torch.no_grad()
-def _randomize(model: torch.nn.Module) -> None:
+def randomize(model: torch.nn.Module) -> None:
+    """Fan-in-scaled random weights from `SEED` (peaked, not uniform, next-token distributions)."""
     gen = torch.Generator().manual_seed(SEED)
     for name, p in model.named_parameters():
         noise = torch.randn(p.shape, generator=gen)

@@ -9,7 +9,12 @@ Ray's environment switches are set here and nowhere else:
   keeps the loopback address, which is all a single-node cluster needs;
 - `RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S=30`: Serve kills and restarts an HTTP proxy that is not
   ready within 3 checks of this (5 s by default), and `serve.start` then fails; a proxy actor
-  that imports uvicorn and FastAPI on a busy machine needs longer than 15 s.
+  that imports uvicorn and FastAPI on a busy machine needs longer than 15 s;
+- `RAY_worker_niceness=0`: Ray's core worker raises its own niceness by this value at start
+  (`nice(worker_niceness)`, default 15), so every actor, our replicas included, would run
+  behind any normal-priority process on the machine. 0 leaves replicas at the raylet's
+  priority; it only ever lowers priority, so no privilege is needed (a non-root pod too; the
+  Helm chart sets the same variable on its pods).
 Each cluster gets its own short temp dir (Ray's socket paths must stay under ~107 bytes), so
 parallel jobs on one machine do not share sessions; it is removed on stop. The two Ray internals
 this needs live in `cluster.ray_private`.
@@ -32,6 +37,7 @@ RAY_ENV = {
     "RAY_USAGE_STATS_ENABLED": "0",
     "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
     "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "30",
+    "RAY_worker_niceness": "0",
 }
 
 

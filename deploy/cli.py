@@ -3,11 +3,11 @@
     swaserve serve [--model tiny|PATH] [--workers N] [--host 127.0.0.1] [--port 8000]
                    [--routing swa_prefix|prefix|least_loaded|round_robin] [--config FILE]
                    [--device cpu|cuda] [--num-cpus N] [--startup-timeout S]
-    swaserve bench {memory,engine,cache,routing} [benchmark options]
+    swaserve bench {memory,engine,cache,routing,vllm-compare,replica-profile} [benchmark options]
 
 `serve` starts a local Ray cluster on loopback and serves in the foreground until Ctrl-C
-(`deploy.serve_local`). `bench NAME` imports `bench.NAME` only when asked, so a missing or
-broken benchmark never breaks `serve`.
+(`deploy.serve_local`). `bench NAME` imports `bench.NAME` (hyphens as underscores) only when
+asked, so a missing or broken benchmark never breaks `serve`.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Any
 
 from router.policies import POLICY_NAMES
 
-BENCHMARKS = ("memory", "engine", "cache", "routing")
+BENCHMARKS = ("memory", "engine", "cache", "routing", "vllm-compare", "replica-profile")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -69,7 +69,7 @@ def run_bench(name: str, argv: Sequence[str]) -> int:
     if name not in BENCHMARKS:
         print(f"swaserve bench: unknown benchmark {name!r}; choose one of: {', '.join(BENCHMARKS)}", file=sys.stderr)
         return 2
-    module = _load_bench(name)
+    module = _load_bench(name.replace("-", "_"))
     if module is None:
         return 2
     parser = argparse.ArgumentParser(prog=f"swaserve bench {name}", description=(module.__doc__ or "").split("\n")[0])

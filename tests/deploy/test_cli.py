@@ -47,6 +47,8 @@ def test_bench_dispatches_lazily(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "bench.routing", fake)
     assert cli.main(["bench", "routing", "--requests", "7"]) == 3
     assert seen == {"requests": 7}
+    monkeypatch.setitem(sys.modules, "bench.vllm_compare", fake)  # a hyphenated name's module
+    assert cli.main(["bench", "vllm-compare", "--requests", "2"]) == 3 and seen == {"requests": 2}
 
 
 def test_bench_missing_or_unknown_is_a_clear_error(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:

@@ -306,7 +306,8 @@ def test_pods_run_as_non_root_with_probes(name: str) -> None:
 
 @pytest.mark.parametrize("name", VALUE_SETS)
 def test_service_ingress_and_api_key_wiring(name: str) -> None:
-    """Ingress targets the serve Service; the API key reaches every pod only from a Secret."""
+    """Ingress targets the serve Service; the API key reaches every pod only from a Secret;
+    every pod starts Ray's actors at niceness 0."""
     rs = _rayservice(name)
     svc = rs["spec"]["serveService"]["metadata"]["name"]
     head_ports = rs["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]["containers"][
@@ -322,6 +323,7 @@ def test_service_ingress_and_api_key_wiring(name: str) -> None:
     cluster = rs["spec"]["rayClusterConfig"]
     for group in [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]:
         env = {e["name"]: e for e in group["template"]["spec"]["containers"][0].get("env", [])}
+        assert env["RAY_worker_niceness"] == {"name": "RAY_worker_niceness", "value": "0"}
         if "SWASERVE_API_KEY" in env:
             assert set(env["SWASERVE_API_KEY"]) == {"name", "valueFrom"}
 

@@ -189,9 +189,10 @@ applications:
         {{- end }}
 {{- end }}
 
-{{/* Environment of every Ray container. */}}
+{{/* Environment of every Ray container. RAY_worker_niceness=0: Ray starts actors (the replicas)
+at niceness 15 otherwise, behind every other process on the node. */}}
 {{- define "swaserve.env" -}}
-{{- $env := list }}
+{{- $env := list (dict "name" "RAY_worker_niceness" "value" "0") }}
 {{- if include "swaserve.apiKeyEnabled" . }}
 {{- $ref := dict "name" (include "swaserve.apiKeySecretName" .) "key" .Values.apiKey.secretKey }}
 {{- $env = append $env (dict "name" "SWASERVE_API_KEY" "valueFrom" (dict "secretKeyRef" $ref)) }}

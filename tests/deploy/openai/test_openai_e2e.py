@@ -237,6 +237,17 @@ def test_metrics_have_both_pools_for_every_replica(server: Server) -> None:
     assert httpx.get(f"{server.url}/health", timeout=30).json()["workers_ready"] == WORKERS
 
 
+def test_replicas_run_at_normal_priority(server: Server) -> None:
+    """The worker and ingress replicas run at niceness 0, not Ray's default 15."""
+    from bench.compare_procs import read_proc, role_pids
+
+    roles = role_pids(server.proc.pid)
+    assert len(roles.get("worker", [])) == WORKERS and len(roles.get("ingress", [])) == 1, roles
+    for pid in roles["worker"] + roles["ingress"]:
+        info = read_proc(pid)
+        assert info is not None and info.nice == 0, info
+
+
 def test_sigterm_drains_then_exits_cleanly(server: Server) -> None:
     """SIGTERM (what Kubernetes sends) drains: new requests get 503 + Retry-After and /health
     503, a streaming and a non-streaming request in flight both finish whole, then exit status 0,
