@@ -119,11 +119,11 @@ def test_router_predictions_equal_cached_tokens(server: Server) -> None:
     assert sum(c > 0 for c in cached) >= 6, cached
 
 
-@pytest.mark.loaded
 def test_hundred_repeats_hit_on_a_busy_machine(server: Server) -> None:
     """100 distinct 800-token prompts, each sent again the moment its answer arrives, with two
-    CPU hogs running: the repeat hits its own cache (>= 99 of 100) and the prediction header
-    equals cached_tokens on every one of the 200 requests."""
+    CPU hogs running (the session's in `make test`, else its own): the repeat hits its own cache
+    (>= 99 of 100) and the prediction header equals cached_tokens on every one of the 200
+    requests."""
     import random
 
     rng = random.Random(15)
