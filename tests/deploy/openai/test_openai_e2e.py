@@ -169,27 +169,27 @@ def test_fifty_concurrent_streams(server: Server) -> None:
 
 
 def test_client_disconnect_frees_kv(server: Server) -> None:
-    """Closing a stream mid-way aborts the request: the replicas' used KV drops back to zero."""
-    body = {"model": MODEL, "prompt": "Count to one thousand:", "max_tokens": 400, "stream": True, "ignore_eos": True}
+    """Closing a stream mid-way aborts the request: the replicas' used KV drops back to zero.
+
+    The request asks for nearly the whole context, so it is still generating when the client
+    leaves after six lines, however slow the machine; the abort counter proves it was."""
+    max_model_len = httpx.get(f"{server.url}/v1/models", timeout=30).json()["data"][0]["max_model_len"]
+    body = {"model": MODEL, "prompt": "Count to one thousand:", "max_tokens": max_model_len - 64, "stream": True, "ignore_eos": True}
     aborts_before = sum(_per_replica(_metrics(server), "swaserve_engine_aborts").values())
     with httpx.Client(timeout=60) as c, c.stream("POST", f"{server.url}/v1/completions", json=body) as r:
         lines = r.iter_lines()
         got = [next(lines) for _ in range(6)]
         assert all(g.startswith("data: ") or not g for g in got)
-        # The replicas report their stats to the index actor asynchronously: wait for the sample
-        # that shows this request holding KV (it is still streaming, so it holds it).
-        deadline = time.monotonic() + 30
-        while not sum(_per_replica(_metrics(server), "swaserve_kv_used_tokens", "full").values()):
-            assert time.monotonic() < deadline, "no replica reported KV in use while streaming"
-            time.sleep(0.1)  # waits on the replica's next stats report
-    deadline = time.monotonic() + 30
+    # The replicas report their stats to the index actor asynchronously: wait for a sample taken
+    # after the abort (its abort count is higher) and check it shows no KV in use.
+    deadline = time.monotonic() + 120
     while True:
         fam = _metrics(server)
         used = sum(_per_replica(fam, "swaserve_kv_used_tokens", "full").values())
         aborts = sum(_per_replica(fam, "swaserve_engine_aborts").values())
         if used == 0 and aborts > aborts_before:
             break
-        assert time.monotonic() < deadline, f"KV still used ({used}) or no abort ({aborts}) after 30s"
+        assert time.monotonic() < deadline, f"KV still used ({used}) or no abort ({aborts}) after 120s"
         time.sleep(0.5)  # waits on the KV being freed and reported
 
 
@@ -269,12 +269,12 @@ def test_sigterm_drains_then_exits_cleanly(server: Server) -> None:
     clients = [threading.Thread(target=plain), threading.Thread(target=streamed)]
     for t in clients:
         t.start()
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 180  # a bound on a hang, not a timing: CI machines are busy
     while _metric(server, "swaserve_requests_in_flight") < 2:
         assert time.monotonic() < deadline, "the two requests never were in flight together"
         time.sleep(0.05)  # waits on both requests reaching the ingress
     server.proc.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 120
     while httpx.get(f"{server.url}/health", timeout=30).status_code != 503:
         assert time.monotonic() < deadline, "the ingress kept admitting after SIGTERM"
         time.sleep(0.05)  # waits on the drain starting
