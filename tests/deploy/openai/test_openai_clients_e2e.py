@@ -211,17 +211,19 @@ def _status_count(server: Server, status: str) -> float:
 def test_disconnect_before_headers_counts_499(server: Server) -> None:
     """A client that hangs up while a non-streamed request runs is counted as 499, not 500."""
     before, before_500 = _status_count(server, "499"), _status_count(server, "500")
-    body = json.dumps({"model": MODEL, "prompt": "Count:", "max_tokens": 1500, "ignore_eos": True}).encode()
+    # Nearly the whole context: still running when the stats report shows it, on any machine.
+    max_model_len = httpx.get(f"{server.url}/v1/models", timeout=30).json()["data"][0]["max_model_len"]
+    body = json.dumps({"model": MODEL, "prompt": "Count:", "max_tokens": max_model_len - 64, "ignore_eos": True}).encode()
     host, port = server.url.removeprefix("http://").split(":")
     sock = socket.create_connection((host, int(port)), timeout=30)
     sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                  b"Content-Length: %d\r\n\r\n%s" % (len(body), body))  # fmt: skip
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 120
     while not sum(s.value for s in _metrics(server)["swaserve_kv_used_tokens"].samples):
         assert time.monotonic() < deadline, "the request never started"
         time.sleep(0.1)  # waits on the replica's stats report
     sock.close()
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 120
     while _status_count(server, "499") <= before:
         assert time.monotonic() < deadline, "no 499 counted after the client left"
         time.sleep(0.2)  # waits on Serve noticing the disconnect
