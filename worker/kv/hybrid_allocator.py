@@ -25,6 +25,7 @@ from worker.kv.allocator import PageAllocator, check_page_size, check_pool_size
 from worker.kv.integrity import check_allocator
 
 _I64 = torch.int64
+SMALL_DECODE_BATCH = 6  # alloc_decode: at most this many requests take alloc_extend's loop
 
 
 @dataclass(frozen=True)
@@ -146,8 +147,14 @@ class HybridAllocator:
 
         A fresh page is taken iff ``(seq_len - 1) % page_size == 0``, else the slot after
         ``last_loc`` (its SWA twin after ``mapping[last_loc]``); atomic like alloc_extend and
-        with its checks, vectorised over the batch (a fixed number of tensor ops, no loop).
+        with its checks, vectorised over the batch (a fixed number of tensor ops, no loop);
+        a batch of at most SMALL_DECODE_BATCH requests goes through alloc_extend (cheaper there).
         """
+        if len(seq_lens) <= SMALL_DECODE_BATCH:  # fewer tensor ops per request than the pass
+            for s in seq_lens:
+                if int(s) < 1:
+                    raise ValueError(f"alloc_decode: seq_lens include the new token, got {int(s)}")
+            return self.alloc_extend([int(s) - 1 for s in seq_lens], seq_lens, last_locs)
         seq = torch.as_tensor(seq_lens, dtype=_I64).reshape(-1)
         last = torch.as_tensor(last_locs, dtype=_I64).reshape(-1)
         if seq.shape != last.shape:

@@ -84,7 +84,7 @@ def _pack(parts: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, tuple
         spans[name] = (off, n)
         off += n
         if t is not None and n:
-            order.append(t.reshape(-1).to(torch.int64))
+            order.append(t)  # every part is built 1-D int64
     packed = torch.cat(order) if order else torch.empty(0, dtype=torch.int64)
     return packed, spans
 
@@ -329,15 +329,18 @@ def prepare_inputs(
     full_rows: tuple[int, ...] | None = None
     if paged:
         full_rows = tuple(int(r.row) for r in reqs)  # type: ignore[arg-type]
+        row_t = torch.tensor(full_rows, dtype=torch.int64)
         new = [n - r.synced for r, n in zip(reqs, seq)]
-        d_off = _offsets(new)
-        sel = _spread([p + r.synced - s - o for p, r, s, o in zip(ptr, reqs, starts, d_off)], new, d_off[-1])
-        parts["sync_row"] = torch.repeat_interleave(
-            torch.tensor(full_rows, dtype=torch.int64), torch.tensor(new, dtype=torch.int64)
-        )
-        parts["sync_col"] = _spread([r.synced - o for r, o in zip(reqs, d_off)], new, d_off[-1])
-        parts["sync_val"] = slots[sel]
-        parts["full_row"] = torch.tensor(full_rows, dtype=torch.int64)
+        if all(n == 1 for n in new) and total == len(reqs):  # decodes: the new slot is the entry
+            parts["sync_row"], parts["sync_col"] = row_t, parts["pos"]
+            parts["sync_val"] = slots[torch.tensor(ptr[1:], dtype=torch.int64) - 1]
+        else:
+            d_off = _offsets(new)
+            sel = _spread([p + r.synced - s - o for p, r, s, o in zip(ptr, reqs, starts, d_off)], new, d_off[-1])
+            parts["sync_row"] = torch.repeat_interleave(row_t, torch.tensor(new, dtype=torch.int64))
+            parts["sync_col"] = _spread([r.synced - o for r, o in zip(reqs, d_off)], new, d_off[-1])
+            parts["sync_val"] = slots[sel]
+        parts["full_row"] = row_t
         parts["full_len"] = torch.tensor(seq, dtype=torch.int64)
     elif has_full:
         parts["full_idx"], parts["full_ptr"] = slots, torch.tensor(ptr)
