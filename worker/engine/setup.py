@@ -132,7 +132,12 @@ def decode_graphs(config: EngineConfig, runner: ModelRunner, max_seq_len: int) -
     graphs = DecodeGraphs(
         runner.model, runner.pool, runner.backend, runner.spec, runner.device, sizes, max_seq_len
     )
-    graphs.capture()
+    try:
+        graphs.capture()
+    except Exception:  # noqa: BLE001 - auto: a forward that cannot be captured runs eagerly
+        logger.warning("CUDA graph capture failed; decoding eagerly", exc_info=True)
+        torch.cuda.synchronize(runner.device)
+        return None
     return graphs
 
 
