@@ -168,6 +168,15 @@ class Scheduler:
         self._next_row += 1
         return self._next_row - 1
 
+    def check_rows(self) -> None:
+        """Every running request holds its own row; free rows and held rows are all rows."""
+        held = [r.kv.row for r in self.running if r.kv is not None]
+        if sorted(held + self._free_rows) != list(range(self._next_row)) or min(held, default=0) < 0:
+            raise AssertionError(
+                f"page-table rows: running requests hold {sorted(held)}, free {sorted(self._free_rows)}, "
+                f"{self._next_row} handed out (a row leaked or is shared)"
+            )
+
     def _drop_row(self, kv: ReqKV) -> None:
         """Give `kv`'s page-table row back (idempotent); its next owner starts unsynced."""
         if kv.row >= 0:
