@@ -27,7 +27,12 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
 from router.policies import DEFAULT_POLICY, POLICY_NAMES
-from worker.config import SWA_EVICTION_POLICIES, TOMBSTONE_REPAIR_MODES, EngineConfig
+from worker.config import (
+    CUDA_GRAPH_MODES,
+    SWA_EVICTION_POLICIES,
+    TOMBSTONE_REPAIR_MODES,
+    EngineConfig,
+)
 
 # Names the Serve config files, the Helm chart and `deploy.app` share.
 APP_NAME = "swaserve"
@@ -44,6 +49,7 @@ AttentionBackend = Literal["torch", "flashinfer"]
 PlacementStrategy = Literal["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"]
 SwaEvictionPolicy = Literal[SWA_EVICTION_POLICIES]  # type: ignore[valid-type]
 TombstoneRepair = Literal[TOMBSTONE_REPAIR_MODES]  # type: ignore[valid-type]
+CudaGraphs = Literal[CUDA_GRAPH_MODES]  # type: ignore[valid-type]
 
 
 def _api_key_from_env() -> SecretStr | None:
@@ -180,6 +186,17 @@ class ServeConfig(BaseModel):
         1, ge=1,
         description="Devices one worker replica splits the model over (one rank each; KV budgets and worker_num_gpus are per rank); > 1: a placement group of that many bundles, the other ranks as actors in it.",
     )  # fmt: skip
+    cuda_graphs: CudaGraphs = Field(
+        "auto",
+        description=(
+            "auto: capture the decode forward as CUDA graphs on CUDA with the flashinfer backend "
+            "(dense models, one rank); off: always eager."
+        ),
+    )
+    cuda_graph_batch_sizes: tuple[int, ...] | None = Field(
+        None,
+        description="Decode batch sizes to capture; unset: 1, 2, 4, 8, 16, 24, 32, 48, 64, ... up to max_running_requests.",
+    )
 
     # -- worker deployment (-> Ray Serve options) ------------------------------------------
     workers: int = Field(

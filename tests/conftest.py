@@ -10,6 +10,7 @@ Ray and e2e modules on a busy machine; tests/cpu_hogs.py).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 import pytest
@@ -18,6 +19,9 @@ import torch
 from tests.cpu_hogs import cpu_hogs
 
 torch.set_num_threads(1)
+# Every runner of the suite compares its device page table with the host tables after each step
+# and checks every FULL key slot (worker/runner/model_runner.py; O(tokens), off in production).
+os.environ.setdefault("SWASERVE_CHECK_TABLES", "1")
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

@@ -39,18 +39,107 @@ class AttentionLayer:
 
 @dataclass(frozen=True)
 class KVView:
-    """The keys one layer kind may read in a batch, request-major.
+    """The keys one layer kind may read in a batch, request-major, in one of two forms.
 
-    ``indices[indptr[i]:indptr[i+1]]`` are request i's slots (in the pool that kind lives in) for
-    key positions ``kv_starts[i] … seq_lens[i] - 1``.
+    Flat (``indices`` set): ``indices[indptr[i]:indptr[i+1]]`` are request i's slots (in the pool
+    that kind lives in) for key positions ``kv_starts[i] … seq_lens[i] - 1``. The SWA view is
+    always flat (host-built, bounded by the window).
+
+    Paged (``table`` set, docs/design.md §18.1): request i's slot of position p is
+    ``table[rows[i], p]``, for ``p`` in ``kv_starts[i] … kv_starts[i] + kv_lens[i] - 1``. The
+    table is the runner's persistent device page table; nothing of size O(tokens) crossed from
+    the host this step. `flat_indices` builds the flat form on the device when a kernel needs it.
     """
 
-    indices: torch.Tensor  # int64 [sum of kv lens], on the model device
-    indptr: torch.Tensor  # int64 [B + 1], on the model device
+    indices: torch.Tensor | None  # int64 [sum of kv lens], on the model device (flat form)
+    indptr: torch.Tensor | None  # int64 [B + 1], on the model device (flat form)
     kv_starts: tuple[int, ...]  # position of each request's first key (0 for FULL)
+    kv_lens: tuple[int, ...] = ()  # keys per request (host ints); () = read from indptr
+    table: torch.Tensor | None = None  # int32/int64 [rows, width], model device (paged form)
+    rows: tuple[int, ...] = ()  # each request's table row (host ints, paged form)
+    row_ids: torch.Tensor | None = None  # int64 [B]: the same on the device (paged form)
+    starts_dev: torch.Tensor | None = None  # int64 [B]: kv_starts on the device (paged form)
+    lens_dev: torch.Tensor | None = None  # int64 [B]: kv_lens on the device (paged form)
+
+    @classmethod
+    def paged(
+        cls,
+        table: torch.Tensor,
+        rows: tuple[int, ...],
+        row_ids: torch.Tensor,
+        kv_starts: tuple[int, ...],
+        kv_lens: tuple[int, ...],
+        starts_dev: torch.Tensor | None = None,
+        lens_dev: torch.Tensor | None = None,
+    ) -> KVView:
+        """A paged view; the device copies of the starts and lengths are built if not given."""
+        dev = table.device
+        if starts_dev is None:
+            starts_dev = torch.tensor(kv_starts, dtype=torch.int64, device=dev)
+        if lens_dev is None:
+            lens_dev = torch.tensor(kv_lens, dtype=torch.int64, device=dev)
+        return cls(None, None, kv_starts, kv_lens, table, rows, row_ids, starts_dev, lens_dev)
+
+    @property
+    def is_paged(self) -> bool:
+        return self.table is not None
+
+    @property
+    def device(self) -> torch.device:
+        t = self.table if self.table is not None else self.indices
+        assert t is not None, "a KVView holds a table or indices"
+        return t.device
 
     def kv_len(self, i: int) -> int:
+        if self.kv_lens:
+            return self.kv_lens[i]
+        assert self.indptr is not None
         return int(self.indptr[i + 1] - self.indptr[i])
+
+    def segment(self, i: int, kv_off: int, n: int) -> torch.Tensor:
+        """Request i's first `n` key slots (`kv_off`: where they start in the flat form)."""
+        if self.table is not None:
+            start = self.kv_starts[i]
+            return self.table[self.rows[i], start : start + n].long()
+        assert self.indices is not None
+        return self.indices[kv_off : kv_off + n]
+
+    def padded(
+        self, members: list[int], kv_offs: list[int], L: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Key slots ``[G*L]`` of requests `members` padded with slot 0, and which are real
+        (bool ``[G, L]``). One device gather in either form; no host sync."""
+        dev = self.device
+        ell = torch.arange(L, device=dev)[None, :]
+        lens = torch.tensor([self.kv_len(i) for i in members], device=dev)[:, None]
+        key_ok = ell < lens
+        if self.table is not None:
+            assert self.row_ids is not None
+            sel = torch.tensor(members, device=dev)
+            starts = torch.tensor([self.kv_starts[i] for i in members], device=dev)[:, None]
+            cols = torch.where(key_ok, starts + ell, 0)
+            slots = self.table[self.row_ids[sel][:, None], cols].long()
+        else:
+            assert self.indices is not None
+            offs = torch.tensor(kv_offs, device=dev)[:, None]
+            slots = self.indices[torch.where(key_ok, offs + ell, 0)]
+        return torch.where(key_ok, slots, 0).reshape(-1), key_ok
+
+    def flat_indices(self) -> torch.Tensor:
+        """The flat form's `indices` (int64, model device), built on the device from the table
+        for a paged view: O(keys) device work, O(batch) host work, no host sync."""
+        if self.indices is not None:
+            return self.indices
+        assert self.table is not None and self.row_ids is not None
+        assert self.lens_dev is not None and self.starts_dev is not None
+        dev, total, lens = self.table.device, sum(self.kv_lens), self.lens_dev
+        seg_start = torch.cumsum(lens, 0) - lens  # where each request's keys start in the output
+        shift = self.starts_dev - seg_start
+        rows = torch.repeat_interleave(self.row_ids, lens, output_size=total)
+        cols = torch.arange(total, device=dev) + torch.repeat_interleave(
+            shift, lens, output_size=total
+        )
+        return self.table[rows, cols].long()
 
 
 @dataclass(frozen=True)

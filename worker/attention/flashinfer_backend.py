@@ -14,6 +14,10 @@ scale, softcap and sinks are the layer's):
 - sinks: `BatchAttentionWithAttentionSinkWrapper`, sinks passed per layer at run time (float32);
 - softcap: ``logits_soft_cap`` at plan time (Gemma 2).
 
+CUDA graphs (`plan_graph`, docs/design.md §18.2): a decode batch padded to a captured size is
+planned into per-size wrappers built with ``use_cuda_graph=True`` and fixed buffers, outside the
+graph; the graph's kernels read those buffers on replay.
+
 NOTE: FlashInfer kernels take float16/bfloat16 only; float32 models use the torch backend.
 """
 
@@ -112,6 +116,11 @@ class FlashInferBackend(AttentionBackend):
         self.dtype = pool.dtype
         self.workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
         self._wrappers: dict[_PlanKey, Any] = {}  # reused across batches; planned per batch
+        # CUDA graphs (worker/runner/cuda_graphs.py): one wrapper per (batch size, key) whose
+        # plan writes into fixed buffers the captured kernels read; page indices per kind in one
+        # buffer shared by every size (one graph runs at a time).
+        self._graph_wrappers: dict[tuple[int, _PlanKey], Any] = {}
+        self._graph_indices: dict[LayerKind, torch.Tensor] = {}
 
     # ---- per batch ------------------------------------------------------------------------------
     def plan(self, batch: AttnBatch) -> FlashInferMetadata:
@@ -119,7 +128,8 @@ class FlashInferBackend(AttentionBackend):
         for kind, view in batch.kv.items():
             lengths = [seq - start for seq, start in zip(batch.seq_lens, view.kv_starts)]
             kv_indptr[kind] = _host_indptr(lengths)
-            kv_indices[kind] = view.indices.to(device=self.device, dtype=torch.int32)
+            # A paged FULL view gathers its page indices from the device page table here.
+            kv_indices[kind] = view.flat_indices().to(device=self.device, dtype=torch.int32)
         return FlashInferMetadata(batch, _host_indptr(list(batch.q_lens)), kv_indptr, kv_indices)
 
     def _wrapper(self, key: _PlanKey) -> Any:
@@ -135,8 +145,59 @@ class FlashInferBackend(AttentionBackend):
                 self._wrappers[key] = fi.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
         return self._wrappers[key]
 
-    def _plan_kind(self, meta: FlashInferMetadata, key: _PlanKey) -> _KindPlan:
-        wrapper = self._wrapper(key)
+    def _graph_wrapper(self, bs: int, key: _PlanKey, capacity: int) -> Any:
+        if (bs, key) not in self._graph_wrappers:
+            fi, dev, i32 = self.flashinfer, self.device, torch.int32
+            indices = self._graph_indices.get(key.kind)
+            if indices is None or indices.numel() < capacity:
+                indices = self._graph_indices[key.kind] = torch.empty(capacity, dtype=i32, device=dev)
+            bufs = dict(
+                use_cuda_graph=True,
+                qo_indptr_buf=torch.empty(bs + 1, dtype=i32, device=dev),
+                paged_kv_indptr_buf=torch.empty(bs + 1, dtype=i32, device=dev),
+                paged_kv_indices_buf=indices,
+                paged_kv_last_page_len_buf=torch.empty(bs, dtype=i32, device=dev),
+            )
+            if key.sinks:
+                wrapper = fi.BatchAttentionWithAttentionSinkWrapper(
+                    self.workspace, "NHD", q_data_type=self.dtype, kv_data_type=self.dtype,
+                    head_dim_qk=key.head_dim, head_dim_vo=key.v_head_dim,
+                    window_left=key.window_left, **bufs,
+                )  # fmt: skip
+            else:
+                wrapper = fi.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", **bufs)
+            self._graph_wrappers[(bs, key)] = wrapper
+        return self._graph_wrappers[(bs, key)]
+
+    def plan_graph(
+        self,
+        bs: int,
+        batch: AttnBatch,
+        layers: list[tuple[AttentionLayer, bool]],
+        capacity: dict[LayerKind, int],
+    ) -> FlashInferMetadata:
+        """Plan a padded decode batch of exactly `bs` requests into the graph wrappers of that
+        size, every kind at once (outside the graph; the captured kernels read what this
+        writes). `layers`: every attention layer and whether it has sinks."""
+        if batch.batch_size != bs:
+            raise ValueError(f"plan_graph: the batch has {batch.batch_size} requests, the graph {bs}")
+        meta = self.plan(batch)
+        for layer, sinks in layers:
+            key = _PlanKey.of(layer, batch.window, sinks)
+            done = meta.planned.get(key.kind)
+            if done is not None:
+                if done.key != key:
+                    raise ValueError(
+                        f"layer {layer.layer_id} differs from the other {layer.kind.value} layers "
+                        f"({key} vs {done.key}); FlashInfer plans once per kind per batch"
+                    )
+                continue
+            wrapper = self._graph_wrapper(bs, key, capacity[key.kind])
+            meta.planned[key.kind] = self._plan_kind(meta, key, wrapper)
+        return meta
+
+    def _plan_kind(self, meta: FlashInferMetadata, key: _PlanKey, wrapper: Any = None) -> _KindPlan:
+        wrapper = wrapper if wrapper is not None else self._wrapper(key)
         extra: dict[str, Any] = {}
         if not key.sinks:
             extra = {"sm_scale": key.scaling, "logits_soft_cap": key.softcap or 0.0}

@@ -61,6 +61,7 @@ class _Member(NamedTuple):
 
     A NamedTuple: built for every request of every step, twice (once per layer kind)."""
 
+    idx: int  # the request's index in the batch
     q_off: int  # first query row
     q_len: int
     prefix: int  # position of its first query
@@ -71,8 +72,8 @@ class _Member(NamedTuple):
 
 def _members(batch: AttnBatch, view: KVView) -> list[_Member]:
     out, q_off, kv_off = [], 0, 0
-    for q, seq, start in zip(batch.q_lens, batch.seq_lens, view.kv_starts):
-        out.append(_Member(q_off, q, seq - q, kv_off, seq - start, start))
+    for i, (q, seq, start) in enumerate(zip(batch.q_lens, batch.seq_lens, view.kv_starts)):
+        out.append(_Member(i, q_off, q, seq - q, kv_off, seq - start, start))
         q_off += q
         kv_off += seq - start
     return out
@@ -100,21 +101,18 @@ def _col(values: list[int], dev: torch.device) -> torch.Tensor:
 def _slots(
     members: list[_Member], view: KVView, L: int
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Key slots ``[G*L]`` padded with slot 0, and which are real ``[G, L]`` (None: all)."""
+    """Key slots ``[G*L]`` padded with slot 0, and which are real ``[G, L]`` (None: all).
+    Gathered on the device from either form of the view (flat, or the paged device table)."""
     if len(members) == 1:
         m = members[0]
-        return view.indices[m.kv_off : m.kv_off + L], None
-    dev = view.indices.device
-    ell = torch.arange(L, device=dev)[None, :]
-    key_ok = ell < _col([m.kv_len for m in members], dev)
-    pos = torch.where(key_ok, _col([m.kv_off for m in members], dev) + ell, 0)
-    return torch.where(key_ok, view.indices[pos], 0).reshape(-1), key_ok
+        return view.segment(m.idx, m.kv_off, L), None
+    return view.padded([m.idx for m in members], [m.kv_off for m in members], L)
 
 
 def _decode_group(members: list[_Member], view: KVView, window: int | None, total: int) -> _Group:
     """One query per request at position ``prefix``: every key of its view is visible (the view
     ends at the query and, on SWA layers, starts at the window) except padding."""
-    dev = view.indices.device
+    dev = view.device
     G, L = len(members), max(m.kv_len for m in members)
     kv_idx, visible = _slots(members, view, L)
     if window is not None and any(m.kv_start < m.prefix - window for m in members):
@@ -131,7 +129,7 @@ def _decode_group(members: list[_Member], view: KVView, window: int | None, tota
 
 
 def _extend_group(members: list[_Member], view: KVView, window: int | None, total: int) -> _Group:
-    dev = view.indices.device
+    dev = view.device
     G, Q, L = len(members), max(m.q_len for m in members), max(m.kv_len for m in members)
     kv_idx, key_ok = _slots(members, view, L)
     j, ell = torch.arange(Q, device=dev)[None, :], torch.arange(L, device=dev)[None, :]

@@ -179,6 +179,8 @@ class RadixCache(PrefixCache):
         req.table[req.cache_protected_len : aligned] = _cat([n.full for n in path])[
             req.cache_protected_len : aligned
         ]
+        # The device page-table row must be rewritten from here on (§18.1).
+        req.synced_len = min(req.synced_len, req.cache_protected_len)
         new_lock = self.tree.lock(out.node)
         if req.lock is not None:
             self.tree.unlock(req.lock, skip_swa=req.swa_lock_released)

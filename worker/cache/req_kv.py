@@ -49,6 +49,11 @@ class ReqKV:
     # slots, not in the tree). Meanwhile kv_committed_len runs from repair_start up.
     repair_start: int = 0
     repair_slots: torch.Tensor | None = None
+    # The request's row of the runner's device page table (docs/design.md §18.1; -1: none) and
+    # how many leading positions of that row hold `table` (ForwardReq.synced). Whoever rewrites
+    # `table[p]` below `synced_len` lowers it to p (the cache does on insert).
+    row: int = -1
+    synced_len: int = 0
 
     @property
     def repairing(self) -> bool:

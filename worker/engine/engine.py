@@ -284,6 +284,7 @@ class Engine:
         running = [r.kv for r in self.scheduler.running if r.kv is not None]
         self.allocator.check_integrity()
         self.cache.check_integrity(running)
+        self.scheduler.check_rows()
         if not running:
             self._check_idle_pools()
         if self.parts.tp is not None:

@@ -15,7 +15,7 @@ import torch
 
 from worker.cache import create_cache
 from worker.cache.base import PrefixCache
-from worker.config import EngineConfig
+from worker.config import CUDA_GRAPH_MODES, EngineConfig
 from worker.engine.protocols import RankLauncher, Runner
 from worker.errors import ConfigError
 from worker.kv.hybrid_allocator import HybridAllocator
@@ -25,6 +25,8 @@ from worker.models.spec import ModelSpec
 
 if TYPE_CHECKING:
     from worker.engine.tp_setup import TensorParallel
+    from worker.runner.cuda_graphs import DecodeGraphs
+    from worker.runner.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -93,7 +95,12 @@ def build_engine_parts(config: EngineConfig, launcher: RankLauncher | None = Non
     if config.attention_backend == "flashinfer" and device.type != "cuda":
         raise ConfigError("attention_backend 'flashinfer' needs a CUDA device; use 'torch' on CPU")
     backend = create_backend(config.attention_backend, pool, spec, device)
-    runner = ModelRunner(spec, model, pool, allocator, backend, device=device)
+    width = max_model_len(config, spec) + config.page_size
+    runner = ModelRunner(
+        spec, model, pool, allocator, backend, device=device,
+        table_rows=config.max_running_requests, table_width=width,
+    )  # fmt: skip
+    runner.graphs = decode_graphs(config, runner, width)
     return EngineParts(
         spec=spec,
         allocator=allocator,
@@ -105,6 +112,33 @@ def build_engine_parts(config: EngineConfig, launcher: RankLauncher | None = Non
         model_dir=model_dir,
         plan=plan,
     )
+
+
+def decode_graphs(config: EngineConfig, runner: ModelRunner, max_seq_len: int) -> DecodeGraphs | None:
+    """The runner's captured decode graphs (docs/design.md §18.2), or None: `cuda_graphs: off`,
+    or `auto` where the device, backend or model cannot be captured (logged with why)."""
+    if config.cuda_graphs not in CUDA_GRAPH_MODES:
+        raise ConfigError(f"cuda_graphs {config.cuda_graphs!r} is not one of {list(CUDA_GRAPH_MODES)}")
+    if config.cuda_graphs == "off":
+        return None
+    from worker.runner.cuda_graphs import DecodeGraphs, capturable, graph_batch_sizes
+
+    why = capturable(runner.model, runner.backend, runner.device)
+    if why is not None:
+        if runner.device.type == "cuda":
+            logger.info("CUDA graphs off: %s", why)
+        return None
+    sizes = graph_batch_sizes(config.cuda_graph_batch_sizes, config.max_running_requests)
+    graphs = DecodeGraphs(
+        runner.model, runner.pool, runner.backend, runner.spec, runner.device, sizes, max_seq_len
+    )
+    try:
+        graphs.capture()
+    except Exception:  # noqa: BLE001 - auto: a forward that cannot be captured runs eagerly
+        logger.warning("CUDA graph capture failed; decoding eagerly", exc_info=True)
+        torch.cuda.synchronize(runner.device)
+        return None
+    return graphs
 
 
 def max_model_len(config: EngineConfig, spec: ModelSpec) -> int:

@@ -127,7 +127,11 @@ def _runner(config: EngineConfig, shard: _Shard, allocator: HybridAllocator | No
         hybrid=shard.plan.hybrid,
     )  # fmt: skip
     backend = create_backend(config.attention_backend, pool, shard.spec, shard.device)
-    return ModelRunner(shard.spec, shard.model, pool, allocator, backend, device=shard.device)
+    return ModelRunner(
+        shard.spec, shard.model, pool, allocator, backend, device=shard.device,
+        table_rows=config.max_running_requests,
+        table_width=max_model_len(config, shard.spec) + config.page_size,
+    )  # fmt: skip
 
 
 def build_tp_engine_parts(config: EngineConfig, launcher: RankLauncher | None) -> EngineParts:

@@ -1,4 +1,4 @@
-"""`PageAllocator`: the free-page list of ONE pool, in plain Python.
+"""`PageAllocator`: the free-page list of ONE pool, in plain Python (torch only for a view).
 
 Page p holds slots ``[p * page_size, (p + 1) * page_size)``. Page 0 is the reserved dummy page
 (padded tokens write there), so the usable pages are ``1 .. num_pages`` and page 0 never enters
@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable
+
+import torch
 
 
 def check_page_size(page_size: int) -> None:
@@ -80,6 +82,11 @@ class PageAllocator:
     def free_flags(self) -> bytes:
         """Byte p is 1 iff page p is free (page 0 always 0); for vectorised integrity checks."""
         return bytes(self._is_free)
+
+    def free_flag_view(self) -> torch.Tensor:
+        """`free_flags` as a uint8 tensor sharing the flags' memory (no copy; read it at once:
+        `clear` replaces the flags)."""
+        return torch.frombuffer(self._is_free, dtype=torch.uint8)
 
     def free_pages(self) -> list[int]:
         """A copy of the free list in allocation order (for snapshots and tests)."""

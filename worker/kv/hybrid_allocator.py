@@ -25,6 +25,7 @@ from worker.kv.allocator import PageAllocator, check_page_size, check_pool_size
 from worker.kv.integrity import check_allocator
 
 _I64 = torch.int64
+SMALL_DECODE_BATCH = 6  # alloc_decode: at most this many requests take alloc_extend's loop
 
 
 @dataclass(frozen=True)
@@ -144,12 +145,66 @@ class HybridAllocator:
     ) -> torch.Tensor | None:
         """One slot per request for position ``seq_len - 1`` (seq_lens include the new token).
 
-        A fresh page is taken iff ``(seq_len - 1) % page_size == 0``; atomic like alloc_extend.
+        A fresh page is taken iff ``(seq_len - 1) % page_size == 0``, else the slot after
+        ``last_loc`` (its SWA twin after ``mapping[last_loc]``); atomic like alloc_extend and
+        with its checks, vectorised over the batch (a fixed number of tensor ops, no loop);
+        a batch of at most SMALL_DECODE_BATCH requests goes through alloc_extend (cheaper there).
         """
-        for s in seq_lens:
-            if int(s) < 1:
-                raise ValueError(f"alloc_decode: seq_lens include the new token, got {int(s)}")
-        return self.alloc_extend([int(s) - 1 for s in seq_lens], seq_lens, last_locs)
+        if len(seq_lens) <= SMALL_DECODE_BATCH:  # fewer tensor ops per request than the pass
+            for s in seq_lens:
+                if int(s) < 1:
+                    raise ValueError(f"alloc_decode: seq_lens include the new token, got {int(s)}")
+            return self.alloc_extend([int(s) - 1 for s in seq_lens], seq_lens, last_locs)
+        seq = torch.as_tensor(seq_lens, dtype=_I64).reshape(-1)
+        last = torch.as_tensor(last_locs, dtype=_I64).reshape(-1)
+        if seq.shape != last.shape:
+            raise ValueError(
+                f"alloc_decode: seq_lens ({seq.numel()}) and last_locs ({last.numel()}) must have "
+                "one entry per request"
+            )
+        if seq.numel() == 0:
+            return torch.empty(0, dtype=_I64)
+        if int(seq.min()) < 1:
+            raise ValueError(f"alloc_decode: seq_lens include the new token, got {int(seq.min())}")
+        P = self.page_size
+        pos = seq - 1
+        fresh = pos % P == 0
+        cont = ~fresh
+        num_pages = int(fresh.sum())
+        full = torch.empty_like(seq)
+        swa = torch.empty_like(seq)
+        if bool(cont.any()):
+            full[cont], swa[cont] = self._continue_decodes(pos[cont], last[cont])
+        if not self._fits(num_pages):
+            return None
+        full_pages, swa_pages = self._take_pages(num_pages)
+        if num_pages:
+            full[fresh] = torch.tensor(full_pages, dtype=_I64) * P
+            swa[fresh] = torch.tensor(swa_pages, dtype=_I64) * P
+        self._map_fresh(full_pages, full, swa)
+        return full
+
+    def _continue_decodes(
+        self, pos: torch.Tensor, last: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`_continuation`'s checks for many one-token continuations at once."""
+        P = self.page_size
+        in_pool = (last >= P) & (last < self.full_size + P)
+        pages = torch.where(in_pool, last // P, 0)
+        free = self.full.free_flag_view()
+        bad = ~in_pool | (free[pages] != 0) | (last % P != (pos - 1) % P)
+        if bool(bad.any()):
+            i = int(bad.nonzero()[0])
+            self._continuation(int(pos[i]), int(last[i]), 1)  # raises with the precise message
+            raise AssertionError("unreachable: _continuation accepted a rejected continuation")
+        if not self.hybrid:
+            return last + 1, last + 1
+        swa_last = self.mapping[last]
+        if bool((swa_last <= 0).any()) or bool((self.mapping[last + 1] != 0).any()):
+            i = int(((swa_last <= 0) | (self.mapping[last + 1] != 0)).nonzero()[0])
+            self._continuation(int(pos[i]), int(last[i]), 1)
+            raise AssertionError("unreachable: _continuation accepted a rejected continuation")
+        return last + 1, swa_last + 1
 
     def _fits(self, num_pages: int) -> bool:
         return num_pages <= self.full.num_free_pages and num_pages <= self.swa.num_free_pages

@@ -7,6 +7,8 @@
     gather logits slices ◀──────────────────────────   send logits slice
     sample (rank 0 only)
 
+Every rank keeps its own device page table (docs/design.md §18.1): the host inputs carry the
+entries new this step and each rank writes them into its table before its forward.
 Rank 0's allocator translated the SWA slots once; since one allocator hands out every slot and
 every rank's pools hold the same number of tokens (only head counts differ), the same slot
 indices are valid in every rank's pools. Ranks 1..N-1 have no allocator, scheduler or cache.
@@ -116,6 +118,8 @@ class TPRunner:
         self.group.broadcast(step)
         logits = run_step(self.inner, self.group, step, self.vocab)
         assert logits is not None, "rank 0 receives the gathered logits"
+        if self.inner.check_tables:
+            self.inner.verify_table(batch)  # rank 0's page table (the others apply the same)
         return logits
 
     def sample(

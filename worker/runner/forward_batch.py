@@ -14,6 +14,13 @@ A batch mixes prefill chunks and decodes. For each request (`ForwardReq`):
   only that prefix is read). ``table[prefix_len:]`` are the new tokens' slots, already allocated
   by the caller (``HybridAllocator.alloc_extend`` / ``alloc_decode``, which also set their SWA
   mapping). The runner writes the new K/V there; the caller owns the slots.
+- ``row`` / ``synced``: the request's row in the runner's persistent page table on the model
+  device (docs/design.md §18.1; the scheduler owns the row ids, one per running request, reused
+  after it ends), and how many leading positions of that row already hold ``table[:synced]``.
+  The runner writes only ``table[synced:seq_len]`` into the row (a decode: one entry), so a
+  caller that rewrites ``table[p]`` for a ``p < synced`` must lower ``synced`` to ``p`` first.
+  ``row=None`` (tests, tools): no persistent row; the runner copies ``table[:seq_len]`` into a
+  flat host-built view every step (the O(tokens) path). A batch is all rows or all ``None``.
 - ``need_logits``: False for a non-final prefill chunk (no token is sampled from it).
 - ``all_logits``: logits for every new token, not only the last (prompt logprobs); each of
   its rows is the distribution of the token after that position.
@@ -79,6 +86,8 @@ class ForwardReq:
     need_logits: bool = True
     all_logits: bool = False  # a row per new token (prompt logprobs), the last one included
     repair: RepairRows | None = None
+    row: int | None = None  # the request's row of the device page table (None: no row)
+    synced: int = 0  # positions of that row already holding table[:synced]
 
     @property
     def logit_rows(self) -> int:
@@ -104,6 +113,11 @@ class ForwardReq:
             raise ValueError(
                 f"ForwardReq.table has {self.table.numel()} slots but the request ends at "
                 f"{self.seq_len}: allocate the new tokens' slots before the forward"
+            )
+        if self.row is not None and not 0 <= self.synced <= self.seq_len:
+            raise ValueError(
+                f"ForwardReq.synced must be in [0, {self.seq_len}] (the row's synced prefix), "
+                f"got {self.synced}"
             )
         if self.repair is not None and not 0 <= self.repair.start <= self.prefix_len:
             raise ValueError(

@@ -1,18 +1,26 @@
 """`ModelRunner`: turns a `ForwardBatch` into logits, and logits into tokens.
 
-Per step it builds, on the host and once: the input ids and positions, the new tokens' FULL slots
-(`out_loc`) and SWA slots (`swa_out_loc`), and one key view per layer kind (FULL slots as given;
-SWA slots for the window only, translated through the allocator in ONE call). Everything is
-copied to the model device once, the backend plans once, then the model runs. A repair's rows
-write to and read SWA keys from its scratch slots, FULL keys from the cached ones (§9.8).
+Per step it builds, on the host and once, everything as int64 parts of ONE packed host tensor:
+the input ids and positions, the new tokens' FULL slots (`out_loc`) and SWA slots
+(`swa_out_loc`), the page-table entries new this step, and the SWA key view (window-bounded,
+translated through the allocator in ONE call). The FULL keys never cross: they sit in the
+runner's persistent device page table (one row per running request, `DeviceTable`,
+docs/design.md §18.1), which each step only extends by the entries the host has and the
+device does not (a decode: one per request). So host work per step is O(batch + window), not
+O(tokens). The packed tensor is copied to the model device once (from a pinned staging buffer,
+non-blocking, on CUDA), the backend plans once, then the model runs — or, for a decode batch
+with CUDA graphs on, a captured graph replays (`worker/runner/cuda_graphs.py`, §18.2). A
+repair's rows write to and read SWA keys from its scratch slots, FULL keys from the cached
+ones (§9.8).
 
 The two halves are separate methods: `_prepare` (host, needs the allocator) and `execute`
 (device). Under tensor parallelism rank 0 prepares once and every rank executes the same host
-inputs on its own shard and pools (`worker/parallel/runner.py`, docs/design.md §17.3).
+inputs on its own shard, pools and page table (`worker/parallel/runner.py`, §17.3).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import chain
@@ -29,16 +37,56 @@ if TYPE_CHECKING:
     from worker.kv.hybrid_allocator import HybridAllocator
     from worker.kv.pool import HybridKVPool
     from worker.models.causal_lm import CausalLM
+    from worker.runner.cuda_graphs import DecodeGraphs
+
+# Debug aid tests turn on (tests/conftest.py): after every step compare each request's device
+# page-table row with its host table, and check every FULL key slot (O(tokens) per step).
+CHECK_TABLES_ENV = "SWASERVE_CHECK_TABLES"
+
+_PARTS = (
+    "ids", "pos", "out", "swa_out", "rows", "sync_row", "sync_col", "sync_val",
+    "full_row", "full_len", "full_idx", "full_ptr", "swa_idx", "swa_ptr",
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
 class _HostInputs:
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    out_loc: torch.Tensor
-    swa_out_loc: torch.Tensor | None
-    views: dict[LayerKind, KVView]
-    logit_rows: torch.Tensor
+    """One step's host inputs: every integer tensor as a part of ONE packed int64 tensor (one
+    copy to the device), plus the host ints backends plan with. Pickled to the other ranks
+    under tensor parallelism (a fresh tensor of O(batch + window) entries, never a view)."""
+
+    packed: torch.Tensor  # int64 CPU
+    spans: dict[str, tuple[int, int]]  # part -> (offset, length) inside `packed`
+    full_rows: tuple[int, ...] | None  # paged FULL view: each request's table row; None: flat
+    full_lens: tuple[int, ...]  # FULL keys per request (seq_len), () without full layers
+    swa_starts: tuple[int, ...] | None  # SWA view's first position per request (None: no SWA)
+    swa_lens: tuple[int, ...]
+    table_width: int  # positions the page table must hold (the batch's longest sequence)
+
+    @property
+    def num_logit_rows(self) -> int:
+        return self.spans["rows"][1]
+
+    def part(self, packed: torch.Tensor, name: str) -> torch.Tensor:
+        off, n = self.spans[name]
+        return packed.narrow(0, off, n)
+
+    @property
+    def logit_rows(self) -> torch.Tensor:
+        return self.part(self.packed, "rows")
+
+
+def _pack(parts: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, tuple[int, int]]]:
+    spans, off, order = {}, 0, []
+    for name in _PARTS:
+        t = parts.get(name)
+        n = 0 if t is None else t.numel()
+        spans[name] = (off, n)
+        off += n
+        if t is not None and n:
+            order.append(t)  # every part is built 1-D int64
+    packed = torch.cat(order) if order else torch.empty(0, dtype=torch.int64)
+    return packed, spans
 
 
 def _offsets(lengths: Sequence[int]) -> list[int]:
@@ -60,6 +108,63 @@ def _spread(shifts: Sequence[int], lengths: Sequence[int], total: int) -> torch.
     return torch.arange(total) + shift
 
 
+class DeviceTable:
+    """The persistent page table on the model device (SGLang's ``req_to_token``): int32
+    ``[rows, width]``, row r = the FULL slots by position of the request the scheduler gave
+    row r. Entries are written only when new (`write`); it grows (a copy) if a row or a
+    position beyond its size shows up, which a table sized from the config never sees."""
+
+    def __init__(self, rows: int, width: int, device: torch.device) -> None:
+        self.device = device
+        self.table = torch.zeros(max(rows, 1), max(width, 1), dtype=torch.int32, device=device)
+
+    def ensure(self, rows: int, width: int) -> None:
+        r, w = self.table.shape
+        if rows <= r and width <= w:
+            return
+        grown = torch.zeros(max(rows, 2 * r if rows > r else r), max(width, 2 * w if width > w else w),
+                            dtype=torch.int32, device=self.device)  # fmt: skip
+        grown[:r, :w] = self.table
+        self.table = grown
+
+    def write(self, rows: torch.Tensor, cols: torch.Tensor, vals: torch.Tensor) -> None:
+        if rows.numel():
+            self.table[rows, cols] = vals.to(torch.int32)
+
+
+class _Stager:
+    """Pinned host staging for the packed inputs on CUDA: two buffers used in turn, each
+    reused only after the copy that last read it finished (a CUDA event), so the copy to the
+    device can be non-blocking. On CPU the packed tensor is used as it is."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self._bufs: list[torch.Tensor] = []
+        self._events: list[torch.cuda.Event | None] = [None, None]
+        self._turn = 0
+
+    def to_device(self, packed: torch.Tensor) -> torch.Tensor:
+        if not self.cuda:
+            return packed.to(self.device)
+        i, n = self._turn, packed.numel()
+        self._turn ^= 1
+        event = self._events[i]
+        if event is not None:
+            event.synchronize()
+        while len(self._bufs) < 2:
+            self._bufs.append(torch.empty(0, dtype=torch.int64).pin_memory())
+        if self._bufs[i].numel() < n:
+            self._bufs[i] = torch.empty(max(n, 2 * self._bufs[i].numel()), dtype=torch.int64).pin_memory()
+        staged = self._bufs[i][:n]
+        staged.copy_(packed)
+        out = staged.to(self.device, non_blocking=True)
+        ev = torch.cuda.Event()
+        ev.record()
+        self._events[i] = ev
+        return out
+
+
 class ModelRunner:
     """Runs one model over a hybrid KV pool with one attention backend."""
 
@@ -74,6 +179,9 @@ class ModelRunner:
         device: str | torch.device = "cpu",
         sampler: Sampler | None = None,
         check_slots: bool = True,
+        table_rows: int = 1,  # page-table rows (max_running_requests); grows if exceeded
+        table_width: int = 1,  # positions per row (max_model_len + page); grows if exceeded
+        graphs: DecodeGraphs | None = None,
     ) -> None:
         self.spec = spec
         self.model = model
@@ -82,17 +190,46 @@ class ModelRunner:
         self.backend = backend
         self.device = torch.device(device)
         self.sampler = sampler or Sampler()
-        # Cheap on the host: catches an engine bug (reading a freed slot) before it corrupts output.
+        # Cheap on the host (O(batch + window)): catches an engine bug (reading a freed slot)
+        # before it corrupts output. The O(tokens) checks run only with CHECK_TABLES_ENV set.
         self.check_slots = check_slots
+        self.check_tables = os.environ.get(CHECK_TABLES_ENV, "") not in ("", "0")
+        self.table = DeviceTable(table_rows, table_width, self.device)
+        self._stager = _Stager(self.device)
+        self.graphs = graphs
         _check_model_matches_spec(model, spec)
 
     # ---- forward ------------------------------------------------------------------------------
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Run one step. Returns float32 logits ``[batch.num_logits, vocab]`` in batch order."""
         host = self._prepare(batch)
-        return self.execute(
+        logits = self.execute(
             host, tuple(len(r.token_ids) for r in batch.reqs), tuple(r.seq_len for r in batch.reqs)
         )
+        if self.check_tables:
+            self.verify_table(batch)
+        return logits
+
+    def verify_table(self, batch: ForwardBatch) -> None:
+        """Debug check (O(tokens)): every row of the batch equals its host table up to seq_len,
+        and no FULL key slot is freed."""
+        for r in batch.reqs:
+            host = r.table[: r.seq_len]
+            if r.seq_len and int(host.min()) <= 0:
+                raise RuntimeError(
+                    "a FULL key slot of a request is freed or unmapped (slot <= 0): the engine "
+                    "freed KV that a query still needs"
+                )
+            if r.row is None:
+                continue
+            dev = self.table.table[r.row, : r.seq_len].to("cpu", torch.int64)
+            if not torch.equal(dev, host.to(torch.int64)):
+                bad = int((dev != host).nonzero()[0])
+                raise AssertionError(
+                    f"page-table row {r.row} differs from the request's table at position {bad} "
+                    f"({int(dev[bad])} vs {int(host[bad])}): a table write below `synced` was "
+                    "not reported (ForwardReq.synced)"
+                )
 
     @torch.inference_mode()
     def execute(
@@ -100,26 +237,43 @@ class ModelRunner:
     ) -> torch.Tensor:
         """The device half of a step: float32 logits ``[rows, vocab of this model]``."""
         dev = self.device
-        views = {
-            kind: KVView(v.indices.to(dev), v.indptr.to(dev), v.kv_starts)
-            for kind, v in host.views.items()
-        }
-        positions = host.positions.to(dev)
+        packed = self._stager.to_device(host.packed)
+
+        def part(name: str) -> torch.Tensor:
+            return host.part(packed, name)
+
+        views: dict[LayerKind, KVView] = {}
+        if host.full_rows is not None:
+            self.table.ensure(max(host.full_rows) + 1, host.table_width)
+            self.table.write(part("sync_row"), part("sync_col"), part("sync_val"))
+            if self.spec.full_layer_ids:
+                n = len(host.full_rows)
+                views[LayerKind.FULL] = KVView.paged(
+                    self.table.table, host.full_rows, part("full_row"), (0,) * n,
+                    host.full_lens, torch.zeros(n, dtype=torch.int64, device=dev), part("full_len"),
+                )  # fmt: skip
+        elif self.spec.full_layer_ids:
+            views[LayerKind.FULL] = KVView(
+                part("full_idx"), part("full_ptr"), (0,) * len(q_lens), host.full_lens
+            )
+        if host.swa_starts is not None:
+            views[LayerKind.SWA] = KVView(
+                part("swa_idx"), part("swa_ptr"), host.swa_starts, host.swa_lens
+            )
+        positions = part("pos")
         attn = AttnBatch(
-            q_lens=q_lens,
-            seq_lens=seq_lens,
-            positions=positions,
-            kv=views,
-            window=self.spec.window,
+            q_lens=q_lens, seq_lens=seq_lens, positions=positions, kv=views, window=self.spec.window
         )
-        swa_out = host.swa_out_loc.to(dev) if host.swa_out_loc is not None else None
-        ctx = ForwardContext(
-            self.pool, self.backend, self.backend.plan(attn), host.out_loc.to(dev), swa_out
-        )
-        hidden = self.model(host.input_ids.to(dev), positions, ctx)
-        if host.logit_rows.numel() == 0:
+        swa_out = part("swa_out") if self.spec.swa_layer_ids else None
+        rows = part("rows")
+        if self.graphs is not None and self.graphs.can_run(q_lens):
+            hidden = self.graphs.run(attn, part("ids"), part("out"), swa_out)
+        else:
+            ctx = ForwardContext(self.pool, self.backend, self.backend.plan(attn), part("out"), swa_out)
+            hidden = self.model(part("ids"), positions, ctx)
+        if rows.numel() == 0:
             return hidden.new_empty(0, self.spec.vocab_size, dtype=torch.float32)
-        return self.model.compute_logits(hidden[host.logit_rows.to(dev)]).float()
+        return self.model.compute_logits(hidden[rows]).float()
 
     def sample(
         self, logits: torch.Tensor, rows: Sequence[SampleRow], bitmask: torch.Tensor | None = None
@@ -129,73 +283,103 @@ class ModelRunner:
 
     # ---- host-side preparation -------------------------------------------------------------------
     def _prepare(self, batch: ForwardBatch) -> _HostInputs:
-        """Host tensors of one step, built with a fixed number of tensor ops (one table slice
-        per request; everything else is vectorised over the batch)."""
-        reqs = batch.reqs
-        for r in reqs:
-            r.validate()
-        q_lens = [len(r.token_ids) for r in reqs]
-        prefix = [r.prefix_len for r in reqs]
-        seq = [p + q for p, q in zip(prefix, q_lens)]
-        q_off = _offsets(q_lens)
-        total = q_off[-1]
-        ids = torch.tensor(list(chain.from_iterable(r.token_ids for r in reqs)), dtype=torch.int64)
-        positions = _spread([p - o for p, o in zip(prefix, q_off)], q_lens, total)
-        # Every key slot a layer may read: table[start:seq] per request, start = 0 when the model
-        # has full layers (else the SWA window start). The SWA view and both out_locs are
-        # sub-ranges of this one concatenation.
-        window = self.spec.window or 0
-        # NOTE: a repair has no SWA keys before its start (docs/design.md §9.8).
-        swa_starts = [max(0 if r.repair is None else r.repair.start, p - window) for r, p in zip(reqs, prefix)]
-        has_full = bool(self.spec.full_layer_ids)
-        starts = [0] * len(reqs) if has_full else swa_starts
-        slots = torch.cat([r.table[s:n] for r, s, n in zip(reqs, starts, seq)]).to(torch.int64)
-        ptr = _offsets([n - s for n, s in zip(seq, starts)])
-        # What the new tokens write and the SWA layers read: the same, except repair rows.
-        wslots = _with_repair_slots(slots, reqs, starts, seq, ptr)
-        out_loc = wslots[
-            _spread([e - q - o for e, q, o in zip(ptr[1:], q_lens, q_off)], q_lens, total)
-        ]
-        views: dict[LayerKind, KVView] = {}
-        swa_out_loc = None
-        if has_full:
-            views[LayerKind.FULL] = KVView(slots, torch.tensor(ptr), (0,) * len(reqs))
-        if self.spec.swa_layer_ids:
-            views[LayerKind.SWA], swa_out_loc = self._swa_view(
-                wslots, ptr, starts, swa_starts, seq, q_lens
-            )
-        if self.check_slots:
-            _check_slots(views, out_loc, swa_out_loc)
-        rows = [
-            row
-            for i, r in enumerate(reqs)
-            for row in range(q_off[i + 1] - r.logit_rows, q_off[i + 1])
-        ]
-        return _HostInputs(
-            ids, positions, out_loc, swa_out_loc, views, torch.tensor(rows, dtype=torch.int64)
-        )
-
-    def _swa_view(
-        self,
-        slots: torch.Tensor,
-        ptr: list[int],
-        starts: list[int],
-        swa_starts: list[int],
-        seq: list[int],
-        q_lens: list[int],
-    ) -> tuple[KVView, torch.Tensor]:
-        """The SWA range of each request, cut out of `slots` and translated in ONE call."""
-        lens = [n - s for n, s in zip(seq, swa_starts)]
-        swa_ptr = _offsets(lens)
-        shifts = [p + (w - s) - o for p, w, s, o in zip(ptr, swa_starts, starts, swa_ptr)]
-        full_idx = slots[_spread(shifts, lens, swa_ptr[-1])]
         assert self.allocator is not None, "only the rank that owns the allocator prepares"
-        swa_idx = self.allocator.translate(full_idx)  # the one translation
-        # The new tokens are the tail of each request's SWA range: slice their slots out of it.
-        q_off = _offsets(q_lens)
-        tails = [e - q - o for e, q, o in zip(swa_ptr[1:], q_lens, q_off)]
-        swa_out_loc = swa_idx[_spread(tails, q_lens, q_off[-1])]
-        return KVView(swa_idx, torch.tensor(swa_ptr), tuple(swa_starts)), swa_out_loc
+        return prepare_inputs(batch, self.spec, self.allocator, check_slots=self.check_slots)
+
+
+def prepare_inputs(
+    batch: ForwardBatch, spec: ModelSpec, allocator: HybridAllocator, *, check_slots: bool = True
+) -> _HostInputs:
+    """Host tensors of one step, built with a fixed number of tensor ops plus one table slice
+    per request. With page-table rows every slice is bounded by the window and the tokens new to
+    the row, so the work is O(batch + window); without rows (``row=None``) each request's whole
+    table is copied (O(tokens), kept for tests and tools that build batches by hand)."""
+    reqs = batch.reqs
+    for r in reqs:
+        r.validate()
+    paged = reqs[0].row is not None
+    if any((r.row is not None) != paged for r in reqs):
+        raise ValueError("ForwardBatch mixes requests with and without page-table rows")
+    q_lens = [len(r.token_ids) for r in reqs]
+    prefix = [r.prefix_len for r in reqs]
+    seq = [p + q for p, q in zip(prefix, q_lens)]
+    q_off = _offsets(q_lens)
+    total = q_off[-1]
+    parts: dict[str, torch.Tensor] = {
+        "ids": torch.tensor(list(chain.from_iterable(r.token_ids for r in reqs)), dtype=torch.int64),
+        "pos": _spread([p - o for p, o in zip(prefix, q_off)], q_lens, total),
+    }
+    window = spec.window or 0
+    has_full, has_swa = bool(spec.full_layer_ids), bool(spec.swa_layer_ids)
+    # NOTE: a repair has no SWA keys before its start (docs/design.md §9.8).
+    swa_starts = [max(0 if r.repair is None else r.repair.start, p - window) for r, p in zip(reqs, prefix)]
+    # The one slice per request, table[start:seq]: everything below is a sub-range of it.
+    #   paged: from the first position the host must send (new to the row, the SWA window, or
+    #          the new tokens), so its length is bounded by window + new tokens;
+    #   flat:  from 0 when the model has full layers (the FULL view is the whole slice).
+    if paged:
+        starts = [min(r.synced, p, w if has_swa else p) for r, p, w in zip(reqs, prefix, swa_starts)]
+    else:
+        starts = [0] * len(reqs) if has_full else list(swa_starts) if has_swa else list(prefix)
+    slots = torch.cat([r.table[s:n] for r, s, n in zip(reqs, starts, seq)]).to(torch.int64)
+    ptr = _offsets([n - s for n, s in zip(seq, starts)])
+    # What the new tokens write and the SWA layers read: the same, except repair rows.
+    wslots = _with_repair_slots(slots, reqs, starts, seq, ptr)
+    parts["out"] = wslots[_spread([e - q - o for e, q, o in zip(ptr[1:], q_lens, q_off)], q_lens, total)]
+    full_rows: tuple[int, ...] | None = None
+    if paged:
+        full_rows = tuple(int(r.row) for r in reqs)  # type: ignore[arg-type]
+        row_t = torch.tensor(full_rows, dtype=torch.int64)
+        new = [n - r.synced for r, n in zip(reqs, seq)]
+        if all(n == 1 for n in new) and total == len(reqs):  # decodes: the new slot is the entry
+            parts["sync_row"], parts["sync_col"] = row_t, parts["pos"]
+            parts["sync_val"] = slots[torch.tensor(ptr[1:], dtype=torch.int64) - 1]
+        else:
+            d_off = _offsets(new)
+            sel = _spread([p + r.synced - s - o for p, r, s, o in zip(ptr, reqs, starts, d_off)], new, d_off[-1])
+            parts["sync_row"] = torch.repeat_interleave(row_t, torch.tensor(new, dtype=torch.int64))
+            parts["sync_col"] = _spread([r.synced - o for r, o in zip(reqs, d_off)], new, d_off[-1])
+            parts["sync_val"] = slots[sel]
+        parts["full_row"] = row_t
+        parts["full_len"] = torch.tensor(seq, dtype=torch.int64)
+    elif has_full:
+        parts["full_idx"], parts["full_ptr"] = slots, torch.tensor(ptr)
+    swa_view = None
+    if has_swa:
+        swa_view = _swa_view(allocator, wslots, ptr, starts, swa_starts, seq, q_lens)
+        parts["swa_idx"], parts["swa_ptr"], parts["swa_out"] = swa_view
+    if check_slots:
+        _check_slots(parts)
+    rows = [row for i, r in enumerate(reqs) for row in range(q_off[i + 1] - r.logit_rows, q_off[i + 1])]
+    parts["rows"] = torch.tensor(rows, dtype=torch.int64)
+    packed, spans = _pack(parts)
+    return _HostInputs(
+        packed, spans, full_rows, tuple(seq) if has_full else (),
+        tuple(swa_starts) if has_swa else None,
+        tuple(n - s for n, s in zip(seq, swa_starts)) if has_swa else (), max(seq),
+    )  # fmt: skip
+
+
+def _swa_view(
+    allocator: HybridAllocator,
+    slots: torch.Tensor,
+    ptr: list[int],
+    starts: list[int],
+    swa_starts: list[int],
+    seq: list[int],
+    q_lens: list[int],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The SWA range of each request, cut out of `slots` and translated in ONE call: the SWA
+    indices, their indptr, and the new tokens' SWA slots (the tail of each range)."""
+    lens = [n - s for n, s in zip(seq, swa_starts)]
+    swa_ptr = _offsets(lens)
+    shifts = [p + (w - s) - o for p, w, s, o in zip(ptr, swa_starts, starts, swa_ptr)]
+    full_idx = slots[_spread(shifts, lens, swa_ptr[-1])]
+    swa_idx = allocator.translate(full_idx)  # the one translation
+    q_off = _offsets(q_lens)
+    tails = [e - q - o for e, q, o in zip(swa_ptr[1:], q_lens, q_off)]
+    swa_out_loc = swa_idx[_spread(tails, q_lens, q_off[-1])]
+    return swa_idx, torch.tensor(swa_ptr), swa_out_loc
 
 
 def _with_repair_slots(
@@ -220,17 +404,19 @@ def _with_repair_slots(
     return out
 
 
-def _check_slots(
-    views: dict[LayerKind, KVView], out_loc: torch.Tensor, swa_out_loc: torch.Tensor | None
-) -> None:
-    """Slot 0 is the dummy page and -1 means "unmapped": neither may be read or written."""
-    for kind, view in views.items():
-        if view.indices.numel() and int(view.indices.min()) <= 0:
+def _check_slots(parts: dict[str, torch.Tensor]) -> None:
+    """Slot 0 is the dummy page and -1 means "unmapped": neither may be read or written. Checks
+    what crosses this step (O(batch + window)): the FULL entries new to the page table (older
+    ones were checked when they were new), the flat FULL view, the SWA view and the new slots."""
+    for name, kind in (("sync_val", "full"), ("full_idx", "full"), ("swa_idx", "swa")):
+        t = parts.get(name)
+        if t is not None and t.numel() and int(t.min()) <= 0:
             raise RuntimeError(
-                f"a {kind.value} key slot in the batch is freed or unmapped (slot <= 0): the engine "
+                f"a {kind} key slot in the batch is freed or unmapped (slot <= 0): the engine "
                 "freed KV that a query still needs (SWA: the window before prefix_len must be live)"
             )
-    if int(out_loc.min()) <= 0 or (swa_out_loc is not None and int(swa_out_loc.min()) <= 0):
+    out, swa_out = parts["out"], parts.get("swa_out")
+    if int(out.min()) <= 0 or (swa_out is not None and swa_out.numel() and int(swa_out.min()) <= 0):
         raise RuntimeError("a new token has no slot (<= 0): allocate before calling forward")
 
 

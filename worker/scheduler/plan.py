@@ -47,9 +47,11 @@ class StepWork:
         repair = None
         if kv.repair_slots is not None:
             repair = RepairRows(kv.repair_start, kv.repair_slots)
+        row = kv.row if kv.row >= 0 else None
         return ForwardReq(
-            tokens, self.start, kv.table, self.samples, all_logits=all_logits, repair=repair
-        )
+            tokens, self.start, kv.table, self.samples, all_logits=all_logits, repair=repair,
+            row=row, synced=min(kv.synced_len, self.start),
+        )  # fmt: skip
 
 
 @dataclass(slots=True)

@@ -15,6 +15,7 @@ says so (`worker.cache.reuse`, docs/design.md §9.8).
 
 from __future__ import annotations
 
+import heapq
 from collections import deque
 
 import torch
@@ -50,6 +51,10 @@ class Scheduler:
         self.reqs: dict[str, Req] = {}  # every unfinished request by id
         self.counters = SchedulerCounters()
         self._idle_steps = 0  # consecutive steps that scheduled nothing while requests existed
+        # Rows of the runner's device page table (docs/design.md §18.1): one per live ReqKV,
+        # given back when it is dropped and reused (lowest first) by the next admission.
+        self._free_rows: list[int] = []
+        self._next_row = 0
 
     # ---- life cycle -----------------------------------------------------------------------------
     def add(self, req: Req) -> bool:
@@ -96,6 +101,7 @@ class Scheduler:
         for w, kv in zip(work, kvs):
             assert kv is not None
             kv.kv_committed_len = w.start + w.n
+            kv.synced_len = max(kv.synced_len, w.start + w.n)  # the forward wrote the row so far
         # Repairs whose rows are all computed first: their revived tails are in the tree before
         # any insert of this step (docs/design.md §9.8).
         for kv in kvs:
@@ -153,6 +159,29 @@ class Scheduler:
         # The tree takes only committed (written) KV; the rest of the allocation is freed.
         if req.kv is not None:
             self.cache.cache_finished_req(req.kv, insert=self.limits.radix)
+            self._drop_row(req.kv)
+
+    # ---- page-table rows ------------------------------------------------------------------------
+    def _take_row(self) -> int:
+        if self._free_rows:
+            return heapq.heappop(self._free_rows)
+        self._next_row += 1
+        return self._next_row - 1
+
+    def check_rows(self) -> None:
+        """Every running request holds its own row; free rows and held rows are all rows."""
+        held = [r.kv.row for r in self.running if r.kv is not None]
+        if sorted(held + self._free_rows) != list(range(self._next_row)) or min(held, default=0) < 0:
+            raise AssertionError(
+                f"page-table rows: running requests hold {sorted(held)}, free {sorted(self._free_rows)}, "
+                f"{self._next_row} handed out (a row leaked or is shared)"
+            )
+
+    def _drop_row(self, kv: ReqKV) -> None:
+        """Give `kv`'s page-table row back (idempotent); its next owner starts unsynced."""
+        if kv.row >= 0:
+            heapq.heappush(self._free_rows, kv.row)
+            kv.row, kv.synced_len = -1, 0
 
     # ---- budgets --------------------------------------------------------------------------------
     def _future_tokens(self, req: Req) -> int:
@@ -226,20 +255,21 @@ class Scheduler:
             free_decode_window(req.kv, self.allocator, self.cache, self.limits, force=force)
 
     def _alloc_decodes(self, reqs: list[Req]) -> bool:
+        """One slot per decoding request, in one vectorised `alloc_decode` over the batch."""
         P = self.limits.page_size
-        new_pages = sum(1 for r in reqs if r.computed % P == 0)
+        kvs = [r.kv for r in reqs]
+        pos = [kv.kv_committed_len for kv in kvs]  # type: ignore[union-attr]
+        new_pages = sum(1 for p in pos if p % P == 0)
         if not self._make_room(new_pages * P, new_pages * P):
             return False
-        seq_lens = [r.computed + 1 for r in reqs]
-        last = [int(r.kv.table[r.computed - 1]) for r in reqs]  # type: ignore[union-attr]
-        out = self.allocator.alloc_decode(seq_lens, last)
+        last = [int(kv.table[p - 1]) for kv, p in zip(kvs, pos)]  # type: ignore[union-attr]
+        out = self.allocator.alloc_decode([p + 1 for p in pos], last)
         if out is None:
             return False
-        for r, slot in zip(reqs, out.tolist()):
-            kv = r.kv
+        for kv, p, slot in zip(kvs, pos, out.tolist()):
             assert kv is not None
-            kv.table[r.computed] = slot
-            kv.kv_allocated_len = r.computed + 1
+            kv.table[p] = slot
+            kv.kv_allocated_len = p + 1
         return True
 
     # ---- prefill --------------------------------------------------------------------------------
@@ -269,6 +299,7 @@ class Scheduler:
         if n <= 0:
             assert kv.lock is not None
             self.cache.unlock(kv.lock)
+            self._drop_row(kv)
             return None
         item = self._start(req, kv, n)
         if item is not None and req.cached_tokens < 0:
@@ -293,6 +324,7 @@ class Scheduler:
         scratch = self.allocator.alloc(rows) if fits and self._make_room(rows, rows) else None
         if scratch is None:
             self.cache.cache_finished_req(kv, insert=False)
+            self._drop_row(kv)
             return bool(self.running), None
         kv.kv_committed_len, kv.repair_start, kv.repair_slots = reuse.reused, reuse.reused, scratch
         item = self._start(req, kv, n)
@@ -306,7 +338,7 @@ class Scheduler:
     def _new_kv(self, req: Req, tokens: list[int], match: MatchResult) -> ReqKV:
         """A fresh ReqKV (every admission: a retracted request restarts clean) on a locked match."""
         table = torch.zeros(req.max_len + self.limits.page_size, dtype=torch.int64)
-        kv = ReqKV(tokens=tokens, table=table, lock=self.cache.lock(match.node))
+        kv = ReqKV(tokens=tokens, table=table, lock=self.cache.lock(match.node), row=self._take_row())
         kv.table[: match.length] = match.indices
         kv.cache_protected_len = kv.kv_committed_len = kv.kv_allocated_len = match.length
         return kv
@@ -318,6 +350,7 @@ class Scheduler:
         if item is None:  # budgets said yes but pages are fragmented/short: undo, retry later
             self.running.remove(req)
             self.cache.cache_finished_req(kv, insert=False)
+            self._drop_row(kv)
             req.kv, req.state = None, ReqState.WAITING
         return item
 

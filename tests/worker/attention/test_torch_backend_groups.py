@@ -62,3 +62,32 @@ def test_batched_groups_equal_requests_alone(window: int | None, with_sinks: boo
         want = backend.forward(layer, q[row : row + ql], alone, sinks)
         torch.testing.assert_close(got[row : row + ql], want, atol=1e-6, rtol=1e-5)
         row += ql
+
+
+def test_paged_view_equals_the_flat_view() -> None:
+    """The FULL keys read from a page table (rows out of order, longer than the requests, junk
+    past each request's end) give the flat view's output, and `flat_indices` rebuilds its
+    indices exactly."""
+    gen = torch.Generator().manual_seed(5)
+    slots = 300
+    pool = FakePool(torch.randn(slots, HKV, D, generator=gen), torch.randn(slots, HKV, DV, generator=gen))
+    q_lens, prefixes = [1, 12, 1, 5, 1], [20, 0, 7, 30, 0]
+    perm = (torch.randperm(slots - 1, generator=gen) + 1).tolist()
+    tables, used = [], 0
+    for q, p in zip(q_lens, prefixes):
+        tables.append(torch.tensor(perm[used : used + p + q]))
+        used += p + q
+    flat = _batch(q_lens, prefixes, None, tables)
+    rows = (3, 0, 6, 1, 4)  # each request's row of a 7-row table
+    table = torch.randint(1, slots, (7, 64), generator=gen, dtype=torch.int32)
+    for r, t in zip(rows, tables):
+        table[r, : len(t)] = t.int()
+    view = KVView.paged(table, rows, torch.tensor(rows), (0,) * 5, flat.seq_lens)
+    paged = AttnBatch(flat.q_lens, flat.seq_lens, flat.positions, {LayerKind.FULL: view}, None)
+    assert torch.equal(view.flat_indices(), flat.kv[LayerKind.FULL].flat_indices())
+    layer = AttentionLayer(0, LayerKind.FULL, HQ, HKV, D, DV, scaling=D**-0.5)
+    q = torch.randn(sum(q_lens), HQ, D, generator=gen)
+    backend = TorchBackend(pool)  # type: ignore[arg-type]
+    got = backend.forward(layer, q, backend.plan(paged))
+    want = backend.forward(layer, q, backend.plan(flat))
+    torch.testing.assert_close(got, want, atol=0, rtol=0)

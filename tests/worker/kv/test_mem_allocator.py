@@ -318,3 +318,50 @@ def test_bad_config_messages(full: int, swa: int, page: int, match: str):
     """Sizes and page size are validated with messages that say what to change."""
     with pytest.raises(ValueError, match=match):
         HybridAllocator(full, swa, page)
+
+
+@pytest.mark.parametrize("hybrid", [True, False])
+def test_vectorised_alloc_decode_equals_alloc_extend(hybrid: bool):
+    """alloc_decode over a batch (one tensor pass) hands out exactly the slots, pages, mapping and
+    free lists that alloc_extend of one token per request does, step after step, across page
+    boundaries; a refused batch changes nothing on either."""
+    import random
+
+    rng = random.Random(7)
+    P = 4
+    a = HybridAllocator(512, 256, P, hybrid=hybrid)
+    b = HybridAllocator(512, 256, P, hybrid=hybrid)
+    lens = [rng.randint(1, 9) for _ in range(12)]
+    tables = []
+    for n in lens:
+        sa, sb = a.alloc(n), b.alloc(n)
+        assert sa is not None and sb is not None and torch.equal(sa, sb)
+        tables.append(sa.tolist())
+    for _ in range(30):
+        seq = [len(t) + 1 for t in tables]
+        last = [t[-1] for t in tables]
+        got = a.alloc_decode(seq, last)
+        want = b.alloc_extend([s - 1 for s in seq], seq, last)
+        assert (got is None) == (want is None)
+        assert a.snapshot() == b.snapshot()
+        if got is None:
+            break
+        assert torch.equal(got, want)
+        for t, slot in zip(tables, got.tolist()):
+            t.append(slot)
+    a.check_integrity()
+
+
+def test_vectorised_alloc_decode_rejects_bad_last_loc_without_change():
+    a = HybridAllocator(64, 64, 4)
+    s = a.alloc(6)
+    assert s is not None
+    before = a.snapshot()
+    with pytest.raises(ValueError, match="last_loc"):
+        a.alloc_decode([7, 7], [int(s[5]), int(s[4])])  # the second is at the wrong offset
+    with pytest.raises(ValueError, match="seq_lens include the new token"):
+        a.alloc_decode([0], [-1])
+    a.free_swa(s[4:6])  # the partial page lost its SWA page
+    with pytest.raises(RuntimeError, match="no SWA page"):
+        a.alloc_decode([7], [int(s[5])])
+    assert a.snapshot().full_free == before.full_free
