@@ -1,9 +1,7 @@
-"""Model implementations (one flat file per architecture), their registry and loader.
+"""Model implementations (one flat file per architecture), their registry (`worker.models.registry`)
+and loader (`worker.models.loader`).
 
-Importing this package does not import transformers; the loader does so lazily for configs.
+The package itself imports nothing, so `worker.models.spec` (which the attention backends need)
+can be imported without the models, which import the attention backends. Importing the loader
+does not import transformers; it does so lazily for configs.
 """
-
-from worker.models.loader import build_model, load_model
-from worker.models.registry import model_class, supported_model_types
-
-__all__ = ["build_model", "load_model", "model_class", "supported_model_types"]
