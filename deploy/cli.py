@@ -3,7 +3,7 @@
     swaserve serve [--model tiny|PATH] [--workers N] [--host 127.0.0.1] [--port 8000]
                    [--routing swa_prefix|prefix|least_loaded|round_robin] [--config FILE]
                    [--device cpu|cuda] [--num-cpus N] [--startup-timeout S]
-    swaserve bench {memory,engine,cache,routing,vllm-compare,replica-profile} [benchmark options]
+    swaserve bench {memory,engine,cache,routing,vllm-compare,replica-profile,schedule} [benchmark options]
 
 `serve` starts a local Ray cluster on loopback and serves in the foreground until Ctrl-C
 (`deploy.serve_local`). `bench NAME` imports `bench.NAME` (hyphens as underscores) only when
@@ -20,7 +20,7 @@ from typing import Any
 
 from router.policies import POLICY_NAMES
 
-BENCHMARKS = ("memory", "engine", "cache", "routing", "vllm-compare", "replica-profile")
+BENCHMARKS = ("memory", "engine", "cache", "routing", "vllm-compare", "replica-profile", "schedule")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -29,10 +29,14 @@ from worker.scheduler.budget import (
     continuing_chunk_len,
     first_chunk_len,
     full_admits,
+    full_budget,
+    future_tokens,
     repair_swa_charge,
+    swa_budget,
 )
 from worker.scheduler.plan import SchedulerCounters, SchedulerLimits, StepWork
 from worker.scheduler.request import Req, ReqState
+from worker.scheduler.stall import StallGuard, stall_error
 from worker.scheduler.window_free import free_before_chunk, free_decode_window
 
 # Decode tokens a running request is assumed to still need, at most (SGLang clips the same way):
@@ -49,7 +53,7 @@ class Scheduler:
         self.running: list[Req] = []  # admission order
         self.reqs: dict[str, Req] = {}  # every unfinished request by id
         self.counters = SchedulerCounters()
-        self._idle_steps = 0  # consecutive steps that scheduled nothing while requests existed
+        self._stall = StallGuard()
 
     # ---- life cycle -----------------------------------------------------------------------------
     def add(self, req: Req) -> bool:
@@ -107,8 +111,8 @@ class Scheduler:
 
     def append_token(self, req: Req, token: int, logprob: TokenLogprob | None) -> None:
         req.output.append(token)
-        assert req.kv is not None
-        req.kv.tokens.append(token)
+        if req.kv is not None:  # else retracted while the token was in flight: re-prefills it
+            req.kv.tokens.append(token)
         if req.grammar is not None:
             req.grammar.accept(token)
         if logprob is not None:
@@ -117,26 +121,12 @@ class Scheduler:
             req.logprobs.append(logprob)
 
     def refuse_if_stalled(self, progressed: bool) -> Req | None:
-        """Scheduling is deterministic and only a forward or an abort frees memory: two steps in
-        a row that schedule nothing while requests exist will repeat forever. Finish the newest
-        request with a clear error instead of hanging (e.g. an SWA pool barely above W + P whose
-        window locks leave a lone request no room). Returns the request refused."""
-        if progressed or not (self.running or self.waiting):
-            self._idle_steps = 0
-            return None
-        self._idle_steps += 1
-        if self._idle_steps < 2:
-            return None
-        self._idle_steps = 0
-        victim = self.running[-1] if self.running else self.waiting[0]
-        a = self.allocator
-        self.finish(victim, "abort", error=(
-            f"the KV pools cannot hold this request's next step (full pool {a.full_size} tokens, "
-            f"SWA pool {a.swa_size} tokens, window {self.limits.window}, page "
-            f"{self.limits.page_size}); raise swa_full_tokens_ratio or the KV budget, or lower "
-            "chunked_prefill_size"
-        ))  # fmt: skip
-        self.counters.aborts += 1
+        """Finish the newest request, with a clear error, when scheduling is stuck
+        (`worker.scheduler.stall`). Returns the request refused."""
+        victim = self._stall.victim(progressed, self.running, self.waiting)
+        if victim is not None:
+            self.finish(victim, "abort", error=stall_error(self.allocator, self.limits))
+            self.counters.aborts += 1
         return victim
 
     def _retract(self, req: Req) -> None:
@@ -150,25 +140,19 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     def _release_kv(self, req: Req) -> None:
-        # The tree takes only committed (written) KV; the rest of the allocation is freed.
+        # The tree takes only committed (written) KV; the rest of the allocation is freed. A
+        # decode still in flight (overlap) is dropped: its token is never used (§11.5).
         if req.kv is not None:
+            if req.rollback >= 0:
+                req.kv.kv_committed_len, req.rollback = req.rollback, -1
             self.cache.cache_finished_req(req.kv, insert=self.limits.radix)
 
     # ---- budgets --------------------------------------------------------------------------------
-    def _future_tokens(self, req: Req) -> int:
-        left = req.params.max_tokens - len(req.output)
-        return min(max(left, 0), CLIP_MAX_NEW_TOKENS)
-
     def rem_full(self) -> int:
-        a, c = self.allocator, self.cache
-        pending = sum(self._future_tokens(r) + r.remaining for r in self.running)
-        return a.full_available_size() + c.full_evictable - pending
+        return full_budget(self.allocator, self.cache, self.running, CLIP_MAX_NEW_TOKENS)
 
     def rem_swa(self) -> int:
-        a, c, lim = self.allocator, self.cache, self.limits
-        headroom = lim.swa_eviction_interval + lim.page_size
-        pending = sum(headroom for r in self.running if r.output)
-        return a.swa_available_size() + c.swa_evictable - pending
+        return swa_budget(self.allocator, self.cache, self.running, self.limits)
 
     @property
     def swa_budgeted(self) -> bool:
@@ -177,7 +161,9 @@ class Scheduler:
     # ---- the step plan --------------------------------------------------------------------------
     def schedule(self) -> list[StepWork]:
         work = self._schedule_decodes()
-        budget = self.limits.chunked_prefill_size
+        # The step's token budget: decodes first (never stalled by a prefill), prefill chunks
+        # fill what is left, at most `chunked_prefill_size` of it (docs/design.md §11.4).
+        budget = min(self.limits.chunked_prefill_size, self.limits.max_num_batched_tokens - len(work))
         for req in [r for r in self.running if not r.is_decoding]:
             if budget <= 0:
                 break
@@ -201,6 +187,8 @@ class Scheduler:
         # NOTE: a first choice this scheduler does not know (finished, or not added yet because
         # its grammar compiled slower) holds nothing back: sharing is an optimisation only.
         for req in self.waiting:
+            if req.pending:  # retracted with a token in flight: it knows its tokens next step
+                return None
             first = self.reqs.get(req.follows) if req.follows else None
             if first is None or first.computed >= len(first.prompt) or not self.limits.radix:
                 return req
@@ -288,7 +276,7 @@ class Scheduler:
         extend = len(tokens) - reuse.reused  # the scratch rows + the new slots after p_full
         n = min(extend, budget)
         fits = (
-            not self.running or full_admits(extend, self._future_tokens(req), P, self.rem_full())
+            not self.running or full_admits(extend, future_tokens(req, CLIP_MAX_NEW_TOKENS), P, self.rem_full())
         ) and repair_swa_charge(n, rows, W, P) < self.rem_swa()
         scratch = self.allocator.alloc(rows) if fits and self._make_room(rows, rows) else None
         if scratch is None:
@@ -325,7 +313,7 @@ class Scheduler:
         P = self.limits.page_size
         # With nothing running the whole pool is this request's: validate() already refused
         # requests that can never fit, so the full budget only gates when others run.
-        if self.running and not full_admits(extend, self._future_tokens(req), P, self.rem_full()):
+        if self.running and not full_admits(extend, future_tokens(req, CLIP_MAX_NEW_TOKENS), P, self.rem_full()):
             return 0
         if not self.swa_budgeted:
             return min(extend, budget)
