@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from worker.errors import ConfigError
 
 SWA_EVICTION_POLICIES = ("tail_first", "lru")  # docs/design.md §9.5
-OVERLAP_SCHEDULE_MODES = ("auto", "on", "off")  # docs/design.md §11.5
+OVERLAP_SCHEDULE_MODES = ("auto", "on", "off")  # docs/design.md §11.8
 TOMBSTONE_REPAIR_MODES = ("auto", "off")  # docs/design.md §9.8
 
 
@@ -27,7 +27,7 @@ class EngineConfig:
     disable_hybrid_swa_memory: bool = False  # one pool for all layers (SWA layers keep their KV)
     enable_radix_cache: bool = True
     # Tokens one step feeds, decodes included (vLLM's max_num_batched_tokens; its CPU serving
-    # default): decodes first, prefill chunks fill the rest (docs/design.md §11.4).
+    # default): decodes first, prefill chunks fill the rest (docs/design.md §11.7).
     max_num_batched_tokens: int = 2048
     chunked_prefill_size: int | None = None  # most prompt tokens per step; None: the budget's rest
     max_running_requests: int = 64
@@ -40,7 +40,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1  # ranks splitting the model, one device each (docs/design.md §17)
     # on: schedule step N+1 while step N's forward runs, its sampled tokens processed one step
     # late (single-rank runners); off: one step at a time; auto: on for CUDA devices, off on CPU
-    # (measured: the host work it hides is a few % of a CPU step; docs/design.md §11.5)
+    # (measured: the host work it hides is a few % of a CPU step; docs/design.md §11.8)
     overlap_schedule: str = "auto"
 
 
@@ -57,7 +57,7 @@ def prefill_budget(config: EngineConfig) -> int:
 
 
 def overlaps(config: EngineConfig) -> bool:
-    """Whether an engine with this config schedules with overlap (docs/design.md §11.5)."""
+    """Whether an engine with this config schedules with overlap (docs/design.md §11.8)."""
     mode = config.overlap_schedule
     return mode == "on" or (mode == "auto" and config.device.startswith("cuda"))
 

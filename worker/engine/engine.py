@@ -165,7 +165,7 @@ class Engine:
     def step(self) -> list[StreamDelta]:
         """Admit, schedule, run one forward, sample, finish. Returns this step's deltas. With
         overlap scheduling the forward runs on the forward thread and its tokens are processed
-        by the next call (after that call's step is submitted: docs/design.md §11.5)."""
+        by the next call (after that call's step is submitted: docs/design.md §11.8)."""
         t0 = time.perf_counter()
         deltas = self._drain_inbox()
         if self._inflight is not None and self._inflight.needs_history:

@@ -1,4 +1,4 @@
-"""Overlap scheduling (docs/design.md §11.5): step N+1 is scheduled and its host inputs built
+"""Overlap scheduling (docs/design.md §11.8): step N+1 is scheduled and its host inputs built
 while step N's forward runs, and step N's tokens are processed one step late.
 
     step thread:    schedule N+1 │ prepare N+1 │ submit N+1 │ process N (wait for it) │ ...

@@ -28,7 +28,7 @@ def sample_row(req: Req, eos: frozenset[int]) -> SampleRow:
     return SampleRow(
         params=p,
         key=req.key,
-        step=req.generated,  # tokens in flight included (overlap, docs/design.md §11.5)
+        step=req.generated,  # tokens in flight included (overlap, docs/design.md §11.8)
         output_ids=req.output if history else (),
         prompt_ids=req.prompt if history and p.repetition_penalty != 1.0 else (),
         banned=banned,

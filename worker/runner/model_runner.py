@@ -105,7 +105,7 @@ class ModelRunner:
 
     def prepare(self, batch: ForwardBatch) -> PreparedStep:
         """The host half of `forward`, on the scheduling thread (it reads the allocator). Token
-        ids < 0 are future tokens, resolved by `run_prepared` (docs/design.md §11.5)."""
+        ids < 0 are future tokens, resolved by `run_prepared` (docs/design.md §11.8)."""
         lens = tuple(len(r.token_ids) for r in batch.reqs), tuple(r.seq_len for r in batch.reqs)
         return PreparedStep(self._prepare(batch), *lens)
 

@@ -18,7 +18,7 @@ class SchedulerLimits:
     radix: bool  # False: chunk cache (frees SWA before each chunk with the exact window)
     swa_layers: int = 0  # SWA layers of the model (the repair rule's n_swa)
     tombstone_repair: bool = False  # repair tombstoned prefixes (docs/design.md §9.8)
-    max_num_batched_tokens: int = 1 << 62  # tokens per step, decodes included (§11.4)
+    max_num_batched_tokens: int = 1 << 62  # tokens per step, decodes included (§11.7)
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ is computed. A running request's next step feeds ``tokens[committed:]`` (or a ch
     retracted and requeued:          |==== prompt ====|= out =|         -> re-prefill all of it
 
 The step that feeds the last of ``tokens`` samples the next token. Under overlap scheduling
-(docs/design.md §11.5) a token sampled by a step still in flight counts in ``pending`` (it is
+(docs/design.md §11.8) a token sampled by a step still in flight counts in ``pending`` (it is
 in ``tokens`` by count, not yet by value: the next decode feeds it as a future token id).
 """
 
@@ -53,7 +53,7 @@ class Req:
     prompt_logprobs_sent: bool = False
     grammar: GrammarMatcher | None = None
     follows: str | None = None  # a sibling: admitted once that request's prompt is in the tree
-    pending: int = 0  # tokens sampled by steps in flight, not appended yet (overlap, §11.5)
+    pending: int = 0  # tokens sampled by steps in flight, not appended yet (overlap, §11.8)
     rollback: int = -1  # kv_committed_len before its decode in flight: what ending it keeps
 
     @property

@@ -141,7 +141,7 @@ class Scheduler:
 
     def _release_kv(self, req: Req) -> None:
         # The tree takes only committed (written) KV; the rest of the allocation is freed. A
-        # decode still in flight (overlap) is dropped: its token is never used (§11.5).
+        # decode still in flight (overlap) is dropped: its token is never used (§11.8).
         if req.kv is not None:
             if req.rollback >= 0:
                 req.kv.kv_committed_len, req.rollback = req.rollback, -1
@@ -162,7 +162,7 @@ class Scheduler:
     def schedule(self) -> list[StepWork]:
         work = self._schedule_decodes()
         # The step's token budget: decodes first (never stalled by a prefill), prefill chunks
-        # fill what is left, at most `chunked_prefill_size` of it (docs/design.md §11.4).
+        # fill what is left, at most `chunked_prefill_size` of it (docs/design.md §11.7).
         budget = min(self.limits.chunked_prefill_size, self.limits.max_num_batched_tokens - len(work))
         for req in [r for r in self.running if not r.is_decoding]:
             if budget <= 0:

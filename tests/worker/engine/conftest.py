@@ -58,7 +58,7 @@ def _one_torch_thread() -> Iterator[None]:
 
 @pytest.fixture(params=["off", "on"], ids=["overlap_off", "overlap_on"])
 def overlap(request: pytest.FixtureRequest, oracle: Oracle) -> Iterator[str]:
-    """Run a test with overlap scheduling off and on (docs/design.md §11.5): a module opts in
+    """Run a test with overlap scheduling off and on (docs/design.md §11.8): a module opts in
     with ``pytestmark = pytest.mark.usefixtures("overlap")``."""
     oracle.overlap = request.param
     yield request.param

@@ -1,7 +1,7 @@
-"""Overlap scheduling (docs/design.md §11.5): tokens are processed one step late, yet every
+"""Overlap scheduling (docs/design.md §11.8): tokens are processed one step late, yet every
 request ends exactly where it would without overlap (no extra token on stop, max_tokens or
 abort), seeded sampling, penalties, min_tokens and grammars give the same tokens, and the step
-budget (§11.4) never stalls a decode. The parity, stop, abort, retraction and property suites
+budget (§11.7) never stalls a decode. The parity, stop, abort, retraction and property suites
 run with overlap off and on too (their `overlap` fixture)."""
 
 from __future__ import annotations
