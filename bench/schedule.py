@@ -13,7 +13,9 @@ run back to back, the order rotating between rounds so that load drifts hit all 
 
 Per configuration and batch it keeps the best round (the quietest moment) and prints output
 tokens per second, the mean step time, and ratios against the old budget without overlap; the
-1-minute load before and after each run is printed too. Greedy tokens must be equal across the
+1-minute load before and after each run is printed too. For the configurations without overlap
+it also prints the host share: the part of the wall time outside the runner's device half
+(`ModelRunner.execute`), i.e. the most overlap could hide. Greedy tokens must be equal across the
 four configurations (the run fails otherwise).
 """
 
@@ -39,6 +41,7 @@ class Run:
     tokens: int
     load_before: float
     load_after: float
+    execute_seconds: float = 0.0  # in ModelRunner.execute (inline runs only)
 
     @property
     def tok_s(self) -> float:
@@ -47,6 +50,22 @@ class Run:
     @property
     def step_ms(self) -> float:
         return 1000 * self.seconds / self.steps
+
+
+def _time_execute(engine: object) -> list[float]:
+    """Accumulate the seconds `engine.runner.execute` takes into the returned cell."""
+    runner = engine.runner  # type: ignore[attr-defined]
+    cell, inner = [0.0], runner.execute
+
+    def timed(*args: object) -> object:
+        t = time.perf_counter()
+        try:
+            return inner(*args)
+        finally:
+            cell[0] += time.perf_counter() - t
+
+    runner.execute = timed
+    return cell
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -70,6 +89,7 @@ def run(args: argparse.Namespace) -> int:
         name: Engine(EngineConfig(model=str(model), **over))  # type: ignore[arg-type]
         for name, over in CONFIGS.items()
     }
+    device_time = {name: _time_execute(e) for name, e in engines.items() if CONFIGS[name]["overlap_schedule"] == "off"}
     params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
     vocab = next(iter(engines.values())).spec.vocab_size
     best: dict[tuple[str, int], Run] = {}
@@ -84,12 +104,14 @@ def run(args: argparse.Namespace) -> int:
         for rnd in range(args.rounds):
             for name in names[rnd % len(names) :] + names[: rnd % len(names)]:
                 engine = engines[name]
+                if name in device_time:
+                    device_time[name][0] = 0.0
                 steps0, load0, t0 = engine.counters.steps, os.getloadavg()[0], time.perf_counter()
                 outs = engine.generate(prompts, params)
                 seconds = time.perf_counter() - t0
                 engine.flush_cache()  # every round prefills from scratch
                 r = Run(seconds, engine.counters.steps - steps0, sum(len(o.token_ids) for o in outs),
-                        load0, os.getloadavg()[0])  # fmt: skip
+                        load0, os.getloadavg()[0], device_time[name][0] if name in device_time else 0.0)  # fmt: skip
                 outputs[name] = [o.token_ids for o in outs]
                 if (name, batch) not in best or r.seconds < best[name, batch].seconds:
                     best[name, batch] = r
@@ -100,13 +122,14 @@ def run(args: argparse.Namespace) -> int:
             print(f"batch {batch}: greedy tokens differ between configurations")
             return 1
     base = "old budget"
-    print("\n| batch | configuration | output tok/s | mean step ms | steps | × old budget | load 1m |")
-    print("|---:|---|---:|---:|---:|---:|---|")
+    print("\n| batch | configuration | output tok/s | mean step ms | steps | × old budget | host share | load 1m |")
+    print("|---:|---|---:|---:|---:|---:|---:|---|")
     for batch in args.batches:
         for name in CONFIGS:
             r, b = best[name, batch], best[base, batch]
+            host = f"{1 - r.execute_seconds / r.seconds:.1%}" if r.execute_seconds else "–"
             print(f"| {batch} | {name} | {r.tok_s:.1f} | {r.step_ms:.2f} | {r.steps} | "
-                  f"{r.tok_s / b.tok_s:.2f} | {r.load_before:.2f}→{r.load_after:.2f} |")  # fmt: skip
+                  f"{r.tok_s / b.tok_s:.2f} | {host} | {r.load_before:.2f}→{r.load_after:.2f} |")  # fmt: skip
     for engine in engines.values():
         engine.close()
     return 0
