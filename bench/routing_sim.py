@@ -55,7 +55,7 @@ class SimCluster:
     full_tokens: int = 16_384
     swa_ratio: float = 0.25  # SWA pool = ratio × full pool (hybrid pools)
     disable_hybrid: bool = False  # one pool: SWA layers keep all their KV, no tombstones
-    chunked_prefill_size: int = 512  # the deployed default (ServeConfig)
+    chunked_prefill_size: int = 512  # the former deployed default (the simulator keeps it)
     max_running_requests: int = 64
     swa_eviction_interval: int = 128
     stats_period_s: float = 1.0  # deploy.app.ROUTING_STATS_PERIOD_S

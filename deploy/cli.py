@@ -3,8 +3,8 @@
     swaserve serve [--model tiny|PATH] [--workers N] [--host 127.0.0.1] [--port 8000]
                    [--routing swa_prefix|prefix|least_loaded|round_robin] [--config FILE]
                    [--device cpu|cuda] [--num-cpus N] [--startup-timeout S]
-    swaserve bench {memory,engine,cache,routing,vllm-compare,replica-profile,host-step,gpu-check}
-                   [benchmark options]
+    swaserve bench {memory,engine,cache,routing,vllm-compare,replica-profile,host-step,gpu-check,
+                    schedule} [benchmark options]
 
 `serve` starts a local Ray cluster on loopback and serves in the foreground until Ctrl-C
 (`deploy.serve_local`). `bench NAME` imports `bench.NAME` (hyphens as underscores) only when
@@ -23,6 +23,7 @@ from router.policies import POLICY_NAMES
 
 BENCHMARKS = (
     "memory", "engine", "cache", "routing", "vllm-compare", "replica-profile", "host-step", "gpu-check",
+    "schedule",
 )
 
 

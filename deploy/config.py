@@ -29,6 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, m
 from router.policies import DEFAULT_POLICY, POLICY_NAMES
 from worker.config import (
     CUDA_GRAPH_MODES,
+    OVERLAP_SCHEDULE_MODES,
     SWA_EVICTION_POLICIES,
     TOMBSTONE_REPAIR_MODES,
     EngineConfig,
@@ -50,6 +51,7 @@ PlacementStrategy = Literal["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"]
 SwaEvictionPolicy = Literal[SWA_EVICTION_POLICIES]  # type: ignore[valid-type]
 TombstoneRepair = Literal[TOMBSTONE_REPAIR_MODES]  # type: ignore[valid-type]
 CudaGraphs = Literal[CUDA_GRAPH_MODES]  # type: ignore[valid-type]
+OverlapSchedule = Literal[OVERLAP_SCHEDULE_MODES]  # type: ignore[valid-type]
 
 
 def _api_key_from_env() -> SecretStr | None:
@@ -145,8 +147,18 @@ class ServeConfig(BaseModel):
     enable_radix_cache: bool = Field(
         True, description="Prefix (radix) cache; off: chunk cache only."
     )
-    chunked_prefill_size: int = Field(
-        512, ge=1, description="Most prompt tokens prefilled per step."
+    max_num_batched_tokens: int = Field(
+        2048,
+        ge=1,
+        description=(
+            "Tokens one engine step feeds, decodes included (vLLM's knob and its CPU serving "
+            "default): every decode first, prefill chunks fill the rest (>= max_running_requests)."
+        ),
+    )
+    chunked_prefill_size: int | None = Field(
+        None,
+        ge=1,
+        description="Most prompt tokens prefilled per step; unset: what max_num_batched_tokens leaves after the decodes.",
     )
     max_running_requests: int = Field(
         64, ge=1, description="Most requests decoding together in one worker."
@@ -174,6 +186,14 @@ class ServeConfig(BaseModel):
             "auto: a prefix whose SWA KV was freed is reused by recomputing the few tokens that "
             "rebuild its tail window from the cached full KV, when that is at most half of what "
             "it saves; off: reuse only the window-valid prefix."
+        ),
+    )
+    overlap_schedule: OverlapSchedule = Field(
+        "auto",
+        description=(
+            "on: schedule the next step while the current forward runs, its tokens processed one "
+            "step late; off: one step at a time; auto: on for CUDA devices, off on CPU (there the "
+            "host work it hides is a few percent of a step)."
         ),
     )
     max_model_len: int | None = Field(
@@ -358,6 +378,12 @@ def _problems(cfg: ServeConfig) -> list[str]:
     if cfg.max_total_tokens is not None and cfg.max_total_tokens < cfg.page_size:
         problems.append(
             f"max_total_tokens ({cfg.max_total_tokens}) is less than one page (page_size={cfg.page_size})"
+        )
+    if cfg.max_num_batched_tokens < cfg.max_running_requests:
+        problems.append(
+            f"max_num_batched_tokens ({cfg.max_num_batched_tokens}) is below max_running_requests "
+            f"({cfg.max_running_requests}): every running request decodes one token per step; "
+            "raise max_num_batched_tokens or lower max_running_requests"
         )
     if cfg.autoscaling is not None and "workers" in cfg.model_fields_set:
         problems.append("set either workers (a fixed count) or autoscaling (bounds), not both")

@@ -22,11 +22,18 @@ import time
 from collections.abc import Callable, Sequence
 
 from worker.cache.events import CacheEvent, PageState
-from worker.config import EngineConfig, repairs_tombstones
+from worker.config import (
+    EngineConfig,
+    check_scheduling,
+    overlaps,
+    prefill_budget,
+    repairs_tombstones,
+)
+from worker.engine.overlap import Forwarder, Launched, forward_reqs, sample_index
 from worker.engine.protocols import RankLauncher
 from worker.engine.setup import EngineParts, build_engine_parts
 from worker.engine.stats import EngineCounters, PoolPeaks, snapshot
-from worker.engine.step_io import record_prompt_logprobs, sample_row, split_logits
+from worker.engine.step_io import prompt_logits, record_prompt_logprobs, sample_row
 from worker.engine.stopping import StopChecker
 from worker.kv.pages import ceil_page
 from worker.outputs import EngineStats, Output, StreamDelta, TokenLogprob
@@ -52,6 +59,7 @@ class Engine:
         parts: EngineParts | None = None,
         launcher: RankLauncher | None = None,  # tensor parallelism: who starts ranks 1..N-1
     ) -> None:
+        check_scheduling(config)
         self.config = config
         self.parts = parts or build_engine_parts(config, launcher)
         p = self.parts
@@ -61,12 +69,13 @@ class Engine:
             SchedulerLimits(
                 page_size=config.page_size,
                 window=p.cache_window,
-                chunked_prefill_size=config.chunked_prefill_size,
+                chunked_prefill_size=prefill_budget(config),
                 max_running_requests=config.max_running_requests,
                 swa_eviction_interval=config.swa_eviction_interval,
                 radix=config.enable_radix_cache,
                 swa_layers=len(p.spec.swa_layer_ids),
                 tombstone_repair=repairs_tombstones(config),
+                max_num_batched_tokens=config.max_num_batched_tokens,
             ),
             self.allocator,
             self.cache,
@@ -77,6 +86,8 @@ class Engine:
         self.peaks = PoolPeaks()
         self.counters = EngineCounters()
         self.last_step_seconds = 0.0
+        self.forwarder = Forwarder(overlap=overlaps(config))
+        self._inflight: Launched | None = None  # the step whose tokens are not processed yet
         self._inbox: queue.SimpleQueue[_Add | str] = queue.SimpleQueue()  # adds, or ids to abort
         self._sinks: dict[str, DeltaSink] = {}
         self._ids = itertools.count()
@@ -148,18 +159,27 @@ class Engine:
 
     def has_work(self) -> bool:
         s = self.scheduler
-        return bool(s.waiting or s.running) or not self._inbox.empty()
+        return bool(s.waiting or s.running) or not self._inbox.empty() or self._inflight is not None
 
     # ---- the step -------------------------------------------------------------------------------
     def step(self) -> list[StreamDelta]:
-        """Admit, schedule, run one forward, sample, finish. Returns this step's deltas."""
+        """Admit, schedule, run one forward, sample, finish. Returns this step's deltas. With
+        overlap scheduling the forward runs on the forward thread and its tokens are processed
+        by the next call (after that call's step is submitted: docs/design.md §11.8)."""
         t0 = time.perf_counter()
         deltas = self._drain_inbox()
+        if self._inflight is not None and self._inflight.needs_history:
+            deltas += self._settle()  # grammar masks and penalties read every token so far
         work = self.scheduler.schedule()
         self.peaks.observe(self.allocator, self.cache)
+        previous, self._inflight = self._inflight, None
         if work:
-            deltas += self._run(work)
+            self._inflight = self._launch(work, previous)
             self.counters.steps += 1
+        if previous is not None:
+            deltas += self._process(previous)
+        if self._inflight is not None and not self._inflight.overlapped:
+            deltas += self._settle()
         refused = self.scheduler.refuse_if_stalled(bool(work) or bool(deltas))
         if refused is not None:
             deltas.append(self._delta(refused))
@@ -167,19 +187,47 @@ class Engine:
         self._stats = self._snapshot()
         return deltas
 
-    def _run(self, work: list[StepWork]) -> list[StreamDelta]:
-        samplers = [w.req for w in work if w.samples]
-        masks = self.masks.start([r.grammar for r in samplers])  # fills during the forward
-        logits = self.runner.forward(ForwardBatch(tuple(w.forward_req() for w in work)))
-        sample_logits, prompt_rows = split_logits(work, logits)
-        for w, prompt_logits in zip(work, prompt_rows):
-            if prompt_logits is not None:
-                record_prompt_logprobs(w, prompt_logits)
-        rows = [sample_row(r, self.stopper.eos) for r in samplers]
-        sampled = self.runner.sample(sample_logits, rows, masks.result() if masks else None)
+    def _launch(self, work: list[StepWork], previous: Launched | None) -> Launched:
+        """Hand the step to the forwarder, then commit it: the KV it writes is there before any
+        later step reads it (steps run in order)."""
+        fwd = forward_reqs(work, previous)
+        samplers = [w for w in work if w.samples]
+        prompt_only = [w.req for w in work if w.reaches_end and not w.samples]
+        rows = [sample_row(w.req, self.stopper.eos) for w in samplers]
+        masks = self.masks.start([w.req.grammar for w in samplers])  # fills during the forward
+        index = sample_index(fwd, [w.samples for w in work])
+        result, overlapped = self.forwarder.submit(
+            self.runner, ForwardBatch(fwd), index, rows, masks, previous.result if previous else None
+        )
         self.scheduler.commit(work)
-        deltas = [self._prompt_only_done(w.req) for w in work if w.reaches_end and not w.samples]
-        for i, req in enumerate(samplers):
+        for w in work:
+            if w.decode:
+                w.req.rollback = w.start  # ending the request drops this decode's KV
+        for w in samplers:
+            w.req.pending += 1
+        history = any(w.req.grammar is not None or w.req.params.penalized for w in samplers)
+        rows_of = {w.req: i for i, w in enumerate(samplers)}
+        return Launched(work, fwd, samplers, prompt_only, result, rows_of, history, overlapped)
+
+    def _settle(self) -> list[StreamDelta]:
+        """Process the step in flight, if any (waits for its forward)."""
+        launched, self._inflight = self._inflight, None
+        return self._process(launched) if launched is not None else []
+
+    def _process(self, launched: Launched) -> list[StreamDelta]:
+        res = launched.result.result()
+        for w, rows in zip(launched.work, prompt_logits(launched.fwd, res.logits)):
+            if rows is not None:
+                record_prompt_logprobs(w, rows)
+        deltas = [self._prompt_only_done(r) for r in launched.prompt_only if r.state is not ReqState.FINISHED]
+        sampled = res.sampled
+        for i, w in enumerate(launched.samplers):
+            req = w.req
+            req.pending -= 1
+            if req.rollback == w.start:
+                req.rollback = -1  # no later decode of it in flight
+            if req.state is ReqState.FINISHED:
+                continue  # ended while this step ran (an abort, or its previous token stopped it)
             token, lp = sampled.token_ids[i], sampled.logprobs[i]
             top = sampled.top_logprobs[i] or ()
             logprob = None if lp is None else TokenLogprob(token, lp, tuple(top))
@@ -269,6 +317,7 @@ class Engine:
             self._inbox.put((req, None))
         while any(r.state is not ReqState.FINISHED for r in reqs):
             self.step()
+        self._settle()  # a step in flight holds only requests that ended: let it finish
         return [_output(r) for r in reqs]
 
     # ---- introspection (stats from any thread; the rest on the stepping thread) -----------------
@@ -320,6 +369,7 @@ class Engine:
     def close(self, force: bool = False) -> None:
         """Stop the grammar-mask threads and the other tensor-parallel ranks (idempotent).
         `force`: end the ranks without the stop message (another thread may be mid-step)."""
+        self.forwarder.close()
         self.masks.close()
         if self.parts.tp is not None:
             self.parts.tp.close(force)

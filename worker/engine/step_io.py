@@ -1,6 +1,6 @@
 """What one step hands the sampler and takes back (docs/design.md §4.1): the per-request
-`SampleRow`s, the split of the forward's logits into sampling rows and prompt-logprob rows, and
-the prompt logprobs those rows give.
+`SampleRow`s, the forward's prompt-logprob rows (`worker.engine.overlap` picks the sampling
+rows), and the prompt logprobs those rows give.
 
     logits of one forward, in batch order (ForwardReq.logit_rows per request):
       [ req A: 1 row ][ req B (all_logits): n rows ......... last ][ req C: 1 row ]
@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
+from worker.runner.forward_batch import ForwardReq
 from worker.runner.sampler import SampleRow, token_logprobs
 from worker.scheduler.plan import StepWork
 from worker.scheduler.request import Req
@@ -21,13 +22,13 @@ from worker.scheduler.request import Req
 def sample_row(req: Req, eos: frozenset[int]) -> SampleRow:
     p = req.params
     banned: tuple[int, ...] = ()
-    if len(req.output) < p.min_tokens:
+    if req.generated < p.min_tokens:
         banned = tuple(sorted(eos | set(p.stop_token_ids)))
     history = p.penalized
     return SampleRow(
         params=p,
         key=req.key,
-        step=len(req.output),
+        step=req.generated,  # tokens in flight included (overlap, docs/design.md §11.8)
         output_ids=req.output if history else (),
         prompt_ids=req.prompt if history and p.repetition_penalty != 1.0 else (),
         banned=banned,
@@ -35,22 +36,18 @@ def sample_row(req: Req, eos: frozenset[int]) -> SampleRow:
     )
 
 
-def split_logits(work: Sequence[StepWork], logits: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
-    """The sampling rows (one per work item that samples, in order) and, per work item, its
-    rows when it asked for all of them (None otherwise)."""
-    sample_rows: list[int] = []
+def prompt_logits(
+    fwd: Sequence[ForwardReq], logits: torch.Tensor
+) -> list[torch.Tensor | None]:
+    """Per work item, its logits rows when it asked for all of them (None otherwise)."""
     per_item: list[torch.Tensor | None] = []
     offset = 0
-    for w in work:
-        f = w.forward_req()
+    for f in fwd:
         n = f.logit_rows
         per_item.append(logits[offset : offset + n] if f.all_logits else None)
-        if w.samples:
-            sample_rows.append(offset + n - 1)
         offset += n
     assert offset == logits.shape[0], f"the runner returned {logits.shape[0]} rows, expected {offset}"
-    index = torch.tensor(sample_rows, dtype=torch.int64, device=logits.device)
-    return logits.index_select(0, index), per_item
+    return per_item
 
 
 def record_prompt_logprobs(w: StepWork, rows: torch.Tensor) -> None:

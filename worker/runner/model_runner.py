@@ -89,6 +89,15 @@ def _pack(parts: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, tuple
     return packed, spans
 
 
+@dataclass(frozen=True)
+class PreparedStep:
+    """One step's host inputs, built ahead of its forward (overlap scheduling)."""
+
+    host: _HostInputs
+    q_lens: tuple[int, ...]
+    seq_lens: tuple[int, ...]
+
+
 def _offsets(lengths: Sequence[int]) -> list[int]:
     """Exclusive prefix sums with the total appended: ``[0, l0, l0 + l1, ...]`` (host ints)."""
     out = [0]
@@ -230,6 +239,20 @@ class ModelRunner:
                     f"({int(dev[bad])} vs {int(host[bad])}): a table write below `synced` was "
                     "not reported (ForwardReq.synced)"
                 )
+
+    def prepare(self, batch: ForwardBatch) -> PreparedStep:
+        """The host half of `forward`, on the scheduling thread (it reads the allocator). Token
+        ids < 0 are future tokens, resolved by `run_prepared` (docs/design.md §11.8)."""
+        lens = tuple(len(r.token_ids) for r in batch.reqs), tuple(r.seq_len for r in batch.reqs)
+        return PreparedStep(self._prepare(batch), *lens)
+
+    def run_prepared(self, step: PreparedStep, future: torch.Tensor | None = None) -> torch.Tensor:
+        """The device half of `forward`, on the forward thread: an input id ``-1 - i`` is
+        ``future[i]``, a token the step before sampled."""
+        ids = step.host.part(step.host.packed, "ids")  # a view: the fix lands in the packed copy
+        if future is not None and bool((ids < 0).any()):
+            ids.copy_(torch.where(ids < 0, future[(-1 - ids).clamp(min=0)], ids))
+        return self.execute(step.host, step.q_lens, step.seq_lens)
 
     @torch.inference_mode()
     def execute(

@@ -14,7 +14,15 @@ functions what one request costs. W is the window (keys to the left), P the page
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from worker.kv.pages import ceil_page, floor_page
+
+if TYPE_CHECKING:
+    from worker.cache.base import PrefixCache
+    from worker.kv.hybrid_allocator import HybridAllocator
+    from worker.scheduler.plan import SchedulerLimits
+    from worker.scheduler.request import Req
 
 
 def swa_admission_charge(
@@ -93,3 +101,23 @@ def continuing_chunk_len(
     n = min(rem_chunk, remaining)
     return n if rem_swa is None else min(n, rem_swa - page_size)
 
+
+
+def future_tokens(req: Req, clip: int) -> int:
+    """Decode tokens a running request is assumed to still need (at most `clip`)."""
+    return min(max(req.params.max_tokens - req.generated, 0), clip)
+
+
+def full_budget(allocator: HybridAllocator, cache: PrefixCache, running: list[Req], clip: int) -> int:
+    """Full-pool budget: available + evictable − what the running requests will still take."""
+    pending = sum(future_tokens(r, clip) + r.remaining for r in running)
+    return allocator.full_available_size() + cache.full_evictable - pending
+
+
+def swa_budget(
+    allocator: HybridAllocator, cache: PrefixCache, running: list[Req], limits: SchedulerLimits
+) -> int:
+    """SWA-pool budget: available + evictable − a decoding request's headroom (interval + P)."""
+    headroom = limits.swa_eviction_interval + limits.page_size
+    pending = sum(headroom for r in running if r.generated)
+    return allocator.swa_available_size() + cache.swa_evictable - pending

@@ -12,12 +12,13 @@ from worker.scheduler.request import Req
 class SchedulerLimits:
     page_size: int
     window: int | None  # None: no SWA pool to budget (single pool or no SWA layer)
-    chunked_prefill_size: int
+    chunked_prefill_size: int  # most prompt tokens one step prefills
     max_running_requests: int
     swa_eviction_interval: int
     radix: bool  # False: chunk cache (frees SWA before each chunk with the exact window)
     swa_layers: int = 0  # SWA layers of the model (the repair rule's n_swa)
     tombstone_repair: bool = False  # repair tombstoned prefixes (docs/design.md §9.8)
+    max_num_batched_tokens: int = 1 << 62  # tokens per step, decodes included (§11.7)
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,9 @@ is computed. A running request's next step feeds ``tokens[committed:]`` (or a ch
     decoding:                        |==== prompt ====|= out =|x|       -> feed x (the last token)
     retracted and requeued:          |==== prompt ====|= out =|         -> re-prefill all of it
 
-The step that feeds the last of ``tokens`` samples the next token.
+The step that feeds the last of ``tokens`` samples the next token. Under overlap scheduling
+(docs/design.md §11.8) a token sampled by a step still in flight counts in ``pending`` (it is
+in ``tokens`` by count, not yet by value: the next decode feeds it as a future token id).
 """
 
 from __future__ import annotations
@@ -51,10 +53,17 @@ class Req:
     prompt_logprobs_sent: bool = False
     grammar: GrammarMatcher | None = None
     follows: str | None = None  # a sibling: admitted once that request's prompt is in the tree
+    pending: int = 0  # tokens sampled by steps in flight, not appended yet (overlap, §11.8)
+    rollback: int = -1  # kv_committed_len before its decode in flight: what ending it keeps
+
+    @property
+    def generated(self) -> int:
+        """Output tokens, those still in flight included."""
+        return len(self.output) + self.pending
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt) + len(self.output)
+        return len(self.prompt) + self.generated
 
     @property
     def computed(self) -> int:
@@ -67,7 +76,7 @@ class Req:
 
     @property
     def is_decoding(self) -> bool:
-        return self.kv is not None and bool(self.output) and self.remaining == 1
+        return self.kv is not None and self.generated > 0 and self.remaining == 1
 
     @property
     def max_len(self) -> int:

@@ -15,7 +15,6 @@ says so (`worker.cache.reuse`, docs/design.md §9.8).
 
 from __future__ import annotations
 
-import heapq
 from collections import deque
 
 import torch
@@ -30,10 +29,15 @@ from worker.scheduler.budget import (
     continuing_chunk_len,
     first_chunk_len,
     full_admits,
+    full_budget,
+    future_tokens,
     repair_swa_charge,
+    swa_budget,
 )
 from worker.scheduler.plan import SchedulerCounters, SchedulerLimits, StepWork
 from worker.scheduler.request import Req, ReqState
+from worker.scheduler.rows import PageRows
+from worker.scheduler.stall import StallGuard, stall_error
 from worker.scheduler.window_free import free_before_chunk, free_decode_window
 
 # Decode tokens a running request is assumed to still need, at most (SGLang clips the same way):
@@ -50,11 +54,9 @@ class Scheduler:
         self.running: list[Req] = []  # admission order
         self.reqs: dict[str, Req] = {}  # every unfinished request by id
         self.counters = SchedulerCounters()
-        self._idle_steps = 0  # consecutive steps that scheduled nothing while requests existed
-        # Rows of the runner's device page table (docs/design.md §18.1): one per live ReqKV,
-        # given back when it is dropped and reused (lowest first) by the next admission.
-        self._free_rows: list[int] = []
-        self._next_row = 0
+        self._stall = StallGuard()
+        self._rows = PageRows()  # the runner's device page-table rows (docs/design.md §18.1)
+
 
     # ---- life cycle -----------------------------------------------------------------------------
     def add(self, req: Req) -> bool:
@@ -113,8 +115,8 @@ class Scheduler:
 
     def append_token(self, req: Req, token: int, logprob: TokenLogprob | None) -> None:
         req.output.append(token)
-        assert req.kv is not None
-        req.kv.tokens.append(token)
+        if req.kv is not None:  # else retracted while the token was in flight: re-prefills it
+            req.kv.tokens.append(token)
         if req.grammar is not None:
             req.grammar.accept(token)
         if logprob is not None:
@@ -123,26 +125,12 @@ class Scheduler:
             req.logprobs.append(logprob)
 
     def refuse_if_stalled(self, progressed: bool) -> Req | None:
-        """Scheduling is deterministic and only a forward or an abort frees memory: two steps in
-        a row that schedule nothing while requests exist will repeat forever. Finish the newest
-        request with a clear error instead of hanging (e.g. an SWA pool barely above W + P whose
-        window locks leave a lone request no room). Returns the request refused."""
-        if progressed or not (self.running or self.waiting):
-            self._idle_steps = 0
-            return None
-        self._idle_steps += 1
-        if self._idle_steps < 2:
-            return None
-        self._idle_steps = 0
-        victim = self.running[-1] if self.running else self.waiting[0]
-        a = self.allocator
-        self.finish(victim, "abort", error=(
-            f"the KV pools cannot hold this request's next step (full pool {a.full_size} tokens, "
-            f"SWA pool {a.swa_size} tokens, window {self.limits.window}, page "
-            f"{self.limits.page_size}); raise swa_full_tokens_ratio or the KV budget, or lower "
-            "chunked_prefill_size"
-        ))  # fmt: skip
-        self.counters.aborts += 1
+        """Finish the newest request, with a clear error, when scheduling is stuck
+        (`worker.scheduler.stall`). Returns the request refused."""
+        victim = self._stall.victim(progressed, self.running, self.waiting)
+        if victim is not None:
+            self.finish(victim, "abort", error=stall_error(self.allocator, self.limits))
+            self.counters.aborts += 1
         return victim
 
     def _retract(self, req: Req) -> None:
@@ -156,48 +144,24 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     def _release_kv(self, req: Req) -> None:
-        # The tree takes only committed (written) KV; the rest of the allocation is freed.
+        # The tree takes only committed (written) KV; the rest of the allocation is freed. A
+        # decode still in flight (overlap) is dropped: its token is never used (§11.8).
         if req.kv is not None:
+            if req.rollback >= 0:
+                req.kv.kv_committed_len, req.rollback = req.rollback, -1
             self.cache.cache_finished_req(req.kv, insert=self.limits.radix)
-            self._drop_row(req.kv)
-
-    # ---- page-table rows ------------------------------------------------------------------------
-    def _take_row(self) -> int:
-        if self._free_rows:
-            return heapq.heappop(self._free_rows)
-        self._next_row += 1
-        return self._next_row - 1
+            self._rows.drop(req.kv)
 
     def check_rows(self) -> None:
-        """Every running request holds its own row; free rows and held rows are all rows."""
-        held = [r.kv.row for r in self.running if r.kv is not None]
-        if sorted(held + self._free_rows) != list(range(self._next_row)) or min(held, default=0) < 0:
-            raise AssertionError(
-                f"page-table rows: running requests hold {sorted(held)}, free {sorted(self._free_rows)}, "
-                f"{self._next_row} handed out (a row leaked or is shared)"
-            )
-
-    def _drop_row(self, kv: ReqKV) -> None:
-        """Give `kv`'s page-table row back (idempotent); its next owner starts unsynced."""
-        if kv.row >= 0:
-            heapq.heappush(self._free_rows, kv.row)
-            kv.row, kv.synced_len = -1, 0
+        """Every running request holds its own page-table row (see `PageRows.check`)."""
+        self._rows.check([r.kv.row for r in self.running if r.kv is not None])
 
     # ---- budgets --------------------------------------------------------------------------------
-    def _future_tokens(self, req: Req) -> int:
-        left = req.params.max_tokens - len(req.output)
-        return min(max(left, 0), CLIP_MAX_NEW_TOKENS)
-
     def rem_full(self) -> int:
-        a, c = self.allocator, self.cache
-        pending = sum(self._future_tokens(r) + r.remaining for r in self.running)
-        return a.full_available_size() + c.full_evictable - pending
+        return full_budget(self.allocator, self.cache, self.running, CLIP_MAX_NEW_TOKENS)
 
     def rem_swa(self) -> int:
-        a, c, lim = self.allocator, self.cache, self.limits
-        headroom = lim.swa_eviction_interval + lim.page_size
-        pending = sum(headroom for r in self.running if r.output)
-        return a.swa_available_size() + c.swa_evictable - pending
+        return swa_budget(self.allocator, self.cache, self.running, self.limits)
 
     @property
     def swa_budgeted(self) -> bool:
@@ -206,7 +170,9 @@ class Scheduler:
     # ---- the step plan --------------------------------------------------------------------------
     def schedule(self) -> list[StepWork]:
         work = self._schedule_decodes()
-        budget = self.limits.chunked_prefill_size
+        # The step's token budget: decodes first (never stalled by a prefill), prefill chunks
+        # fill what is left, at most `chunked_prefill_size` of it (docs/design.md §11.7).
+        budget = min(self.limits.chunked_prefill_size, self.limits.max_num_batched_tokens - len(work))
         for req in [r for r in self.running if not r.is_decoding]:
             if budget <= 0:
                 break
@@ -230,6 +196,8 @@ class Scheduler:
         # NOTE: a first choice this scheduler does not know (finished, or not added yet because
         # its grammar compiled slower) holds nothing back: sharing is an optimisation only.
         for req in self.waiting:
+            if req.pending:  # retracted with a token in flight: it knows its tokens next step
+                return None
             first = self.reqs.get(req.follows) if req.follows else None
             if first is None or first.computed >= len(first.prompt) or not self.limits.radix:
                 return req
@@ -299,7 +267,7 @@ class Scheduler:
         if n <= 0:
             assert kv.lock is not None
             self.cache.unlock(kv.lock)
-            self._drop_row(kv)
+            self._rows.drop(kv)
             return None
         item = self._start(req, kv, n)
         if item is not None and req.cached_tokens < 0:
@@ -319,12 +287,12 @@ class Scheduler:
         extend = len(tokens) - reuse.reused  # the scratch rows + the new slots after p_full
         n = min(extend, budget)
         fits = (
-            not self.running or full_admits(extend, self._future_tokens(req), P, self.rem_full())
+            not self.running or full_admits(extend, future_tokens(req, CLIP_MAX_NEW_TOKENS), P, self.rem_full())
         ) and repair_swa_charge(n, rows, W, P) < self.rem_swa()
         scratch = self.allocator.alloc(rows) if fits and self._make_room(rows, rows) else None
         if scratch is None:
             self.cache.cache_finished_req(kv, insert=False)
-            self._drop_row(kv)
+            self._rows.drop(kv)
             return bool(self.running), None
         kv.kv_committed_len, kv.repair_start, kv.repair_slots = reuse.reused, reuse.reused, scratch
         item = self._start(req, kv, n)
@@ -338,7 +306,7 @@ class Scheduler:
     def _new_kv(self, req: Req, tokens: list[int], match: MatchResult) -> ReqKV:
         """A fresh ReqKV (every admission: a retracted request restarts clean) on a locked match."""
         table = torch.zeros(req.max_len + self.limits.page_size, dtype=torch.int64)
-        kv = ReqKV(tokens=tokens, table=table, lock=self.cache.lock(match.node), row=self._take_row())
+        kv = ReqKV(tokens=tokens, table=table, lock=self.cache.lock(match.node), row=self._rows.take())
         kv.table[: match.length] = match.indices
         kv.cache_protected_len = kv.kv_committed_len = kv.kv_allocated_len = match.length
         return kv
@@ -350,7 +318,7 @@ class Scheduler:
         if item is None:  # budgets said yes but pages are fragmented/short: undo, retry later
             self.running.remove(req)
             self.cache.cache_finished_req(kv, insert=False)
-            self._drop_row(kv)
+            self._rows.drop(kv)
             req.kv, req.state = None, ReqState.WAITING
         return item
 
@@ -358,7 +326,7 @@ class Scheduler:
         P = self.limits.page_size
         # With nothing running the whole pool is this request's: validate() already refused
         # requests that can never fit, so the full budget only gates when others run.
-        if self.running and not full_admits(extend, self._future_tokens(req), P, self.rem_full()):
+        if self.running and not full_admits(extend, future_tokens(req, CLIP_MAX_NEW_TOKENS), P, self.rem_full()):
             return 0
         if not self.swa_budgeted:
             return min(extend, budget)

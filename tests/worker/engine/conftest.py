@@ -29,6 +29,7 @@ class Oracle:
         randomize(self.model, "mimo_v2_flash", seed=0)
         self.path = root / "mimo_long"
         self.model.save_pretrained(self.path)
+        self.overlap = "off"  # the engines' overlap_schedule (the `overlap` fixture sets it)
 
     @functools.cache  # noqa: B019 - one oracle per session
     def _greedy(self, prompt: tuple[int, ...], max_new: int) -> tuple[int, ...]:
@@ -39,7 +40,8 @@ class Oracle:
 
     def engine(self, **overrides: object) -> Engine:
         base = dict(model=str(self.path), page_size=4, max_total_tokens=4096,
-                    swa_full_tokens_ratio=0.25, chunked_prefill_size=64, swa_eviction_interval=8)  # fmt: skip
+                    swa_full_tokens_ratio=0.25, chunked_prefill_size=64, swa_eviction_interval=8,
+                    overlap_schedule=self.overlap)  # fmt: skip
         base.update(overrides)
         return Engine(EngineConfig(**base))  # type: ignore[arg-type]
 
@@ -52,6 +54,15 @@ def _one_torch_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(params=["off", "on"], ids=["overlap_off", "overlap_on"])
+def overlap(request: pytest.FixtureRequest, oracle: Oracle) -> Iterator[str]:
+    """Run a test with overlap scheduling off and on (docs/design.md §11.8): a module opts in
+    with ``pytestmark = pytest.mark.usefixtures("overlap")``."""
+    oracle.overlap = request.param
+    yield request.param
+    oracle.overlap = "off"
 
 
 @pytest.fixture(scope="session")

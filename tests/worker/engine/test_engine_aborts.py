@@ -14,6 +14,8 @@ from worker.outputs import StreamDelta
 from worker.sampling_params import SamplingParams
 from worker.scheduler.request import Req, ReqState
 
+pytestmark = pytest.mark.usefixtures("overlap")  # every test with overlap off and on
+
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 CHUNK = 16
 KINDS = ("waiting", "prefill", "decode")

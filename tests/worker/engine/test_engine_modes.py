@@ -62,7 +62,7 @@ def test_eager_swa_free_keeps_parity_and_frees_during_prefill(oracle: Oracle) ->
         during_prefill = []
 
         def on_step(_: int, engine: Engine = engine, seen: list[int] = during_prefill) -> None:
-            if any(not r.output for r in engine.scheduler.running):
+            if any(not r.generated for r in engine.scheduler.running):
                 seen.append(engine.stats().tombstone_tokens)
 
         engine.add_request(prompt, SamplingParams(max_tokens=4, **GREEDY))

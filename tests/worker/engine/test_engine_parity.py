@@ -7,6 +7,8 @@ import pytest
 from tests.worker.engine.conftest import WINDOW, Oracle, run_checked, tokens
 from worker.sampling_params import SamplingParams
 
+pytestmark = pytest.mark.usefixtures("overlap")  # every test with overlap off and on
+
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
 

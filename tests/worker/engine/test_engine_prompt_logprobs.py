@@ -3,10 +3,13 @@ hit too (the cache is not used for their rows), and with max_tokens 0 (prompt on
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from tests.worker.engine.conftest import Oracle, assert_all_free, run_checked, tokens
 from worker.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.usefixtures("overlap")  # every test with overlap off and on
 
 PROMPT = tokens(90, seed=410)  # > chunked_prefill_size 64: two chunks
 

@@ -6,12 +6,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.worker.engine.conftest import Oracle, assert_all_free, run_checked, tokens
 from worker.outputs import StreamDelta
 from worker.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.usefixtures("overlap")  # every test with overlap off and on
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 PREFIXES = (tokens(48, seed=600), tokens(48, seed=601))

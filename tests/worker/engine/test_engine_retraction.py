@@ -9,6 +9,8 @@ from tests.worker.engine.conftest import WINDOW, Oracle, assert_all_free, run_ch
 from worker.engine.engine import Engine
 from worker.sampling_params import SamplingParams
 
+pytestmark = pytest.mark.usefixtures("overlap")  # every test with overlap off and on
+
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
 

@@ -15,6 +15,8 @@ from tests.worker.models.hf_tiny import hf_greedy
 from worker.engine.engine import Engine
 from worker.sampling_params import SamplingParams
 
+pytestmark = pytest.mark.usefixtures("overlap")  # every test with overlap off and on
+
 PROMPT = tokens(30, seed=300)
 N = 12
 CHAR0 = 0x100  # token i decodes to chr(CHAR0 + i): one printable character per token
