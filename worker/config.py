@@ -10,6 +10,7 @@ from dataclasses import dataclass
 SWA_EVICTION_POLICIES = ("tail_first", "lru")  # docs/design.md §9.5
 TOMBSTONE_REPAIR_MODES = ("auto", "off")  # docs/design.md §9.8
 CUDA_GRAPH_MODES = ("auto", "off")  # docs/design.md §18.2
+COMPILE_MODES = ("auto", "off")  # docs/design.md §19
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1  # ranks splitting the model, one device each (docs/design.md §17)
     cuda_graphs: str = "auto"  # auto | off: decode as captured CUDA graphs where possible (§18.2)
     cuda_graph_batch_sizes: tuple[int, ...] | None = None  # None: the defaults up to max_running
+    compile: str = "auto"  # auto | off: packed CPU linears / torch.compile on GPU (§19)
 
 
 def repairs_tombstones(config: EngineConfig) -> bool:
