@@ -24,6 +24,7 @@ from router.policies import POLICY_NAMES
 BENCHMARKS = (
     "memory", "engine", "cache", "routing", "vllm-compare", "replica-profile", "host-step", "gpu-check",
     "schedule",
+    "compile",
 )
 
 

@@ -13,6 +13,7 @@ SWA_EVICTION_POLICIES = ("tail_first", "lru")  # docs/design.md §9.5
 OVERLAP_SCHEDULE_MODES = ("auto", "on", "off")  # docs/design.md §11.8
 TOMBSTONE_REPAIR_MODES = ("auto", "off")  # docs/design.md §9.8
 CUDA_GRAPH_MODES = ("auto", "off")  # docs/design.md §18.2
+COMPILE_MODES = ("auto", "off")  # docs/design.md §19
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,7 @@ class EngineConfig:
     # late (single-rank runners); off: one step at a time; auto: on for CUDA devices, off on CPU
     # (measured: the host work it hides is a few % of a CPU step; docs/design.md §11.8)
     overlap_schedule: str = "auto"
+    compile: str = "auto"  # auto | off: packed CPU linears / torch.compile on GPU (§19)
 
 
 def repairs_tombstones(config: EngineConfig) -> bool:

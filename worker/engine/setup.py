@@ -20,6 +20,7 @@ from worker.engine.protocols import RankLauncher, Runner
 from worker.errors import ConfigError
 from worker.kv.hybrid_allocator import HybridAllocator
 from worker.kv.memory_plan import PoolPlan, plan_pools
+from worker.models.compiled import CompilePlan, prepare_model
 from worker.models.model_dir import Tokenizer, load_tokenizer, resolve_model_dir
 from worker.models.spec import ModelSpec
 
@@ -79,6 +80,8 @@ def build_engine_parts(config: EngineConfig, launcher: RankLauncher | None = Non
     dtype = torch_dtype(config.dtype)
     device = torch.device(config.device)
     model = load_model(model_dir, spec, dtype=dtype, device=device)
+    compile_plan = CompilePlan.for_mode(config.compile, device)
+    logger.info("model: %s", prepare_model(model, compile_plan, device, dtype))
     plan = _plan(config, spec, dtype, device)
     logger.info("KV pools: %s", plan.describe())
     full_size, swa_size = allocator_sizes(plan, spec)
@@ -100,6 +103,8 @@ def build_engine_parts(config: EngineConfig, launcher: RankLauncher | None = Non
         spec, model, pool, allocator, backend, device=device,
         table_rows=config.max_running_requests, table_width=width,
     )  # fmt: skip
+    if compile_plan.backend is not None:
+        runner.warm_up()  # compiles now (before any graph capture): the engine is ready after it
     runner.graphs = decode_graphs(config, runner, width)
     return EngineParts(
         spec=spec,

@@ -37,6 +37,7 @@ from worker.errors import ConfigError
 from worker.kv.hybrid_allocator import HybridAllocator
 from worker.kv.memory_plan import PoolPlan
 from worker.models.causal_lm import CausalLM
+from worker.models.compiled import CompilePlan, prepare_model
 from worker.models.model_dir import load_tokenizer, resolve_model_dir
 from worker.models.spec import ModelSpec
 from worker.parallel.group import (
@@ -109,6 +110,10 @@ def _load_shard(
 
     dtype, device = torch_dtype(config.dtype), group.device
     model = load_model(model_dir, spec, dtype=dtype, device=device, group=group)
+    # NOTE: each rank packs its own shard; torch.compile stays off under tensor parallelism
+    # (the all-reduces inside the layers are not traced; docs/design.md §19).
+    compile_plan = dataclasses.replace(CompilePlan.for_mode(config.compile, device), backend=None)
+    logger.info("rank %d model: %s", group.rank, prepare_model(model, compile_plan, device, dtype))
     group.join(store, peers_failure)
     rank_spec = shard_spec(spec, group.size)
     budget = kv_budget(config, device)  # NOTE: after the weights: what is free on this device

@@ -20,6 +20,7 @@ from worker.models.self_attention import SelfAttention
 from worker.models.spec import HFConfig, LayerKind, ModelSpec
 
 if TYPE_CHECKING:
+    from worker.models.compiled import CompiledForward
     from worker.runner.forward_batch import ForwardContext
 
 
@@ -86,14 +87,22 @@ class CausalLM(nn.Module):
             self.lm_head.weight = model.embed_tokens.weight
         self.final_logit_softcapping = final_logit_softcapping
         self.logit_scale = logit_scale
+        self.compiled: CompiledForward | None = None  # set by `worker.models.compiled`
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
     ) -> torch.Tensor:
         """Hidden states ``[T, hidden]`` after the final norm."""
+        if self.compiled is not None:
+            return self.compiled.forward(input_ids, positions, ctx)
         return self.model(input_ids, positions, ctx)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.compiled is not None:
+            return self.compiled.logits(hidden)
+        return self.logits_eager(hidden)
+
+    def logits_eager(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden)
         if self.logit_scale is not None:
             logits = logits * self.logit_scale

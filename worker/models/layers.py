@@ -114,14 +114,20 @@ class PagedAttention(nn.Module):
     def __init__(self, layer: AttentionLayer) -> None:
         super().__init__()
         self.layer = layer
+        # Under torch.compile: one opaque custom op, the context from the compiled call's slot
+        # (`worker.models.compiled`); `ctx` is then None.
+        self.opaque = False
 
     def forward(
         self,
         q: torch.Tensor,  # [T, Hq, D]
         k: torch.Tensor,  # [T, Hkv, D]
         v: torch.Tensor,  # [T, Hkv, Dv]
-        ctx: ForwardContext,
+        ctx: ForwardContext | None,
         sinks: torch.Tensor | None = None,  # [Hq] per-head logit added to the softmax denominator
     ) -> torch.Tensor:
+        if self.opaque:
+            return torch.ops.swaserve.paged_attention(q, k, v, sinks, self.layer.layer_id)
+        assert ctx is not None, "an eager forward passes its ForwardContext"
         ctx.pool.set_kv(self.layer.layer_id, k, v, ctx.out_loc, ctx.swa_out_loc)
         return ctx.backend.forward(self.layer, q, ctx.attn_metadata, sinks)  # [T, Hq, Dv]

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from worker.models.packed import PackedLinear
 from worker.parallel.group import TPGroup
 
 
@@ -63,6 +64,10 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
 
+    def packed(self) -> nn.Module:
+        """This shard with its weight packed for oneDNN (`worker.models.packed`)."""
+        return PackedLinear(self.weight, self.bias)
+
 
 class RowParallelLinear(nn.Module):
     """A shard of `nn.Linear`'s input features; the partial products are summed over ranks, then
@@ -76,6 +81,24 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.group.all_reduce(F.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias
+
+    def packed(self) -> nn.Module:
+        """This shard's local product packed for oneDNN; the all-reduce and bias unchanged."""
+        return PackedRowParallelLinear(PackedLinear(self.weight, None), self.bias, self.group)
+
+
+class PackedRowParallelLinear(nn.Module):
+    """`RowParallelLinear` after `pack_linears`: the packed partial product, summed over ranks."""
+
+    def __init__(self, local: PackedLinear, bias: torch.Tensor | None, group: TPGroup) -> None:
+        super().__init__()
+        self.local = local
+        self.bias = bias
+        self.group = group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.group.all_reduce(self.local(x))
         return y if self.bias is None else y + self.bias
 
 
@@ -113,3 +136,7 @@ class VocabParallelHead(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight)
+
+    def packed(self) -> nn.Module:
+        """This slice of the head packed for oneDNN (`worker.models.packed`)."""
+        return PackedLinear(self.weight, None)

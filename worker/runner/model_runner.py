@@ -49,6 +49,9 @@ _PARTS = (
 )  # fmt: skip
 
 
+WARM_UP_SIZES = (1, 3)  # decode of one request (specialised by dynamo) and any other count
+
+
 @dataclass(frozen=True)
 class _HostInputs:
     """One step's host inputs: every integer tensor as a part of ONE packed int64 tensor (one
@@ -297,6 +300,29 @@ class ModelRunner:
         if rows.numel() == 0:
             return hidden.new_empty(0, self.spec.vocab_size, dtype=torch.float32)
         return self.model.compute_logits(hidden[rows]).float()
+
+    @torch.inference_mode()
+    def warm_up(self, sizes: Sequence[int] = WARM_UP_SIZES) -> None:
+        """Run the model once per token count in `sizes` against the reserved slot 0, so a
+        compiled model compiles here (before any graph capture and before the replica reports
+        healthy), not in a request. Flat key views: the page table is not touched.
+
+        NOTE: slot 0 is the dummy page (`PageAllocator` never hands it out and `_check_slots`
+        refuses to read it), so writing the warm-up tokens' K/V there disturbs nothing.
+        """
+        dev = self.device
+        for n in sizes:
+            zeros = torch.zeros(n, dtype=torch.int64, device=dev)
+            view = KVView(zeros, torch.tensor([0, n], device=dev), (0,), (n,))
+            kinds = [k for k, ids in ((LayerKind.FULL, self.spec.full_layer_ids),
+                                      (LayerKind.SWA, self.spec.swa_layer_ids)) if ids]  # fmt: skip
+            positions = torch.arange(n, device=dev)
+            attn = AttnBatch(q_lens=(n,), seq_lens=(n,), positions=positions,
+                             kv=dict.fromkeys(kinds, view), window=self.spec.window)  # fmt: skip
+            swa_out = zeros if self.spec.swa_layer_ids else None
+            ctx = ForwardContext(self.pool, self.backend, self.backend.plan(attn), zeros, swa_out)
+            hidden = self.model(zeros, positions, ctx)
+            self.model.compute_logits(hidden)
 
     def sample(
         self, logits: torch.Tensor, rows: Sequence[SampleRow], bitmask: torch.Tensor | None = None

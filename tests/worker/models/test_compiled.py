@@ -1,0 +1,33 @@
+"""The torch.compile path of `compile: auto` (GPU; docs/design.md §19) run on CPU: dynamo traces
+the decoder with each layer's pool write and attention as the opaque ``swaserve::paged_attention``
+op, token counts dynamic, warmed up first; tokens and logits still match transformers.
+
+The backend is aot_eager (dynamo + AOT tracing, no C++ build): what is under test is the graph
+capture around the custom op, not inductor's kernels (those run in `swaserve bench compile`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tests.worker.models.conftest import Archs, prompt_of
+from tests.worker.models.driver import Driver
+from tests.worker.models.test_parity import check_against_hf
+from worker.models.compiled import CompilePlan, prepare_model
+from worker.models.loader import load_model
+
+
+def test_compiled_decoder_matches_transformers(archs: Archs) -> None:
+    """Gemma 3 (SWA + full layers, q/k norms): a long and a short prompt, prefill then decode."""
+    arch = archs["gemma3_text"]
+    model = load_model(arch.tiny.path, arch.spec)
+    done = prepare_model(
+        model, CompilePlan(pack=False, backend="aot_eager"), torch.device("cpu"), torch.float32
+    )
+    assert "torch.compile(aot_eager)" in done and model.compiled is not None
+    drv = Driver(arch.spec, model, page_size=4)
+    drv.runner.warm_up()
+    seqs = [drv.add(prompt_of(n, seed=70 + n), 12) for n in (3 * arch.window + 1, 2)]
+    drv.run(seqs)
+    for s in seqs:
+        check_against_hf(arch, s)

@@ -1,0 +1,61 @@
+"""oneDNN-packed linears (`compile: auto` on CPU): the layers are replaced, and greedy tokens and
+logits still match transformers' eager model (docs/design.md §19)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from tests.worker.models.conftest import Archs, prompt_of
+from tests.worker.models.driver import Driver
+from tests.worker.models.hf_tiny import ARCHS
+from tests.worker.models.test_parity import MAX_NEW, check_against_hf
+from worker.models.loader import load_model
+from worker.models.packed import PACK_MIN_ELEMENTS, PackedLinear, pack_linears
+
+
+def _packed_model(archs: Archs, name: str) -> nn.Module:
+    arch = archs[name]
+    model = load_model(arch.tiny.path, arch.spec)  # a fresh copy: the shared one stays eager
+    report = pack_linears(model, torch.device("cpu"), torch.float32, min_elements=0)
+    assert report.packed > 0 and report.skipped_reason is None
+    assert not any(type(m) is nn.Linear for m in model.modules()), "an nn.Linear was left eager"
+    assert isinstance(model.lm_head, PackedLinear)
+    return model
+
+
+@pytest.mark.parametrize("name", ARCHS)
+def test_packed_model_matches_transformers(archs: Archs, name: str) -> None:
+    """A prompt of ~3 windows plus a 2-token one, prefilled and decoded together, packed."""
+    arch = archs[name]
+    drv = Driver(arch.spec, _packed_model(archs, name), page_size=4)
+    seqs = [drv.add(prompt_of(n, seed=50 + n), MAX_NEW) for n in (3 * arch.window + 1, 2)]
+    drv.run(seqs)
+    for s in seqs:
+        check_against_hf(arch, s)
+
+
+def test_packed_linear_equals_linear_in_bfloat16() -> None:
+    """bfloat16 weights pack too, and any leading shape works."""
+    torch.manual_seed(0)
+    lin = nn.Linear(64, 48, bias=True).to(torch.bfloat16)
+    x = torch.randn(3, 5, 64, dtype=torch.bfloat16)
+    packed = PackedLinear(lin.weight, lin.bias)
+    torch.testing.assert_close(packed(x), lin(x), rtol=1.6e-2, atol=1e-2)
+    assert packed(x[:0]).shape == (0, 5, 48)
+
+
+def test_small_layers_stay_eager_by_default() -> None:
+    """Below PACK_MIN_ELEMENTS the packed call's fixed cost outweighs it: only the big one packs."""
+    model = nn.Sequential(nn.Linear(128, 128), nn.Linear(512, PACK_MIN_ELEMENTS // 512))
+    assert pack_linears(model, torch.device("cpu"), torch.float32).packed == 1
+    assert type(model[0]) is nn.Linear and isinstance(model[1], PackedLinear)
+
+
+def test_no_packing_off_cpu() -> None:
+    """A non-CPU device is refused with a reason and the model is left as it was."""
+    model = nn.Sequential(nn.Linear(4, 4))
+    report = pack_linears(model, torch.device("cuda"), torch.float32)
+    assert report.packed == 0 and "CPU" in (report.skipped_reason or "")
+    assert type(model[0]) is nn.Linear

@@ -1,0 +1,156 @@
+"""`compile: auto`: the model prepared once at load — oneDNN-packed linears on CPU, and
+`torch.compile` of the dense parts with attention as one opaque custom op (docs/design.md §19).
+
+Piecewise scheme (vLLM's): dynamo traces the whole decoder, but the pool write and the attention
+kernel of each layer are one `torch.library` custom op, ``swaserve::paged_attention``, that
+inductor never looks into. The graph is therefore dense code (norms, projections, rope, MLPs,
+the head) between opaque attention calls, compiled once with the token count dynamic.
+
+NOTE: a custom op takes tensors and scalars only, so the step's `ForwardContext` (pool, backend,
+planned metadata, slots) cannot be an argument. `CompiledForward` puts it in a thread-local slot
+for the duration of the compiled call and the op reads it there; eager forwards keep passing it
+explicitly. The engine runs one step at a time per thread, so one slot per thread suffices.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from worker.attention.base import AttentionLayer
+from worker.config import COMPILE_MODES
+from worker.errors import ConfigError
+from worker.models.layers import PagedAttention
+from worker.models.packed import pack_linears
+
+if TYPE_CHECKING:
+    from worker.models.causal_lm import CausalLM
+    from worker.runner.forward_batch import ForwardContext
+
+logger = logging.getLogger(__name__)
+
+# CPU `auto` packs weights and runs eager: on the 46M Gemma-3 inductor with freezing was slower
+# than packing alone at batch 1-32 and took 15-80 s to compile (docs/design.md §19). True only
+# inside `swaserve bench compile`'s `inductor` mode.
+CPU_INDUCTOR = False
+
+
+@dataclass(frozen=True)
+class CompilePlan:
+    """What preparing a model does: pack linears (CPU), compile with a backend (None: eager)."""
+
+    pack: bool
+    backend: str | None  # a torch.compile backend name ("inductor", "aot_eager") or None
+
+    @classmethod
+    def for_mode(cls, mode: str, device: torch.device) -> CompilePlan:
+        if mode not in COMPILE_MODES:
+            raise ConfigError(f"compile must be one of {COMPILE_MODES}, got {mode!r}")
+        if mode == "off":
+            return cls(pack=False, backend=None)
+        if device.type == "cpu" and CPU_INDUCTOR:
+            # NOTE: inductor cannot lower a model whose weights are already oneDNN tensors; its
+            # freezing pass packs the (constant) weights itself.
+            return cls(pack=False, backend="inductor")
+        if device.type == "cpu":
+            return cls(pack=True, backend=None)
+        return cls(pack=False, backend="inductor")
+
+
+# ---- the opaque attention op --------------------------------------------------------------------
+_active = threading.local()  # .stack: list[tuple[ForwardContext, dict[int, AttentionLayer]]]
+
+
+@contextmanager
+def attention_context(ctx: ForwardContext, layers: dict[int, AttentionLayer]) -> Iterator[None]:
+    stack = _active.__dict__.setdefault("stack", [])
+    stack.append((ctx, layers))
+    try:
+        yield
+    finally:
+        stack.pop()
+
+
+@torch.library.custom_op("swaserve::paged_attention", mutates_args=())
+def paged_attention(
+    q: torch.Tensor,  # [T, Hq, D]
+    k: torch.Tensor,  # [T, Hkv, D]
+    v: torch.Tensor,  # [T, Hkv, Dv]
+    sinks: torch.Tensor | None,  # [Hq]
+    layer_id: int,
+) -> torch.Tensor:
+    """`PagedAttention.forward` of layer `layer_id` against the active step's context."""
+    stack = getattr(_active, "stack", None)
+    assert stack, "swaserve::paged_attention called outside attention_context (a compiled forward)"
+    ctx, layers = stack[-1]
+    ctx.pool.set_kv(layer_id, k, v, ctx.out_loc, ctx.swa_out_loc)
+    out = ctx.backend.forward(layers[layer_id], q, ctx.attn_metadata, sinks).contiguous()
+    # NOTE: the fake (below) promises a fresh contiguous tensor; a backend may return a strided
+    # one, or (in principle) a view of q.
+    same = out.untyped_storage().data_ptr() == q.untyped_storage().data_ptr()
+    return out.clone() if same else out
+
+
+@paged_attention.register_fake
+def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None, layer_id: int) -> torch.Tensor:  # fmt: skip
+    return q.new_empty(q.shape[0], q.shape[1], v.shape[2])
+
+
+# ---- the compiled model ---------------------------------------------------------------------
+class CompiledForward:
+    """The decoder and the head under `torch.compile`, token count dynamic."""
+
+    def __init__(self, model: CausalLM, backend: str) -> None:
+        self.layers = {layer.layer_id: layer for layer in model.attention_layers()}
+        for module in model.modules():
+            if isinstance(module, PagedAttention):
+                module.opaque = True
+        decoder = model.model
+        # CPU: freezing makes the weights constants, which lets inductor pack them (oneDNN/MKL).
+        # NOTE: not on GPU, where constant folding would keep transposed copies of the weights.
+        on_cpu = next(model.parameters()).device.type == "cpu"
+        options: dict[str, str | int | bool | Callable[..., object]] | None = (
+            {"freezing": True} if backend == "inductor" and on_cpu else None
+        )
+        self._decoder = torch.compile(
+            lambda ids, pos: decoder(ids, pos, None), backend=backend, options=options
+        )
+        self._logits: Callable[[torch.Tensor], torch.Tensor] = torch.compile(
+            model.logits_eager, backend=backend, options=options
+        )
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
+        torch._dynamo.maybe_mark_dynamic(input_ids, 0)
+        torch._dynamo.maybe_mark_dynamic(positions, 0)
+        with attention_context(ctx, self.layers):
+            return self._decoder(input_ids, positions)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        torch._dynamo.maybe_mark_dynamic(hidden, 0)
+        return self._logits(hidden)
+
+
+def prepare_model(
+    model: CausalLM, plan: CompilePlan, device: torch.device, dtype: torch.dtype
+) -> str:
+    """Apply `plan` to a loaded model, once (in place). Returns what was done, for the log."""
+    done = []
+    if plan.pack:
+        report = pack_linears(model, device, dtype)
+        done.append(
+            f"{report.packed} linears packed"
+            if report.skipped_reason is None
+            else f"unpacked ({report.skipped_reason})"
+        )
+    if plan.backend is not None:
+        model.compiled = CompiledForward(model, plan.backend)
+        done.append(f"torch.compile({plan.backend}), attention opaque")
+    return ", ".join(done) or "eager"

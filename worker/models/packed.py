@@ -1,0 +1,126 @@
+"""Linear layers with oneDNN-packed weights for CPU (docs/design.md §19).
+
+`F.linear` on a CPU hands an unpacked row-major weight to MKL's GEMM on every call; at decode
+sizes (a few rows) the repacking inside the GEMM costs more than the product. oneDNN can reorder
+the weight once into its blocked layout (`mkldnn._reorder_linear_weight`) and then multiply any
+number of rows against it (`mkldnn._linear_pointwise`), which is what inductor's freezing and
+vLLM's CPU backend do. `pack_linears` does it once at load for every dense linear of a model:
+attention projections, MLPs, MoE experts that are plain `nn.Linear`s, the LM head, and their
+tensor-parallel shards.
+
+The packed weight is an opaque oneDNN tensor (layout `torch._mkldnn`): it is kept as a plain
+attribute, not a parameter, so `state_dict` no longer lists it and the unpacked copy is freed
+(a tied LM head packs its own copy; the embedding keeps the original).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+# Smallest weight (in x out elements) worth packing. oneDNN's packed call has a fixed cost of
+# tens of microseconds on one thread; below ~512 x 512 plain `F.linear` is as fast or faster at
+# decode sizes, and a hidden-128 model ran 0.7x packed (measured: docs/design.md §19).
+PACK_MIN_ELEMENTS = 1 << 18
+
+
+class PackedLinear(nn.Module):
+    """``y = x @ W.T + b`` with `W` reordered once for oneDNN. Inputs of any leading shape."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        with torch.no_grad():
+            # CPU, dtype float32/bfloat16/float16 (opaque oneDNN layout)
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous())
+            self.bias = None if bias is None else bias.detach().clone()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features).contiguous()
+        y = torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.bias, "none", [], "")
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, oneDNN-packed"
+
+
+@dataclass(frozen=True)
+class PackReport:
+    """What `pack_linears` did: how many layers it packed, or why it packed none."""
+
+    packed: int
+    skipped_reason: str | None = None
+
+
+def packing_unsupported(device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why this torch build cannot pack weights of `dtype` on `device`; None when it can."""
+    if device.type != "cpu":
+        return f"weight packing is a CPU path (device {device.type})"
+    if not torch.backends.mkldnn.is_available():
+        return "this torch build has no oneDNN (torch.backends.mkldnn)"
+    if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return "oneDNN reports no bfloat16 support on this CPU"
+    if dtype == torch.float16 and not torch.ops.mkldnn._is_mkldnn_fp16_supported():
+        return "oneDNN reports no float16 support on this CPU"
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return f"no oneDNN packed linear for {dtype}"
+    return None
+
+
+def pack_linears(
+    model: nn.Module,
+    device: torch.device,
+    dtype: torch.dtype,
+    min_elements: int | None = None,
+) -> PackReport:
+    """Replace every packable linear of `model` in place (once, after the weights are loaded).
+
+    A module is packable when it is an `nn.Linear` whose weight has the compute dtype, or defines
+    ``packed() -> nn.Module`` (the tensor-parallel layers: the local matmul packed, the
+    all-reduce kept), and its weight has at least `min_elements` entries (default
+    `PACK_MIN_ELEMENTS`, read at call time). Weights kept in float32 by a lower-precision model
+    (MoE routers) stay eager.
+    """
+    least = PACK_MIN_ELEMENTS if min_elements is None else min_elements
+    reason = packing_unsupported(device, dtype)
+    if reason is not None:
+        logger.info("linear weights left unpacked: %s", reason)
+        return PackReport(0, reason)
+    targets = [
+        (parent, name, child)
+        for parent in model.modules()
+        for name, child in parent.named_children()
+        if _packable(child, dtype, least)
+    ]
+    for parent, name, child in targets:
+        setattr(parent, name, _packed(child))
+    logger.info(
+        "packed %d linear weights for oneDNN (%s; smaller than %d entries: eager)",
+        len(targets), dtype, least,
+    )  # fmt: skip
+    return PackReport(len(targets))
+
+
+def _packable(module: nn.Module, dtype: torch.dtype, least: int) -> bool:
+    if not isinstance(module, nn.Linear) and not callable(getattr(module, "packed", None)):
+        return False
+    w = getattr(module, "weight", None)
+    return (
+        isinstance(w, torch.Tensor)
+        and w.dtype == dtype
+        and w.device.type == "cpu"
+        and w.numel() >= least
+    )
+
+
+def _packed(module: nn.Module) -> nn.Module:
+    if isinstance(module, nn.Linear):
+        return PackedLinear(module.weight, module.bias)
+    replacement = module.packed()  # type: ignore[operator]
+    assert isinstance(replacement, nn.Module), f"{type(module).__name__}.packed()"
+    return replacement
