@@ -14,7 +14,9 @@ Ray's environment switches are set here and nowhere else:
   (`nice(worker_niceness)`, default 15), so every actor, our replicas included, would run
   behind any normal-priority process on the machine. 0 leaves replicas at the raylet's
   priority; it only ever lowers priority, so no privilege is needed (a non-root pod too; the
-  Helm chart sets the same variable on its pods).
+  Helm chart sets the same variable on its pods);
+- `MALLOC_*` (`MALLOC_ENV` below): glibc malloc keeps a replica's step buffers instead of
+  returning them to the OS and faulting them in again every step.
 Each cluster gets its own short temp dir (Ray's socket paths must stay under ~107 bytes), so
 parallel jobs on one machine do not share sessions; it is removed on stop. The two Ray internals
 this needs live in `cluster.ray_private`.
@@ -32,12 +34,25 @@ from dataclasses import dataclass
 
 from cluster import ray_private
 
+# glibc malloc in every Ray process (read at process start, so the raylet's children inherit
+# it): allocations under 32 MiB come from the heap, which is trimmed back to the OS only above
+# 4 GB free and grows 256 MiB at a time. A CPU replica allocates and frees its step tensors
+# every step; by default each step's large buffers are mmapped or trimmed and faulted in again
+# (1.2-1.3 M minor faults and ~2 s of system time per batch-32 run of the 46 M model, against
+# ~40 K with these; BENCHMARKS.md "schedule").
+MALLOC_ENV = {
+    "MALLOC_MMAP_THRESHOLD_": "33554432",
+    "MALLOC_TRIM_THRESHOLD_": "4000000000",
+    "MALLOC_TOP_PAD_": "268435456",
+}
+
 RAY_ENV = {
     "RAY_AUTH_MODE": "disabled",
     "RAY_USAGE_STATS_ENABLED": "0",
     "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
     "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "30",
     "RAY_worker_niceness": "0",
+    **MALLOC_ENV,
 }
 
 
