@@ -14,14 +14,7 @@ Ray's environment switches are set here and nowhere else:
   (`nice(worker_niceness)`, default 15), so every actor, our replicas included, would run
   behind any normal-priority process on the machine. 0 leaves replicas at the raylet's
   priority; it only ever lowers priority, so no privilege is needed (a non-root pod too; the
-  Helm chart sets the same variable on its pods);
-- `RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=0` and `RAY_SERVE_PROXY_USE_GRPC=1`: a replica
-  runs our code on Serve's own event loop (no hop between two loops for every streamed item),
-  and the HTTP proxy reaches the ingress over Serve's gRPC data plane rather than Ray object
-  references; both cut the CPU the ingress and the proxy spend per streamed token
-  (docs/design.md §4.2; the worker stream does the same per handle, `cluster.ray_private`).
-  Our replica code never blocks its loop (tests/test_architecture.py), which is what the
-  separate thread protects against. The chart sets both on its pods too.
+  Helm chart sets the same variable on its pods).
 Each cluster gets its own short temp dir (Ray's socket paths must stay under ~107 bytes), so
 parallel jobs on one machine do not share sessions; it is removed on stop. The two Ray internals
 this needs live in `cluster.ray_private`.
@@ -45,8 +38,6 @@ RAY_ENV = {
     "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
     "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "30",
     "RAY_worker_niceness": "0",
-    "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
-    "RAY_SERVE_PROXY_USE_GRPC": "1",
 }
 
 

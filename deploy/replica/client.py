@@ -129,6 +129,10 @@ class ServeWorkerClient:
         try:
             async for item in gen:
                 yield item
+                # NOTE: over gRPC, items already buffered come without a suspension, and the
+                # whole way to the SSE write does not suspend either: one stream that is ahead
+                # would hold the loop (other streams, /metrics, /health) until it drained.
+                await asyncio.sleep(0)
         finally:
             # Normal end: a no-op. Early exit (client gone, stop string): aborts on the worker.
             gen.cancel()

@@ -24,7 +24,6 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from cluster.ray_local import RAY_ENV
 from deploy.config import APP_IMPORT_PATH, WORKER_DEPLOYMENT, ServeConfig
 from deploy.serve_file import config_from_document
 
@@ -325,8 +324,6 @@ def test_service_ingress_and_api_key_wiring(name: str) -> None:
     for group in [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]:
         env = {e["name"]: e for e in group["template"]["spec"]["containers"][0].get("env", [])}
         assert env["RAY_worker_niceness"] == {"name": "RAY_worker_niceness", "value": "0"}
-        for name in ("RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD", "RAY_SERVE_PROXY_USE_GRPC"):
-            assert env[name] == {"name": name, "value": RAY_ENV[name]}  # as `swaserve serve` runs
         if "SWASERVE_API_KEY" in env:
             assert set(env["SWASERVE_API_KEY"]) == {"name", "valueFrom"}
 

@@ -190,13 +190,9 @@ applications:
 {{- end }}
 
 {{/* Environment of every Ray container. RAY_worker_niceness=0: Ray starts actors (the replicas)
-at niceness 15 otherwise, behind every other process on the node. The two RAY_SERVE_ switches:
-replicas run our code on Serve's own loop, and the proxy reaches the ingress over gRPC (less CPU
-per streamed token; cluster/ray_local.py says why). */}}
+at niceness 15 otherwise, behind every other process on the node. */}}
 {{- define "swaserve.env" -}}
 {{- $env := list (dict "name" "RAY_worker_niceness" "value" "0") }}
-{{- $env = append $env (dict "name" "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD" "value" "0") }}
-{{- $env = append $env (dict "name" "RAY_SERVE_PROXY_USE_GRPC" "value" "1") }}
 {{- if include "swaserve.apiKeyEnabled" . }}
 {{- $ref := dict "name" (include "swaserve.apiKeySecretName" .) "key" .Values.apiKey.secretKey }}
 {{- $env = append $env (dict "name" "SWASERVE_API_KEY" "valueFrom" (dict "secretKeyRef" $ref)) }}
