@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -97,6 +98,7 @@ def start_server(spec: ServerSpec, log: Path, timeout_s: float = 900.0) -> Runni
         RuntimeError: the server exited or was not healthy within `timeout_s` (it is stopped).
     """
     log.parent.mkdir(parents=True, exist_ok=True)
+    _wait_port_free(spec.port, timeout_s)
     env = {**os.environ, **spec.env}
     if not spec.keep_pythonpath:
         env.pop("PYTHONPATH", None)
@@ -129,6 +131,22 @@ def stop_server(server: RunningServer, grace_s: float = 120.0) -> None:
     except (ProcessLookupError, PermissionError):
         pass
     server.proc.wait(30)
+
+
+def _wait_port_free(port: int, timeout_s: float) -> None:
+    """The previous server's processes (Ray's HTTP proxy outlives `swaserve serve` by a few
+    seconds) may still hold the port: wait until it can be bound."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with socket.socket() as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT is fine
+            try:
+                sock.bind(("127.0.0.1", port))
+                return
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"port {port} still in use after {timeout_s:.0f}s") from None
+        time.sleep(1.0)  # waits on the old listener exiting
 
 
 def _healthy(url: str) -> bool:
