@@ -6,6 +6,9 @@ faster and steadier there. Benchmarks (`swaserve bench`) keep torch's default.
 
 `--cpu-hogs N` runs N CPU-burning processes beside the whole session (`make test-loaded`, the
 Ray and e2e modules on a busy machine; tests/cpu_hogs.py).
+
+Hypothesis runs derandomized (the profile "suite"); `pytest --hypothesis-profile explore` draws new
+examples.
 """
 
 from __future__ import annotations
@@ -15,10 +18,17 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+from hypothesis import settings
 
 from tests.cpu_hogs import cpu_hogs
 
 torch.set_num_threads(1)
+
+# The suite's hypothesis examples are the same on every run (a CI failure reproduces on any
+# machine); `--hypothesis-profile explore` draws fresh ones.
+settings.register_profile("suite", derandomize=True)
+settings.register_profile("explore", derandomize=False)
+settings.load_profile("suite")
 # Every runner of the suite compares its device page table with the host tables after each step
 # and checks every FULL key slot (worker/runner/model_runner.py; O(tokens), off in production).
 os.environ.setdefault("SWASERVE_CHECK_TABLES", "1")

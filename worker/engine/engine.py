@@ -180,7 +180,8 @@ class Engine:
             deltas += self._process(previous)
         if self._inflight is not None and not self._inflight.overlapped:
             deltas += self._settle()
-        refused = self.scheduler.refuse_if_stalled(bool(work) or bool(deltas))
+        # Processing the step that was in flight commits a forward: progress, like a new step.
+        refused = self.scheduler.refuse_if_stalled(bool(work) or bool(deltas) or previous is not None)
         if refused is not None:
             deltas.append(self._delta(refused))
         self.last_step_seconds = time.perf_counter() - t0
