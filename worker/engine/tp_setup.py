@@ -168,6 +168,7 @@ def build_tp_engine_parts(config: EngineConfig, launcher: RankLauncher | None) -
         spec.window if shard.plan.hybrid else None,
         enable_radix_cache=config.enable_radix_cache,
         eager_swa_free=config.eager_swa_free,
+        swa_eviction_policy=config.swa_eviction_policy,
     )
     return EngineParts(
         spec=spec,

@@ -103,6 +103,17 @@ def test_a_dead_rank_fails_the_engine_instead_of_hanging(tiny_root: Path) -> Non
         engine.close()
 
 
+@pytest.mark.timeout(120)
+def test_a_tensor_parallel_engine_keeps_the_configured_swa_eviction_policy(tiny_root: Path) -> None:
+    """`swa_eviction_policy: lru` reaches rank 0's cache under tensor parallelism too."""
+    path = make_tiny("mimo_v2_flash", tiny_root).path
+    engine = Engine(EngineConfig(model=str(path), tensor_parallel_size=2, swa_eviction_policy="lru", **POOLS))
+    try:
+        assert getattr(engine.cache, "tail_first", None) is False
+    finally:
+        engine.close()
+
+
 def test_a_split_that_does_not_divide_is_refused_before_any_rank_starts() -> None:
     """Three ranks cannot share the tiny model's 4 query heads: ConfigError, no process left."""
     with pytest.raises(ConfigError, match="tensor_parallel_size=3"):
