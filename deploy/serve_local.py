@@ -141,7 +141,10 @@ def prepare_model(model: str, progress: Progress) -> Path:
 
 
 def check_port_free(host: str, port: int) -> None:
+    """Raises when another process listens on the port. Connections of a server stopped a moment
+    ago (TIME_WAIT) do not count: the HTTP listener binds with SO_REUSEADDR, as this check does."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
         except OSError as e:

@@ -106,6 +106,21 @@ def test_port_in_use_is_reported() -> None:
             check_port_free("127.0.0.1", port)
 
 
+def test_a_port_left_in_time_wait_is_free() -> None:
+    """A server stopped a moment ago leaves its closed connections in TIME_WAIT; the HTTP
+    listener binds with SO_REUSEADDR, so the check must not call that port busy."""
+    with socket.socket() as srv:
+        srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        srv.bind(("127.0.0.1", 0))
+        srv.listen()
+        port = srv.getsockname()[1]
+        cli = socket.create_connection(("127.0.0.1", port))
+        conn, _ = srv.accept()
+        conn.close()  # the server side closes first: its end of the connection is in TIME_WAIT
+        cli.close()
+    check_port_free("127.0.0.1", port)
+
+
 def test_cuda_device_asks_for_one_gpu_per_worker(monkeypatch: pytest.MonkeyPatch) -> None:
     """--device cuda reserves a GPU per worker and refuses more workers than GPUs."""
     import torch
