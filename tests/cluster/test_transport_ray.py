@@ -279,7 +279,7 @@ def test_an_idle_worker_resyncs_through_its_stats_report(actor_name: str) -> Non
             assert time.monotonic() < deadline, "the idle worker never came back"
             await asyncio.sleep(0.1)  # waits on Ray restarting the actor
         sub = IndexSubscriber(actor, ClusterIndex())
-        await sub.sync()
+        await _sync_through_restart(sub)
         assert _pages(sub.index, "w0") == {1, 2}
 
     asyncio.run(run())
@@ -330,10 +330,23 @@ def test_late_router_and_actor_restart(actor_name: str) -> None:
                 pass
             assert time.monotonic() < deadline, "the restarted actor never got the resync"
             await asyncio.sleep(0.1)  # waits on Ray restarting the actor
-        await sub.sync()
+        await _sync_through_restart(sub)
         assert _pages(sub.index, "w0") == {1, 2}
 
     asyncio.run(run())
+
+
+async def _sync_through_restart(sub: IndexSubscriber, timeout_s: float = 120.0) -> None:
+    """`sub.sync()`, retried while a just-restarted actor still answers "temporarily
+    unavailable" to some calls (the subscriber's own loop retries the same way)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            await sub.sync()
+            return
+        except ray.exceptions.RayActorError:
+            assert time.monotonic() < deadline, "the restarted actor never answered a pull"
+            await asyncio.sleep(0.1)  # waits on Ray finishing the restart
 
 
 # ---- the router in a Serve app ----------------------------------------------------------
