@@ -57,7 +57,7 @@ def url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         while "swaserve is ready" not in log.read_text(errors="replace"):
             assert proc.poll() is None, f"serve exited early:\n{log.read_text()[-4000:]}"
             assert time.monotonic() < deadline, f"not ready:\n{log.read_text()[-4000:]}"
-            time.sleep(0.5)
+            time.sleep(0.5)  # waits on the server's startup log line
         yield f"http://127.0.0.1:{port}"
     finally:
         if proc.poll() is None:

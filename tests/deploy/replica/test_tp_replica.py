@@ -65,7 +65,7 @@ def _wait(what: str, ok: Any, timeout_s: float = 240.0) -> Any:
         value = ok()
         if value:
             return value
-        time.sleep(0.5)
+        time.sleep(0.5)  # waits on the condition `ok` polls
     raise TimeoutError(f"{what} after {timeout_s:.0f}s")
 
 

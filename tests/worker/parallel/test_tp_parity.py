@@ -94,7 +94,7 @@ def test_a_dead_rank_fails_the_engine_instead_of_hanging(tiny_root: Path) -> Non
         os.kill(tp.ranks.procs[0].pid, signal.SIGKILL)
         deadline = time.monotonic() + 10
         while engine.rank_failure() is None and time.monotonic() < deadline:
-            time.sleep(0.05)
+            time.sleep(0.05)  # waits on the engine noticing the dead rank
         assert "rank 1" in (engine.rank_failure() or "")
         engine.add_request(_tokens(8, seed=4), SamplingParams(max_tokens=2))
         with pytest.raises(RuntimeError):
