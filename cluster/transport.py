@@ -32,7 +32,7 @@ import asyncio
 import dataclasses
 import logging
 from collections.abc import Callable
-from typing import cast
+from typing import Any, cast
 
 import ray
 from ray.actor import ActorHandle
@@ -113,12 +113,14 @@ class CacheIndexActor:
         return delta
 
     async def describe(self) -> dict[str, object]:
-        """Workers (id → incarnation, seq, stale, pages) and log bounds, for tests and debugging."""
+        """Workers (id → incarnation, seq, stale, pages), log bounds and the node the actor runs
+        on, for tests and debugging."""
         workers = {
             e.meta.worker_id: (e.meta.incarnation, e.seq, e.stale, len(e.pages))
             for e in self._hub.index.workers()
         }
-        return {"epoch": self._hub.epoch, "end": self._hub.end, "workers": workers}
+        node = ray.get_runtime_context().get_node_id()
+        return {"epoch": self._hub.epoch, "end": self._hub.end, "workers": workers, "node_id": node}
 
     def _event(self) -> asyncio.Event:
         if self._changed is None:
@@ -140,6 +142,15 @@ def get_or_create_index_actor(
     """The named index actor, created on first use (idempotent across processes)."""
     limits = limits or IndexLimits()
     remote_cls = ray.remote(CacheIndexActor)
+    head = _head_node_id()
+    strategy: Any = "DEFAULT"
+    if head is not None:
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        # On the head node, which lives as long as the cluster: a worker node that goes away
+        # takes no index with it, and Ray restarts a killed actor there. NOTE: not soft: Ray
+        # places a soft-affine zero-CPU actor on any node (tests/deploy/test_chaos.py checks).
+        strategy = NodeAffinitySchedulingStrategy(node_id=head, soft=False)
     actor = remote_cls.options(
         name=name,
         namespace=INDEX_NAMESPACE,
@@ -148,11 +159,20 @@ def get_or_create_index_actor(
         num_cpus=0,
         max_restarts=-1,
         # NOTE: outside the creating replica's placement group (Serve captures a replica's child
-        # actors into it): a tensor-parallel replica's group goes away with the replica, and a
-        # detached actor scheduled there could never restart (docs/design.md §17.4).
-        scheduling_strategy="DEFAULT",
+        # actors into it; an explicit strategy opts out): a tensor-parallel replica's group goes
+        # away with the replica, and a detached actor scheduled there could never restart
+        # (docs/design.md §17.4).
+        scheduling_strategy=strategy,
     ).remote(limits.max_pages_per_worker, limits.max_workers, max_log)
     return cast(ActorHandle, actor)  # Ray's stubs type .remote() of a class as a union
+
+
+def _head_node_id() -> str | None:
+    """The alive head node's id (Ray marks it with the `node:__internal_head__` resource)."""
+    for node in ray.nodes():
+        if node.get("Alive") and "node:__internal_head__" in node.get("Resources", {}):
+            return str(node["NodeID"])
+    return None
 
 
 def find_index_actor(name: str) -> ActorHandle | None:
@@ -280,6 +300,7 @@ class IndexSubscriber:
         self._cursor = 0
         self._ready = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self.reachable = True  # the last pull answered (False: failed or timed out since)
 
     @property
     def ready(self) -> bool:
@@ -292,7 +313,12 @@ class IndexSubscriber:
 
     async def sync(self, wait_s: float = 0.0) -> bool:
         """Pull and apply once; True when the index changed."""
-        delta: Delta | None = await self._actor.pull.remote(self._epoch, self._cursor, wait_s)
+        try:
+            delta: Delta | None = await self._actor.pull.remote(self._epoch, self._cursor, wait_s)
+        except Exception:
+            self.reachable = False
+            raise
+        self.reachable = True
         changed = delta is not None and self._apply(delta)
         self._ready.set()
         return changed

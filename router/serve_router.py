@@ -46,6 +46,12 @@ logger = logging.getLogger(__name__)
 
 _MAX_TRACKED_KEYS = 4096  # request ids remembered for early completions
 _LOOKUP_INTERVAL_S = 1.0  # how often a router without an index actor looks for one
+# A replica Serve found unreachable ranks last for this long (or until Serve drops it): a node
+# that went away answers nothing until the controller notices, which takes several seconds.
+_SUSPECT_S = 10.0
+# A catch-up pull takes about a millisecond; one that takes this long meets an actor that is not
+# answering, and the decision goes on without it.
+_CATCH_UP_TIMEOUT_S = 2.0
 
 
 class SwaPrefixRequestRouter(RequestRouter):
@@ -101,6 +107,7 @@ class SwaPrefixRequestRouter(RequestRouter):
         # worker id → (the routing_stats dict last parsed, its parse); Serve replaces the dict
         # when a new sample arrives, so identity tells whether to parse again.
         self._loads: dict[str, tuple[object, WorkerLoad | None]] = {}
+        self._suspect: dict[str, float] = {}  # worker id -> monotonic time it stops being suspect
 
     # ---- the decision ----------------------------------------------------------------------
     async def choose_replicas(
@@ -124,7 +131,7 @@ class SwaPrefixRequestRouter(RequestRouter):
             candidates,
             max_new_tokens=request.max_new_tokens if request else 0,
             request_key=key if request else None,
-            avoid=request.avoid if request else (),
+            avoid=(*(request.avoid if request else ()), *self._suspects()),
         )
         elapsed = time.perf_counter() - start
         if request is not None and pending_request is not None:
@@ -147,6 +154,8 @@ class SwaPrefixRequestRouter(RequestRouter):
         if request is not None:
             key = pending_request.metadata.internal_request_id
             self.core.placed(key, request.token_ids, replica_id.unique_id)
+            if request.request_id:  # the ingress's retry avoids it if it dies before answering
+                ingress_signal.note_placed(request.request_id, replica_id.unique_id)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         self.core.complete(internal_request_id)
@@ -166,11 +175,18 @@ class SwaPrefixRequestRouter(RequestRouter):
         super().on_replica_actor_died(replica_id)
         self._forget(replica_id.unique_id)
 
+    def on_replica_actor_unavailable(self, replica_id: ReplicaID) -> None:
+        """Serve could not reach the replica (its node may be gone): rank it last for a while,
+        so retries and new requests go to the others instead of waiting out the controller."""
+        super().on_replica_actor_unavailable(replica_id)
+        self._suspect[replica_id.unique_id] = time.monotonic() + _SUSPECT_S
+
     def _forget(self, worker_id: str) -> None:
         """A replica left: drop it locally and tell the shared index (fire and forget)."""
         self.core.index.remove(worker_id)
         self.core.forget_worker(worker_id)
         self._loads.pop(worker_id, None)
+        self._suspect.pop(worker_id, None)
         if (
             self._actor is not None
             and self._subscriber is not None
@@ -229,10 +245,21 @@ class SwaPrefixRequestRouter(RequestRouter):
         share one pull, and decisions with no completion since the last pull pull nothing.
         """
         while self._synced < target:
+            sub = self._subscriber
+            if sub is None or not sub.reachable:
+                # The actor is down or restarting (its node went away): decide on the mirror
+                # as it is rather than stall every decision; the long poll catches up later.
+                self._synced = target
+                return
             task = self._sync_task
             if task is None or task.done():
                 task = self._sync_task = asyncio.get_running_loop().create_task(self._pull_once())
-            await asyncio.shield(task)
+            try:
+                await asyncio.wait_for(asyncio.shield(task), _CATCH_UP_TIMEOUT_S)
+            except asyncio.TimeoutError:
+                logger.warning("cache index catch-up pull took over %.1fs; deciding without it",
+                               _CATCH_UP_TIMEOUT_S)  # fmt: skip
+                sub.reachable = False  # until a pull answers again
 
     async def _pull_once(self) -> None:
         started = self._completions
@@ -242,6 +269,14 @@ class SwaPrefixRequestRouter(RequestRouter):
         except Exception as exc:  # best effort: the long poll keeps following
             logger.warning("cache index catch-up pull failed: %s", exc)
         self._synced = max(self._synced, started)
+
+    def _suspects(self) -> tuple[str, ...]:
+        if not self._suspect:
+            return ()
+        now = time.monotonic()
+        for worker_id in [w for w, until in self._suspect.items() if until <= now]:
+            del self._suspect[worker_id]
+        return tuple(self._suspect)
 
     def _load(self, worker_id: str, replica: RunningReplica) -> WorkerLoad | None:
         stats = replica.routing_stats

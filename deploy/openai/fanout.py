@@ -42,6 +42,7 @@ async def _aclose(stream: AsyncIterator[StreamStart | StreamDelta] | None) -> No
 class Fanout:
     def __init__(self, streams: list[PromptStream]) -> None:
         self.streams = streams
+        self.failed: PromptStream | None = None  # the stream whose error `deltas` raised
         self._queue: asyncio.Queue[_Item] = asyncio.Queue()
 
     async def deltas(self) -> AsyncIterator[tuple[PromptStream, StreamDelta]]:
@@ -49,9 +50,13 @@ class Fanout:
         if len(self.streams) == 1:
             s = self.streams[0]
             assert s.stream is not None
-            async for item in s.stream:
-                assert isinstance(item, StreamDelta), f"worker sent {type(item).__name__} mid-stream"
-                yield s, item
+            try:
+                async for item in s.stream:
+                    assert isinstance(item, StreamDelta), f"worker sent {type(item).__name__} mid-stream"
+                    yield s, item
+            except Exception:
+                self.failed = s
+                raise
             return
         for s in self.streams:
             s.task = asyncio.create_task(self._pump(s))
@@ -61,6 +66,7 @@ class Fanout:
             if got is None:
                 live -= 1
             elif isinstance(got, BaseException):
+                self.failed = s
                 raise got
             elif not s.closed:
                 yield s, got

@@ -11,6 +11,7 @@ their KV.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import weakref
 from collections.abc import AsyncIterator, Callable
@@ -40,9 +41,19 @@ from deploy.openai.schema import (
 )
 from deploy.openai.streaming import RequestTimer, from_model, sse, translate_worker_error
 from deploy.openai.structured import request_grammar
-from deploy.replica.client import ReplicaSnapshot, WorkerClient
+from deploy.replica.client import ReplicaSnapshot, WorkerClient, replica_gone
 from router import ingress_signal
 from router.metrics import default_metrics as routing_metrics
+
+log = logging.getLogger("swaserve.ingress")
+
+# Restarts of a non-streaming request whose worker replica was lost mid-generation.
+PLAIN_RESTARTS = 2
+
+
+def _lost_replica(err: APIError) -> bool:
+    """The error came from a worker replica that died or went away (not from the request)."""
+    return err.__cause__ is not None and replica_gone(err.__cause__)
 
 
 @dataclass(frozen=True)
@@ -167,7 +178,7 @@ class OpenAIService:
     # -- running -----------------------------------------------------------------------------
 
     async def _plan(self, req: CompletionRequest | ChatCompletionRequest, prompts: list[list[int]],
-                    grammar: Any) -> _Run:  # fmt: skip
+                    grammar: Any, avoid: tuple[str, ...] = ()) -> _Run:  # fmt: skip
         chat = isinstance(req, ChatCompletionRequest)
         base_id = f"{'chatcmpl' if chat else 'cmpl'}-{time.time_ns():x}{id(req) & 0xFFFF:04x}"
         total = req.n if chat else (req.best_of or req.n)  # type: ignore[union-attr]
@@ -180,6 +191,7 @@ class OpenAIService:
             request = RoutedRequest(
                 token_ids=ids, request_id=f"{base_id}-{p_idx}", max_new_tokens=params.max_tokens * total,
                 params=params, sibling_params=tuple(sibling_params(params, k) for k in range(1, total)),
+                avoid=avoid,
             )  # fmt: skip
             streams.append(PromptStream(p_idx, request))
             for k, cid in enumerate(request.choice_ids):
@@ -218,7 +230,8 @@ class OpenAIService:
             weakref.finalize(events, release)
             return Reply(headers, events=events)
         try:
-            await self._collect(run, timer)
+            run = await self._collect_restarting(run, timer, prompts, grammar)
+            headers = self._headers(run)
             kept = best_of(run.choices, [st.prompt_index for st in run.fanout.streams], run.keep)
             body = run.builder.final(kept, usage_of(run.choices))
             self._count_tokens(run)
@@ -228,6 +241,38 @@ class OpenAIService:
             timer.done()
             await run.fanout.close_all()
             release()
+
+    async def _collect_restarting(self, run: _Run, timer: RequestTimer, prompts: list[list[int]],
+                                  grammar: Any) -> _Run:  # fmt: skip
+        """Collect a non-streaming answer; a worker replica lost mid-generation costs a restart
+        on another replica, not the request (the client has seen nothing yet). Up to
+        `PLAIN_RESTARTS` restarts; the lost replicas rank last (`RoutedRequest.avoid`). Returns
+        the run that answered; a restarted run that fails is closed here (the caller closes the
+        first)."""
+        first = run
+        avoid: tuple[str, ...] = ()
+        try:
+            for restart in range(PLAIN_RESTARTS + 1):
+                try:
+                    await self._collect(run, timer)
+                    return run
+                except APIError as err:
+                    failed = run.fanout.failed
+                    if restart == PLAIN_RESTARTS or failed is None or not _lost_replica(err):
+                        raise
+                    cause = type(err.__cause__).__name__
+                await run.fanout.close_all()
+                if failed.replica and failed.replica not in avoid:
+                    avoid = (*avoid, failed.replica)
+                log.warning("worker %s lost mid-generation of %s (%s); restarting the request",
+                            failed.replica or "?", failed.request.request_id, cause)  # fmt: skip
+                run = await self._plan(run.req, prompts, grammar, avoid)
+                await self._start(run.fanout)
+            raise AssertionError("unreachable")  # pragma: no cover
+        except BaseException:
+            if run is not first:
+                await run.fanout.close_all()
+            raise
 
     def _headers(self, run: _Run) -> dict[str, str]:
         streams = run.fanout.streams

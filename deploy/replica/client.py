@@ -11,7 +11,9 @@ Ray APIs only: a named actor of our own, found by name.
 
 A request is idempotent until its first token: when the worker replica dies (or refuses it,
 shutting down) before that, `ServeWorkerClient.stream` sends it again, ranking that replica last
-(`RoutedRequest.avoid`), up to `RETRIES` times. The `StreamStart` is held back until the first
+(`RoutedRequest.avoid`), up to `RETRIES` times. The replica is the one its `StreamStart` named
+or, when it died before sending one, the one the router placed the request on
+(`router.ingress_signal.placed_on`). The `StreamStart` is held back until the first
 token (or the end), so the caller only ever sees the replica that serves it, and a request that
 cannot be placed fails before its HTTP status line: 503 + Retry-After.
 """
@@ -27,6 +29,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from cluster.messages import RoutedRequest, StreamStart, WorkerInfo, WorkerUnavailableError
 from cluster.replica_stats import ReplicaSnapshot
+from router.ingress_signal import placed_on
 from worker.outputs import StreamDelta
 
 if TYPE_CHECKING:
@@ -97,12 +100,12 @@ class ServeWorkerClient:
                     yield start  # a refusal, or a stream with no delta
                 return
             except Exception as e:  # noqa: BLE001 - re-raised unless the replica is gone
-                if produced or attempt == RETRIES or not _replica_gone(e):
+                if produced or attempt == RETRIES or not replica_gone(e):
                     raise
-                gone = start.replica_id if start is not None else "?"
+                gone = start.replica_id if start is not None else placed_on(request.request_id)
                 log.warning("worker %s gone before the first token of %s (%s); sending again",
-                            gone, request.request_id, type(e).__name__)  # fmt: skip
-                if start is not None:
+                            gone or "?", request.request_id, type(e).__name__)  # fmt: skip
+                if gone is not None and gone not in request.avoid:
                     request = dataclasses.replace(request, avoid=(*request.avoid, gone))
 
     async def _attempt(self, request: RoutedRequest) -> AsyncGenerator[StreamStart | StreamDelta]:
@@ -148,7 +151,7 @@ class ServeWorkerClient:
             return {}
 
 
-def _replica_gone(e: BaseException) -> bool:
+def replica_gone(e: BaseException) -> bool:
     """The replica died, became unreachable, or aborted the request while shutting down."""
     from ray.exceptions import RayActorError
 

@@ -197,6 +197,10 @@ def test_sigkill_a_worker_replica_mid_stream(app: App) -> None:
 def test_remove_a_worker_node(app: App) -> None:
     """A worker node (raylet, replica and all) is gone; a fresh node joins for the replacement."""
 
+    # The cache index actor sits on the head node, so losing a worker node leaves it running.
+    head = app.cluster.cluster.head_node.node_id
+    assert ray.get(app.index().describe.remote(), timeout=10)["node_id"] == head
+
     def inject(load: Load) -> str:
         node_of = app.cluster.processes(WORKER_TITLE)  # replica pid → node id
         nodes = {n.node_id: n for n in app.cluster.workers}

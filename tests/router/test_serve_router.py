@@ -192,12 +192,16 @@ class CountingSubscriber:
 
     stopped = False
 
-    def __init__(self) -> None:
+    def __init__(self, hang: asyncio.Event | None = None) -> None:
         self.pulls = 0
+        self.reachable = True
+        self._hang = hang  # a pull waits on it: an actor that does not answer
 
     async def sync(self, wait_s: float = 0.0) -> bool:
         self.pulls += 1
         await asyncio.sleep(0)  # one loop turn, so concurrent decisions overlap
+        if self._hang is not None:
+            await self._hang.wait()
         return False
 
 
@@ -219,6 +223,31 @@ def test_completion_triggers_one_shared_catch_up_pull() -> None:
         assert sub.pulls == 1
         await router.choose_replicas(replicas, _pending(tokens, "r5"))
         assert sub.pulls == 1
+
+    asyncio.run(run())
+
+
+def test_an_unreachable_index_does_not_hold_decisions(monkeypatch) -> None:
+    """The index actor's node went away: the first catch-up is bounded by a timeout, after
+    which decisions use the local mirror without pulling until a pull answers again."""
+    from router import serve_router
+
+    monkeypatch.setattr(serve_router, "_CATCH_UP_TIMEOUT_S", 0.05)
+    tokens = prompt(2)
+
+    async def run() -> None:
+        router = _router()
+        hang = asyncio.Event()
+        sub = CountingSubscriber(hang)
+        router._subscribe, router._subscriber = True, sub
+        replicas = [FakeReplica("a")]
+        router.on_request_completed(replicas[0].replica_id, "r0")
+        await asyncio.wait_for(router.choose_replicas(replicas, _pending(tokens, "r1")), 10)
+        assert sub.pulls == 1 and not sub.reachable
+        router.on_request_completed(replicas[0].replica_id, "r1")
+        await asyncio.wait_for(router.choose_replicas(replicas, _pending(tokens, "r2")), 10)
+        assert sub.pulls == 1  # not tried again while unreachable
+        hang.set()
 
     asyncio.run(run())
 
@@ -252,3 +281,41 @@ def test_ingress_signal_cursor_returns_each_id_once() -> None:
     ids, end = ingress_signal.finished_since(start)
     assert ids == ["x1", "x2"] and end == start + 2
     assert ingress_signal.finished_since(end) == ([], end)
+
+
+def test_an_unreachable_replica_ranks_last_until_its_suspicion_expires(monkeypatch) -> None:
+    """Serve could not reach "a" (its node went away): "a" keeps the cache hit but ranks last,
+    so new requests and retries go elsewhere before the controller drops it."""
+    from router import serve_router
+
+    tokens = prompt(4)
+    clock = [1000.0]
+    monkeypatch.setattr(serve_router.time, "monotonic", lambda: clock[0])
+
+    async def ranks(router: SwaPrefixRequestRouter, rid: str) -> list[str]:
+        replicas = [FakeReplica("a", _stats("a")), FakeReplica("b", _stats("b"))]
+        return [rank[0].name for rank in await router.choose_replicas(replicas, _pending(tokens, rid))]
+
+    async def run() -> None:
+        router = _router()
+        router.core.index = index_with(tokens, {"a": "LLLL", "b": ""})
+        assert await ranks(router, "r1") == ["a", "b"]
+        router.on_replica_actor_unavailable(FakeReplica("a").replica_id)
+        assert await ranks(router, "r2") == ["b", "a"]
+        clock[0] += serve_router._SUSPECT_S + 0.1
+        assert await ranks(router, "r3") == ["a", "b"]
+
+    asyncio.run(run())
+
+
+def test_the_replica_serve_routed_to_is_noted_for_the_ingress() -> None:
+    from router import ingress_signal
+
+    async def run() -> None:
+        router = _router()
+        pending = _pending(prompt(2), "placed-1")
+        router.on_request_routed(pending, FakeReplica("b").replica_id, None)
+
+    asyncio.run(run())
+    assert ingress_signal.placed_on("placed-1") == "b"
+    assert ingress_signal.placed_on("never-routed") is None

@@ -8,10 +8,11 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
-from ray.exceptions import ActorDiedError
+from ray.exceptions import ActorDiedError, ActorUnavailableError
 
 from cluster.messages import RoutedRequest, StreamStart, WorkerUnavailableError
 from deploy.replica.client import RETRIES, ServeWorkerClient
+from router import ingress_signal
 from worker.outputs import StreamDelta
 
 
@@ -43,9 +44,9 @@ def _client(attempts: list[list[Any]]) -> tuple[ServeWorkerClient, list[RoutedRe
     return client, sent
 
 
-def _run(client: ServeWorkerClient) -> list[Any]:
+def _run(client: ServeWorkerClient, request_id: str = "r") -> list[Any]:
     async def go() -> list[Any]:
-        return [item async for item in client.stream(RoutedRequest([1, 2, 3], "r"))]
+        return [item async for item in client.stream(RoutedRequest([1, 2, 3], request_id))]
 
     return asyncio.run(go())
 
@@ -66,9 +67,18 @@ def test_a_refusal_while_shutting_down_is_retried_elsewhere() -> None:
 
 
 def test_dying_before_any_item_is_retried_too() -> None:
+    """No StreamStart names the replica: the retry ranks last the one the router placed it on
+    (a node gone: every call to it fails until the controller notices)."""
+    done = _delta([5], finished=True)
+    client, sent = _client([[ActorUnavailableError("node gone", None)], [StreamStart("b"), done]])
+    ingress_signal.note_placed("r", "a")
+    assert _run(client) == [StreamStart("b"), done] and sent[1].avoid == ("a",)
+
+
+def test_dying_before_any_item_unplaced_is_retried_without_avoid() -> None:
     done = _delta([5], finished=True)
     client, sent = _client([[ActorDiedError()], [StreamStart("b"), done]])
-    assert _run(client) == [StreamStart("b"), done] and sent[1].avoid == ()
+    assert _run(client, "unplaced") == [StreamStart("b"), done] and sent[1].avoid == ()
 
 
 def test_after_the_first_token_the_error_reaches_the_caller() -> None:

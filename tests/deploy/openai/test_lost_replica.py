@@ -1,0 +1,95 @@
+"""A worker replica lost mid-generation (in-process, no Ray): a non-streaming request is
+restarted on another replica and answered in full; a stream, whose client already has tokens,
+ends with an in-band error."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+from ray.exceptions import ActorUnavailableError
+
+from cluster.messages import RoutedRequest, StreamStart
+from deploy.openai.service import PLAIN_RESTARTS
+from tests.deploy.openai.openai_harness import MODEL, expected_greedy, make_harness, sse_events
+from tests.fakes.tokenizer import make_tokenizer_dir
+from worker.outputs import StreamDelta
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(make_tokenizer_dir(tmp_path_factory.mktemp("tok"))))
+
+
+class DyingClient:
+    """Wraps the in-process client: the first `deaths` streams lose their replica after the
+    first delta (what a node that went away looks like to the ingress)."""
+
+    def __init__(self, inner: Any, deaths: int) -> None:
+        self._inner, self._deaths = inner, deaths
+        self.sent: list[RoutedRequest] = []
+
+    async def stream(self, request: RoutedRequest) -> AsyncIterator[StreamStart | StreamDelta]:
+        self.sent.append(request)
+        dies = len(self.sent) <= self._deaths
+        deltas = 0
+        async for item in self._inner.stream(request):
+            yield item
+            if isinstance(item, StreamDelta):
+                deltas += 1
+                if dies and deltas == 1 and not item.finished:
+                    raise ActorUnavailableError("the node went away", None)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+def _post(h: Any, body: dict[str, Any]) -> Any:
+    async def go() -> Any:
+        async with h.client() as c:
+            return await c.post("/v1/completions", json=body)
+
+    return asyncio.run(go())
+
+
+def _harness(tokenizer: Any, deaths: int) -> tuple[Any, DyingClient]:
+    # A slow fake step, so the answer takes several deltas (the replica dies after the first).
+    h = make_harness(tokenizer, workers=2, step_s=0.002)
+    client = DyingClient(h.service._client, deaths)
+    h.service._client = client  # type: ignore[assignment]
+    return h, client
+
+
+def test_a_plain_request_survives_its_replica_dying_mid_generation(tokenizer: Any) -> None:
+    h, client = _harness(tokenizer, deaths=1)
+    prompt = [11, 22, 33]
+    r = _post(h, {"model": MODEL, "prompt": prompt, "max_tokens": 8, "temperature": 0})
+    assert r.status_code == 200, r.text
+    want = expected_greedy(prompt, 8, len(tokenizer))
+    assert r.json()["choices"][0]["text"] == tokenizer.decode(want, skip_special_tokens=True)
+    assert r.json()["usage"]["completion_tokens"] == 8  # counted once, from the run that answered
+    assert len(client.sent) == 2
+    first = r.headers["x-swaserve-replica"]
+    assert client.sent[0].avoid == () and client.sent[1].avoid == ("w0",)
+    assert first == "w1"  # the header names the replica that answered
+
+
+def test_out_of_restarts_the_plain_request_gets_503(tokenizer: Any) -> None:
+    h, client = _harness(tokenizer, deaths=PLAIN_RESTARTS + 1)
+    r = _post(h, {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 8, "temperature": 0})
+    assert r.status_code == 503 and "Retry-After" in r.headers, r.text
+    assert len(client.sent) == PLAIN_RESTARTS + 1
+    assert set(client.sent[-1].avoid) == {"w0", "w1"}
+
+
+def test_a_stream_that_loses_its_replica_ends_with_an_error_event(tokenizer: Any) -> None:
+    h, client = _harness(tokenizer, deaths=1)
+    r = _post(h, {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 8, "temperature": 0, "stream": True})
+    assert r.status_code == 200
+    events = sse_events(r.text)
+    assert events[-1]["error"]["code"] == "service_unavailable", events[-1]
+    assert len(client.sent) == 1  # not restarted: the client already has tokens
