@@ -65,6 +65,44 @@ def own_request_id() -> Iterator[None]:
         var.reset(token)
 
 
+
+def current_loop_handle(handle: Any) -> Any:
+    """`handle._init(_run_router_in_separate_loop=False)`: the handle's router runs on the
+    calling event loop instead of Serve's singleton router thread. Call it on the loop that will
+    use the handle, before its first `.options()` or `.remote()`; a handle already initialized
+    is returned as it is.
+
+    Why private: `_init` and the option are underscore names; the public switch is the
+    process-wide `RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP=0`, which breaks every handle used
+    outside an event loop (the driver's own calls, `swaserve serve`'s drain). With the router on
+    its own thread, every streamed item crosses from that loop to the caller's through a queue
+    and a thread-safe callback (that thread alone was ~6 % of the ingress's CPU, streaming).
+    """
+    if not handle.is_initialized:
+        handle._init(_run_router_in_separate_loop=False)
+    return handle
+
+
+def grpc_stream_handle(handle: Any, method_name: str) -> Any:
+    """`handle.options(stream=True, method_name=..., _by_reference=False)`: a streaming handle
+    whose items travel over the replica's gRPC server instead of Ray's object references, each
+    pickled with the standard library (`response_serialization="pickle"`, a public option: the
+    items are plain module-level dataclasses, and cloudpickle costs the worker ~10x more per
+    item).
+
+    Why private: `_by_reference` is the only per-handle switch between Serve's two data planes
+    (the public one is the process-wide `RAY_SERVE_USE_GRPC_BY_DEFAULT`, which would also move
+    every control call of the driver). By reference, each streamed item is an object the
+    caller's core worker receives, stores and resolves on its own threads; a token stream pays
+    that once per token (docs/design.md §4.2, the ingress's CPU). Every Serve replica runs the
+    inter-deployment gRPC server whichever the callers use (`Replica._on_initialized`), and a
+    replica that dies shows as `ActorUnavailableError` (a `RayActorError`) either way.
+    """
+    return handle.options(
+        stream=True, method_name=method_name, _by_reference=False, response_serialization="pickle"
+    )
+
+
 # ---- tests only ----------------------------------------------------------------------------
 
 

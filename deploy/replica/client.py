@@ -69,13 +69,25 @@ class ServeWorkerClient:
         from cluster.transport import index_actor_name
 
         self._handle = handle
-        self._stream_handle = handle.options(stream=True, method_name="generate")
+        self._stream_handle: DeploymentHandle[WorkerDeployment] | None = None  # `_handles()`
         self._stats_timeout_s = stats_timeout_s
         self._stale_after_s = stale_after_s
         self._forget_after_s = forget_after_s
         self._info: WorkerInfo | None = None
         self._index_name = index_actor_name(handle.app_name, handle.deployment_name)
         self._index: ActorHandle | None = None
+
+    def _handles(self) -> DeploymentHandle[WorkerDeployment]:
+        """The streaming handle, made on first use on the serving loop: its router runs on this
+        loop and its items come over gRPC (both cut the ingress's CPU per streamed token:
+        no hop from Serve's router thread per item, no object reference per item;
+        docs/design.md §4.2)."""
+        if self._stream_handle is None:
+            from cluster.ray_private import current_loop_handle, grpc_stream_handle
+
+            self._handle = current_loop_handle(self._handle)
+            self._stream_handle = grpc_stream_handle(self._handle, "generate")
+        return self._stream_handle
 
     async def stream(self, request: RoutedRequest) -> AsyncIterator[StreamStart | StreamDelta]:
         """The worker stream, sent again on another replica while no token has come back."""
@@ -113,18 +125,24 @@ class ServeWorkerClient:
 
         from cluster.ray_private import own_request_id
 
+        handle = self._handles()
         with own_request_id():  # one HTTP request makes several worker calls at once
-            gen = self._stream_handle.remote(request)
+            gen = handle.remote(request)
         assert isinstance(gen, DeploymentResponseGenerator), "the stream handle streams"
         try:
             async for item in gen:
                 yield item
+                # NOTE: over gRPC, items already buffered come without a suspension, and the
+                # whole way to the SSE write does not suspend either: one stream that is ahead
+                # would hold the loop (other streams, /metrics, /health) until it drained.
+                await asyncio.sleep(0)
         finally:
             # Normal end: a no-op. Early exit (client gone, stop string): aborts on the worker.
             gen.cancel()
 
     async def info(self) -> WorkerInfo:
         if self._info is None:
+            self._handles()  # the plain handle shares the streaming one's router
             self._info = await self._handle.info.remote()
         return self._info
 

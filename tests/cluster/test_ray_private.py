@@ -5,6 +5,7 @@ No cluster needed: these fail first, and by name, when a Ray upgrade moves an in
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 
 import ray
@@ -43,6 +44,35 @@ def test_init_still_takes_the_underscore_node_arguments() -> None:
     for name in ray_private.loopback_init_kwargs("/tmp/x"):
         assert f'kwargs.pop("{name}"' in source, name
 
+
+
+def test_handles_still_switch_data_planes_by_reference() -> None:
+    """`DeploymentHandle.options` takes `_by_reference`, a False one sends the call over gRPC
+    (the request metadata field the router reads), and every replica starts the
+    inter-deployment gRPC server whatever its callers use."""
+    from ray.serve._private.common import RequestMetadata
+    from ray.serve._private.replica import Replica
+    from ray.serve.handle import DeploymentHandle
+
+    assert {"_by_reference", "response_serialization"} <= set(_params(DeploymentHandle.options))
+    assert "_by_reference" in {f.name for f in dataclasses.fields(RequestMetadata)}
+    assert "_by_reference=False" in inspect.getsource(ray_private.grpc_stream_handle)
+    started = inspect.getsource(Replica._on_initialized)
+    assert "add_ASGIServiceServicer_to_server" in started and "_internal_grpc_port" in started
+
+
+def test_a_handle_router_can_still_run_on_the_calling_loop() -> None:
+    """`_init` takes `_run_router_in_separate_loop` (an init option, so it is set before the
+    first call), and False makes a router bound to the running loop."""
+    from ray.serve._private import default_impl
+    from ray.serve._private.handle_options import InitHandleOptions
+    from ray.serve.handle import DeploymentHandle
+
+    assert "_run_router_in_separate_loop" in {f.name for f in dataclasses.fields(InitHandleOptions)}
+    assert isinstance(DeploymentHandle.is_initialized, property)
+    assert "_init(_run_router_in_separate_loop=False)" in inspect.getsource(ray_private.current_loop_handle)
+    source = inspect.getsource(default_impl.create_router)
+    assert "handle_options._run_router_in_separate_loop" in source and "CurrentLoopRouter" in source
 
 def test_build_app_and_deployment_config_work_offline() -> None:
     """`build_app(app, name=)` resolves an application's deployments without a cluster, and a
