@@ -52,6 +52,10 @@ class RMSNorm(nn.Module):
         self.style = style
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32 and not torch.compiler.is_compiling():
+            # One fused op, the same arithmetic in float32 (`F.rms_norm`, ~1.6x faster than the
+            # five ops below on a CPU, where a Gemma decode step runs six norms a layer).
+            return F.rms_norm(x, (x.shape[-1],), self._scale(), self.eps)
         xf = x.float()
         normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.style == "gemma":
@@ -59,6 +63,18 @@ class RMSNorm(nn.Module):
         if self.style == "gpt_oss":
             return (self.weight * normed).to(x.dtype)
         return self.weight * normed.to(x.dtype)
+
+
+    def _scale(self) -> torch.Tensor:
+        """The float32 factor the normed rows are multiplied by: `w`, or Gemma's `1 + w`,
+        computed again only when the weight changed (loading writes it in place)."""
+        w = self.weight
+        key = (w._version, w.data_ptr())
+        if getattr(self, "_scale_key", None) != key:
+            with torch.no_grad():
+                self._scale_cache = (1.0 + w.float()) if self.style == "gemma" else w.float()
+            self._scale_key = key
+        return self._scale_cache
 
 
 class BiaslessLayerNorm(nn.Module):
@@ -79,15 +95,23 @@ class BiaslessLayerNorm(nn.Module):
 class GatedMLP(nn.Module):
     """``down(act(gate(x)) * up(x))`` with HF's ``gate_proj``/``up_proj``/``down_proj`` names."""
 
+    # `pack_linears` may pack gate and up as one (`gate_up_proj`; the two become None).
+    FUSED_LINEARS = (("gate_up_proj", ("gate_proj", "up_proj")),)
+
     def __init__(self, hidden: int, intermediate: int, act: str) -> None:
         super().__init__()
         self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.gate_up_proj: nn.Module | None = None
         self.act_fn = activation(act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(x)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(self.act_fn(gate) * up)
 
 
 class ScaledEmbedding(nn.Embedding):

@@ -6,7 +6,10 @@ the weight once into its blocked layout (`mkldnn._reorder_linear_weight`) and th
 number of rows against it (`mkldnn._linear_pointwise`), which is what inductor's freezing and
 vLLM's CPU backend do. `pack_linears` does it once at load for every dense linear of a model:
 attention projections, MLPs, MoE experts that are plain `nn.Linear`s, the LM head, and their
-tensor-parallel shards.
+tensor-parallel shards. Linears that read the same input are packed as one first
+(`fuse_linears`: a module names them in `FUSED_LINEARS`; q/k/v of attention, gate/up of a gated
+MLP): one oneDNN call instead of two or three, and the small k/v projections of grouped-query
+attention, too small to pack alone, ride on q's.
 
 The packed weight is an opaque oneDNN tensor (layout `torch._mkldnn`): it is kept as a plain
 attribute, not a parameter, so `state_dict` no longer lists it and the unpacked copy is freed
@@ -49,12 +52,33 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, oneDNN-packed"
 
 
+class PackedSplitLinear(nn.Module):
+    """Linears of one input packed as one: ``x @ [W1; W2; ...].T``, split back into each
+    linear's output (views of one result: no copy)."""
+
+    def __init__(self, linears: list[nn.Linear]) -> None:
+        super().__init__()
+        biases = [lin.bias for lin in linears]
+        assert all(b is None for b in biases) or all(b is not None for b in biases)
+        weight = torch.cat([lin.weight.detach() for lin in linears])
+        bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
+        self.sizes = [lin.out_features for lin in linears]
+        self.inner = PackedLinear(weight, bias)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tuple(self.inner(x).split(self.sizes, dim=-1))
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.inner.in_features}, outputs={self.sizes}, oneDNN-packed"
+
+
 @dataclass(frozen=True)
 class PackReport:
     """What `pack_linears` did: how many layers it packed, or why it packed none."""
 
     packed: int
     skipped_reason: str | None = None
+    fused: int = 0  # groups of linears packed as one (each group counts once in `packed`)
 
 
 def packing_unsupported(device: torch.device, dtype: torch.dtype) -> str | None:
@@ -91,6 +115,7 @@ def pack_linears(
     if reason is not None:
         logger.info("linear weights left unpacked: %s", reason)
         return PackReport(0, reason)
+    fused = fuse_linears(model, dtype, least)
     targets = [
         (parent, name, child)
         for parent in model.modules()
@@ -100,10 +125,43 @@ def pack_linears(
     for parent, name, child in targets:
         setattr(parent, name, _packed(child))
     logger.info(
-        "packed %d linear weights for oneDNN (%s; smaller than %d entries: eager)",
-        len(targets), dtype, least,
+        "packed %d linear weights for oneDNN, %d of them fused groups (%s; smaller than %d "
+        "entries: eager)", len(targets) + fused, fused, dtype, least,
     )  # fmt: skip
-    return PackReport(len(targets))
+    return PackReport(len(targets) + fused, fused=fused)
+
+
+def fuse_linears(model: nn.Module, dtype: torch.dtype, least: int) -> int:
+    """Pack each group a module lists in ``FUSED_LINEARS`` (``(fused name, (member names))``)
+    as one `PackedSplitLinear` under the fused name; the members become None. A group fuses
+    when every member is a plain `nn.Linear` of the compute dtype on the CPU (not a
+    tensor-parallel shard), they share the input size and either all or none have a bias, and
+    together they reach `least` entries. Returns how many groups were fused."""
+    count = 0
+    for module in model.modules():
+        for fused_name, names in getattr(module, "FUSED_LINEARS", ()):
+            members = [getattr(module, n, None) for n in names]
+            if not _fusable(members, dtype, least):
+                continue
+            setattr(module, fused_name, PackedSplitLinear(members))  # type: ignore[arg-type]
+            for n in names:
+                setattr(module, n, None)
+            count += 1
+    return count
+
+
+def _fusable(members: list[object], dtype: torch.dtype, least: int) -> bool:
+    if not all(type(m) is nn.Linear for m in members):
+        return False
+    linears: list[nn.Linear] = members  # type: ignore[assignment]
+    w = linears[0].weight
+    return (
+        all(m.weight.dtype == dtype and m.weight.device.type == "cpu" for m in linears)
+        and len({m.in_features for m in linears}) == 1
+        and len({m.bias is None for m in linears}) == 1
+        and sum(m.weight.numel() for m in linears) >= least
+        and w.device.type == "cpu"
+    )
 
 
 def _packable(module: nn.Module, dtype: torch.dtype, least: int) -> bool:

@@ -35,6 +35,9 @@ class AttnOptions:
 
 
 class SelfAttention(nn.Module):
+    # `pack_linears` may pack q/k/v as one (`qkv_proj`; the three become None).
+    FUSED_LINEARS = (("qkv_proj", ("q_proj", "k_proj", "v_proj")),)
+
     def __init__(self, hidden: int, layer: AttentionLayer, opts: AttnOptions) -> None:
         super().__init__()
         self.layer = layer
@@ -44,6 +47,7 @@ class SelfAttention(nn.Module):
         self.k_proj = nn.Linear(hidden, hkv * d, bias=opts.qkv_bias)
         self.v_proj = nn.Linear(hidden, hkv * dv, bias=opts.qkv_bias)
         self.o_proj = nn.Linear(hq * dv, hidden, bias=opts.o_bias)
+        self.qkv_proj: nn.Module | None = None
         if opts.qk_norm_eps is not None:
             self.q_norm = RMSNorm(d, opts.qk_norm_eps, opts.qk_norm_style)
             self.k_norm = RMSNorm(d, opts.qk_norm_eps, opts.qk_norm_style)
@@ -58,9 +62,13 @@ class SelfAttention(nn.Module):
     def forward(self, x: torch.Tensor, cos_sin: CosSin | None, ctx: ForwardContext) -> torch.Tensor:
         t = x.shape[0]
         layer = self.layer
-        q = self.q_proj(x).view(t, layer.num_q_heads, layer.head_dim)
-        k = self.k_proj(x).view(t, layer.num_kv_heads, layer.head_dim)
-        v = self.v_proj(x).view(t, layer.num_kv_heads, layer.v_head_dim)
+        if self.qkv_proj is not None:
+            q, k, v = self.qkv_proj(x)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(t, layer.num_q_heads, layer.head_dim)
+        k = k.view(t, layer.num_kv_heads, layer.head_dim)
+        v = v.view(t, layer.num_kv_heads, layer.v_head_dim)
         if self.opts.value_scale != 1.0:
             v = v * self.opts.value_scale
         if self.opts.qk_norm_eps is not None:

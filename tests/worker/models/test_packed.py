@@ -12,7 +12,8 @@ from tests.worker.models.driver import Driver
 from tests.worker.models.hf_tiny import ARCHS
 from tests.worker.models.test_parity import MAX_NEW, check_against_hf
 from worker.models.loader import load_model
-from worker.models.packed import PACK_MIN_ELEMENTS, PackedLinear, pack_linears
+from worker.models.packed import PACK_MIN_ELEMENTS, PackedLinear, PackedSplitLinear, pack_linears
+from worker.models.self_attention import SelfAttention
 
 
 def _packed_model(archs: Archs, name: str) -> nn.Module:
@@ -22,6 +23,10 @@ def _packed_model(archs: Archs, name: str) -> nn.Module:
     assert report.packed > 0 and report.skipped_reason is None
     assert not any(type(m) is nn.Linear for m in model.modules()), "an nn.Linear was left eager"
     assert isinstance(model.lm_head, PackedLinear)
+    attention = [m for m in model.modules() if isinstance(m, SelfAttention)]
+    assert attention and report.fused >= len(attention)
+    for m in attention:  # q/k/v packed as one
+        assert isinstance(m.qkv_proj, PackedSplitLinear) and m.q_proj is None and m.v_proj is None
     return model
 
 
@@ -59,3 +64,35 @@ def test_no_packing_off_cpu() -> None:
     report = pack_linears(model, torch.device("cuda"), torch.float32)
     assert report.packed == 0 and "CPU" in (report.skipped_reason or "")
     assert type(model[0]) is nn.Linear
+
+
+class _Pair(nn.Module):
+    FUSED_LINEARS = (("ab", ("a", "b")),)
+
+    def __init__(self, a: nn.Linear, b: nn.Linear) -> None:
+        super().__init__()
+        self.a, self.b = a, b
+        self.ab: nn.Module | None = None
+
+
+def test_a_fused_group_returns_each_members_output() -> None:
+    torch.manual_seed(1)
+    a, b = nn.Linear(64, 48), nn.Linear(64, 16)
+    x = torch.randn(5, 64)
+    want = (a(x), b(x))
+    pair = _Pair(a, b)
+    report = pack_linears(pair, torch.device("cpu"), torch.float32, min_elements=0)
+    assert report.fused == 1 and pair.a is None and isinstance(pair.ab, PackedSplitLinear)
+    got = pair.ab(x)
+    assert [g.shape for g in got] == [(5, 48), (5, 16)]
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+
+
+def test_members_that_differ_are_packed_one_by_one() -> None:
+    """A bias on one member only, or different inputs: no fusion; each still packs alone."""
+    for a, b in ((nn.Linear(64, 48), nn.Linear(64, 16, bias=False)), (nn.Linear(64, 48), nn.Linear(32, 16))):
+        pair = _Pair(a, b)
+        report = pack_linears(pair, torch.device("cpu"), torch.float32, min_elements=0)
+        assert report.fused == 0 and pair.ab is None
+        assert isinstance(pair.a, PackedLinear) and isinstance(pair.b, PackedLinear)
