@@ -10,6 +10,11 @@ Scores follow the HF eager order: ``(q @ k^T) * scaling`` → tanh softcap → m
 float32, with a sink column appended per head when the layer has sinks (its probability is
 dropped after the softmax, so it only enlarges the denominator).
 
+A prefill group in float32 with neither softcap nor sinks (Gemma 3, Mistral, MiMo, Cohere 2)
+goes through `F.scaled_dot_product_attention` instead, with the same additive mask: its CPU
+kernel never materialises the ``[G*Hq, Q, L]`` scores (a prefill step of 8 prompts × 256 tokens of
+the 46M Gemma-3, one thread: 1,616 → 1,445 ms, the two backends alternating in one process).
+
 Layout inside a group (G requests, Q queries and L keys each, padded)::
 
     keys   gathered head-major: [Hkv, G*L, D]   (one index_select per KV head, no transposes)
@@ -19,10 +24,11 @@ Layout inside a group (G requests, Q queries and L keys each, padded)::
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
+import torch.nn.functional as F
 
 from worker.attention.base import AttentionBackend, AttentionLayer, AttnBatch, KVView
 from worker.models.spec import LayerKind
@@ -48,6 +54,9 @@ class _Group:
     # (None: every key is visible to every query)
     keep: torch.Tensor | None  # int64 [n]: the real queries among the G*Q; None: all are real
     out_rows: torch.Tensor | None  # int64 [n]: the rows they answer; None: the whole output
+    # Per KV-head count: `kv_idx` as rows of the pool viewed ``[slots*H, D]``, head-major, so
+    # one gather per layer lays the keys out per head (built by the first layer of the step).
+    head_rows: dict[int, torch.Tensor] = field(default_factory=dict, compare=False)
 
 
 @dataclass(frozen=True)
@@ -165,15 +174,32 @@ def _plan_kind(batch: AttnBatch, view: KVView, window: int | None) -> tuple[_Gro
     return tuple(groups + [_extend_group(g, view, window, total) for g in extends])
 
 
-def _gather(buf: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """Rows `idx` of ``buf [slots, H, D]`` as ``[H, len(idx), D]`` (head-major, contiguous)."""
+def _gather(buf: torch.Tensor, grp: _Group) -> torch.Tensor:
+    """Rows `grp.kv_idx` of ``buf [slots, H, D]`` as ``[H, len(idx), D]`` (head-major,
+    contiguous): one gather from the pool seen as ``[slots*H, D]``."""
     heads, dim = buf.shape[1], buf.shape[2]
     if heads == 1:
-        return buf.index_select(0, idx).view(1, -1, dim)
-    out = buf.new_empty(heads, idx.numel(), dim)
-    for h in range(heads):
-        torch.index_select(buf[:, h], 0, idx, out=out[h])
-    return out
+        return buf.index_select(0, grp.kv_idx).view(1, -1, dim)
+    rows = grp.head_rows.get(heads)
+    if rows is None:
+        h = torch.arange(heads, device=grp.kv_idx.device)[:, None]
+        rows = grp.head_rows[heads] = (grp.kv_idx[None, :] * heads + h).reshape(-1)
+    return buf.view(-1, dim).index_select(0, rows).view(heads, -1, dim)
+
+
+def _sdpa_group(grp: _Group, qg: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
+                layer: AttentionLayer) -> torch.Tensor:  # fmt: skip
+    """A prefill group through `F.scaled_dot_product_attention` (no softcap, no sinks)."""
+    G, Q, L = grp.size, grp.q_len, grp.kv_len
+    hkv = layer.num_kv_heads
+    k = k_buf.index_select(0, grp.kv_idx).view(G, L, hkv, -1).transpose(1, 2)
+    v = v_buf.index_select(0, grp.kv_idx).view(G, L, hkv, -1).transpose(1, 2)
+    q4 = qg.view(G, Q, layer.num_q_heads, -1).transpose(1, 2)
+    mask = None if grp.bias is None else grp.bias[:, None]
+    out = F.scaled_dot_product_attention(
+        q4, k, v, attn_mask=mask, scale=layer.scaling, enable_gqa=hkv != layer.num_q_heads
+    )
+    return out.transpose(1, 2).reshape(G * Q, layer.num_q_heads, -1)
 
 
 def group_attention(
@@ -189,8 +215,10 @@ def group_attention(
     hkv, hq, d = layer.num_kv_heads, layer.num_q_heads, q.shape[-1]
     g = hq // hkv
     qg = q if grp.rows is None else q.index_select(0, grp.rows)
+    if Q > 1 and layer.softcap is None and sinks is None and q.dtype == torch.float32:
+        return _sdpa_group(grp, qg, k_buf, v_buf, layer)
     q3 = qg.reshape(G, Q, hkv, g, d).permute(2, 0, 3, 1, 4).reshape(hkv * G, g * Q, d)
-    k = _gather(k_buf, grp.kv_idx).view(hkv * G, L, d)
+    k = _gather(k_buf, grp).view(hkv * G, L, d)
     scores = (torch.bmm(q3, k.transpose(1, 2)) * layer.scaling).float()
     if layer.softcap is not None:
         scores = torch.tanh(scores / layer.softcap) * layer.softcap
@@ -204,7 +232,7 @@ def group_attention(
         probs = torch.softmax(scores, dim=-1)[..., :-1]
     else:
         probs = torch.softmax(scores, dim=-1)
-    v = _gather(v_buf, grp.kv_idx).view(hkv * G, L, -1)
+    v = _gather(v_buf, grp).view(hkv * G, L, -1)
     out = torch.bmm(probs.reshape(hkv * G, g * Q, L).to(v.dtype), v)
     return out.view(hkv, G, g, Q, -1).permute(1, 3, 0, 2, 4).reshape(G * Q, hq, -1)
 
