@@ -1,6 +1,6 @@
 """`swaserve bench compile`: offline `Engine.generate` throughput with `compile: off` against
-`compile: auto` (and, on CPU, inductor with freezing), on the random 46M Gemma-3 of
-`bench.compare_model`.
+`compile: auto` (and, on CPU, inductor with freezing, and inductor around auto's packed
+linears), on the random 46M Gemma-3 of `bench.compare_model`.
 
 Decode-heavy by default: random 256-token prompts, 64 new tokens (greedy, ignore_eos), one torch
 thread. Every mode's engine is built first (compile and warm-up time reported), then each batch
@@ -25,7 +25,9 @@ from bench.harness import (
 )
 from bench.machine import load_average
 
-MODES = ("off", "auto", "inductor")  # inductor: CPU inductor + freezing (what auto leaves out)
+# inductor: CPU inductor + freezing (what auto leaves out); packed-inductor: auto's packed linears
+# as opaque ops, inductor compiling the code between them (a measurement, not a config).
+MODES = ("off", "auto", "inductor", "packed-inductor")
 
 
 @dataclass(frozen=True)
@@ -55,6 +57,7 @@ def _engine(model_dir: Path, mode: str, tokens: int) -> tuple[Any, float]:
 
     # NOTE: a measurement switch, not a config: `auto` leaves CPU inductor out (docs §19).
     compiled.CPU_INDUCTOR = mode == "inductor"
+    compiled.CPU_PACKED_INDUCTOR = mode == "packed-inductor"
     t0 = time.perf_counter()
     try:
         config = EngineConfig(
@@ -63,7 +66,7 @@ def _engine(model_dir: Path, mode: str, tokens: int) -> tuple[Any, float]:
         )  # fmt: skip
         engine = Engine(config)
     finally:
-        compiled.CPU_INDUCTOR = False
+        compiled.CPU_INDUCTOR = compiled.CPU_PACKED_INDUCTOR = False
     return engine, time.perf_counter() - t0
 
 

@@ -39,6 +39,7 @@ logger = logging.getLogger(__name__)
 # than packing alone at batch 1-32 and took 15-80 s to compile (docs/design.md §19). True only
 # inside `swaserve bench compile`'s `inductor` mode.
 CPU_INDUCTOR = False
+CPU_PACKED_INDUCTOR = False  # experiment: packed linears opaque, inductor for the rest
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,8 @@ class CompilePlan:
             # NOTE: inductor cannot lower a model whose weights are already oneDNN tensors; its
             # freezing pass packs the (constant) weights itself.
             return cls(pack=False, backend="inductor")
+        if device.type == "cpu" and CPU_PACKED_INDUCTOR:
+            return cls(pack=True, backend="inductor")
         if device.type == "cpu":
             return cls(pack=True, backend=None)
         return cls(pack=False, backend="inductor")
@@ -115,8 +118,9 @@ class CompiledForward:
         # CPU: freezing makes the weights constants, which lets inductor pack them (oneDNN/MKL).
         # NOTE: not on GPU, where constant folding would keep transposed copies of the weights.
         on_cpu = next(model.parameters()).device.type == "cpu"
+        packed = any(type(m).__name__ == "PackedLinear" for m in model.modules())
         options: dict[str, str | int | bool | Callable[..., object]] | None = (
-            {"freezing": True} if backend == "inductor" and on_cpu else None
+            {"freezing": True} if backend == "inductor" and on_cpu and not packed else None
         )
         self._decoder = torch.compile(
             lambda ids, pos: decoder(ids, pos, None), backend=backend, options=options

@@ -19,6 +19,7 @@ attribute, not a parameter, so `state_dict` no longer lists it and the unpacked 
 from __future__ import annotations
 
 import logging
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +33,11 @@ logger = logging.getLogger(__name__)
 PACK_MIN_ELEMENTS = 1 << 18
 
 
+# Every PackedLinear of the process, by index, for the opaque op below (weak: a model that is
+# freed frees its packed weights).
+_REGISTRY: list[weakref.ref[PackedLinear]] = []
+
+
 class PackedLinear(nn.Module):
     """``y = x @ W.T + b`` with `W` reordered once for oneDNN. Inputs of any leading shape."""
 
@@ -42,11 +48,34 @@ class PackedLinear(nn.Module):
             # CPU, dtype float32/bfloat16/float16 (opaque oneDNN layout)
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous())
             self.bias = None if bias is None else bias.detach().clone()
+        self.index = len(_REGISTRY)
+        _REGISTRY.append(weakref.ref(self))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).contiguous()
-        y = torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.bias, "none", [], "")
+        if torch.compiler.is_compiling():
+            # NOTE: under torch.compile the oneDNN weight cannot be a graph constant (inductor's
+            # lowering rejects its layout): the product is one opaque op, the code around it fused.
+            y = torch.ops.swaserve.packed_linear(rows, self.index, self.out_features)
+        else:
+            y = self.product(rows)
         return y.view(*x.shape[:-1], self.out_features)
+
+    def product(self, rows: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.bias, "none", [], "")
+
+
+@torch.library.custom_op("swaserve::packed_linear", mutates_args=())
+def packed_linear(rows: torch.Tensor, index: int, out_features: int) -> torch.Tensor:
+    """`PackedLinear.product` of the packed linear number `index` (``rows [n, in]``)."""
+    module = _REGISTRY[index]()
+    assert module is not None, f"packed linear {index} was freed"
+    return module.product(rows)
+
+
+@packed_linear.register_fake
+def _(rows: torch.Tensor, index: int, out_features: int) -> torch.Tensor:
+    return rows.new_empty(rows.shape[0], out_features)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, oneDNN-packed"

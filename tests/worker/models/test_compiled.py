@@ -31,3 +31,30 @@ def test_compiled_decoder_matches_transformers(archs: Archs) -> None:
     drv.run(seqs)
     for s in seqs:
         check_against_hf(arch, s)
+
+
+def test_packed_linears_are_one_opaque_op_under_compile(archs: Archs, monkeypatch) -> None:
+    """Packed (every size: the floor at 0) and compiled: each oneDNN product is the opaque
+    ``swaserve::packed_linear`` op in the captured graph (inductor cannot lower the oneDNN
+    weight); tokens and logits still match."""
+    import worker.models.packed as packing
+
+    monkeypatch.setattr(packing, "PACK_MIN_ELEMENTS", 0)
+    targets: set[object] = set()
+
+    def recording(gm: torch.fx.GraphModule, example_inputs: object) -> object:
+        targets.update(node.target for node in gm.graph.nodes)
+        return gm.forward
+
+    arch = archs["gemma3_text"]
+    model = load_model(arch.tiny.path, arch.spec)
+    plan = CompilePlan(pack=True, backend=recording)  # type: ignore[arg-type]
+    done = prepare_model(model, plan, torch.device("cpu"), torch.float32)
+    assert "linears packed" in done
+    drv = Driver(arch.spec, model, page_size=4)
+    drv.runner.warm_up()
+    assert torch.ops.swaserve.packed_linear.default in targets or torch.ops.swaserve.packed_linear in targets, targets
+    seqs = [drv.add(prompt_of(n, seed=80 + n), 12) for n in (3 * arch.window + 1, 2)]
+    drv.run(seqs)
+    for s in seqs:
+        check_against_hf(arch, s)
