@@ -20,7 +20,7 @@ from worker.engine.protocols import RankLauncher, Runner
 from worker.errors import ConfigError
 from worker.kv.hybrid_allocator import HybridAllocator
 from worker.kv.memory_plan import PoolPlan, plan_pools
-from worker.models.compiled import CompilePlan, prepare_model
+from worker.models.compiled import CompilePlan, prepare_model, uncompile
 from worker.models.model_dir import Tokenizer, load_tokenizer, resolve_model_dir
 from worker.models.spec import ModelSpec
 
@@ -103,8 +103,17 @@ def build_engine_parts(config: EngineConfig, launcher: RankLauncher | None = Non
         spec, model, pool, allocator, backend, device=device,
         table_rows=config.max_running_requests, table_width=width,
     )  # fmt: skip
-    if compile_plan.backend is not None:
-        runner.warm_up()  # compiles now (before any graph capture): the engine is ready after it
+    if model.compiled is not None:
+        try:
+            runner.warm_up()  # compiles now (before any graph capture): ready after it
+        except Exception as exc:
+            if device.type != "cpu":
+                raise
+            # NOTE: inductor on CPU needs a C++ compiler; without one the packed model still
+            # serves, eagerly (docs/design.md §19).
+            logger.warning("torch.compile failed on CPU (%s: %s); serving eagerly",
+                           type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")  # fmt: skip
+            uncompile(model)
     runner.graphs = decode_graphs(config, runner, width)
     return EngineParts(
         spec=spec,

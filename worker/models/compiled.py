@@ -35,11 +35,14 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# CPU `auto` packs weights and runs eager: on the 46M Gemma-3 inductor with freezing was slower
-# than packing alone at batch 1-32 and took 15-80 s to compile (docs/design.md §19). True only
-# inside `swaserve bench compile`'s `inductor` mode.
+# CPU `auto` packs the linears and, for a model of at least CPU_COMPILE_MIN_PARAMETERS, compiles
+# the code between them with inductor (the packed products opaque; docs/design.md §19). Smaller
+# models (the built-in tiny one, every test model) run packed and eager: inductor's C++ build
+# (~25 s) would cost more than it saves. Measurement switches of `swaserve bench compile`:
+# CPU_INDUCTOR (inductor + freezing of the unpacked model), CPU_PACK_ONLY (packing, no compile).
+CPU_COMPILE_MIN_PARAMETERS = 20_000_000
 CPU_INDUCTOR = False
-CPU_PACKED_INDUCTOR = False  # experiment: packed linears opaque, inductor for the rest
+CPU_PACK_ONLY = False
 
 
 @dataclass(frozen=True)
@@ -48,6 +51,7 @@ class CompilePlan:
 
     pack: bool
     backend: str | None  # a torch.compile backend name ("inductor", "aot_eager") or None
+    min_parameters: int = 0  # a smaller model is not compiled (CPU auto: CPU_COMPILE_MIN_PARAMETERS)
 
     @classmethod
     def for_mode(cls, mode: str, device: torch.device) -> CompilePlan:
@@ -59,10 +63,10 @@ class CompilePlan:
             # NOTE: inductor cannot lower a model whose weights are already oneDNN tensors; its
             # freezing pass packs the (constant) weights itself.
             return cls(pack=False, backend="inductor")
-        if device.type == "cpu" and CPU_PACKED_INDUCTOR:
-            return cls(pack=True, backend="inductor")
         if device.type == "cpu":
-            return cls(pack=True, backend=None)
+            if CPU_PACK_ONLY:
+                return cls(pack=True, backend=None)
+            return cls(pack=True, backend="inductor", min_parameters=CPU_COMPILE_MIN_PARAMETERS)
         return cls(pack=False, backend="inductor")
 
 
@@ -147,6 +151,11 @@ def prepare_model(
 ) -> str:
     """Apply `plan` to a loaded model, once (in place). Returns what was done, for the log."""
     done = []
+    backend = plan.backend
+    parameters = sum(p.numel() for p in model.parameters())  # before packing takes them out
+    if backend is not None and parameters < plan.min_parameters:
+        backend = None
+        done.append(f"not compiled ({parameters / 1e6:.1f} M parameters, below {plan.min_parameters / 1e6:.0f} M)")
     if plan.pack:
         report = pack_linears(model, device, dtype)
         done.append(
@@ -154,7 +163,15 @@ def prepare_model(
             if report.skipped_reason is None
             else f"unpacked ({report.skipped_reason})"
         )
-    if plan.backend is not None:
-        model.compiled = CompiledForward(model, plan.backend)
-        done.append(f"torch.compile({plan.backend}), attention opaque")
+    if backend is not None:
+        model.compiled = CompiledForward(model, backend)
+        done.append(f"torch.compile({backend}), attention opaque")
     return ", ".join(done) or "eager"
+
+
+def uncompile(model: CausalLM) -> None:
+    """Back to the eager forward (packed linears stay packed): when compiling fails."""
+    model.compiled = None
+    for module in model.modules():
+        if isinstance(module, PagedAttention):
+            module.opaque = False

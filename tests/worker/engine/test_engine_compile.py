@@ -53,3 +53,41 @@ def test_an_unknown_mode_is_refused() -> None:
     """A bad mode fails at engine build, naming the choices."""
     with pytest.raises(ValueError, match="auto.*off"):
         Engine(EngineConfig(compile="max"))
+
+
+def _model(engine: Engine):  # noqa: ANN202 - the runner's CausalLM
+    runner = engine.parts.runner
+    assert isinstance(runner, ModelRunner)
+    return runner.model
+
+
+def test_auto_on_cpu_compiles_only_models_worth_it(oracle: Oracle) -> None:
+    """CPU auto asks for inductor around the packed linears, for models of 20 M parameters or
+    more; the tiny oracle (like every test model and the built-in one) is packed and eager."""
+    import torch
+
+    from worker.models import compiled
+
+    plan = compiled.CompilePlan.for_mode("auto", torch.device("cpu"))
+    assert plan.pack and plan.backend == "inductor"
+    assert plan.min_parameters == compiled.CPU_COMPILE_MIN_PARAMETERS > 1_000_000
+    assert _model(oracle.engine(compile="auto")).compiled is None
+
+
+def test_a_failed_cpu_compile_serves_eagerly(oracle: Oracle, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No C++ compiler (or any inductor failure) at warm-up: the engine logs it and serves the
+    packed model eagerly, with the same greedy tokens."""
+    from worker.models import compiled
+
+    monkeypatch.setattr(compiled, "CPU_COMPILE_MIN_PARAMETERS", 0)
+
+    def broken(self: object, *args: object) -> None:
+        raise RuntimeError("InductorError: no C++ compiler found")
+
+    monkeypatch.setattr(compiled.CompiledForward, "forward", broken)
+    engine = oracle.engine(compile="auto")
+    model = _model(engine)
+    assert model.compiled is None
+    assert not any(getattr(m, "opaque", False) for m in model.modules())
+    for p, out in zip(_prompts(), engine.generate(_prompts(), GREEDY)):
+        assert out.token_ids == oracle.greedy(p, 8)
