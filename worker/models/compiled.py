@@ -27,7 +27,7 @@ from worker.attention.base import AttentionLayer
 from worker.config import COMPILE_MODES
 from worker.errors import ConfigError
 from worker.models.layers import PagedAttention
-from worker.models.packed import pack_linears
+from worker.models.packed import PackedLinear, pack_linears
 
 if TYPE_CHECKING:
     from worker.models.causal_lm import CausalLM
@@ -122,7 +122,7 @@ class CompiledForward:
         # CPU: freezing makes the weights constants, which lets inductor pack them (oneDNN/MKL).
         # NOTE: not on GPU, where constant folding would keep transposed copies of the weights.
         on_cpu = next(model.parameters()).device.type == "cpu"
-        packed = any(type(m).__name__ == "PackedLinear" for m in model.modules())
+        packed = any(isinstance(m, PackedLinear) for m in model.modules())
         options: dict[str, str | int | bool | Callable[..., object]] | None = (
             {"freezing": True} if backend == "inductor" and on_cpu and not packed else None
         )

@@ -64,6 +64,9 @@ class PackedLinear(nn.Module):
     def product(self, rows: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.bias, "none", [], "")
 
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, oneDNN-packed"
+
 
 @torch.library.custom_op("swaserve::packed_linear", mutates_args=())
 def packed_linear(rows: torch.Tensor, index: int, out_features: int) -> torch.Tensor:
@@ -76,9 +79,6 @@ def packed_linear(rows: torch.Tensor, index: int, out_features: int) -> torch.Te
 @packed_linear.register_fake
 def _(rows: torch.Tensor, index: int, out_features: int) -> torch.Tensor:
     return rows.new_empty(rows.shape[0], out_features)
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, oneDNN-packed"
 
 
 class PackedSplitLinear(nn.Module):
@@ -183,13 +183,11 @@ def _fusable(members: list[object], dtype: torch.dtype, least: int) -> bool:
     if not all(type(m) is nn.Linear for m in members):
         return False
     linears: list[nn.Linear] = members  # type: ignore[assignment]
-    w = linears[0].weight
     return (
         all(m.weight.dtype == dtype and m.weight.device.type == "cpu" for m in linears)
         and len({m.in_features for m in linears}) == 1
         and len({m.bias is None for m in linears}) == 1
         and sum(m.weight.numel() for m in linears) >= least
-        and w.device.type == "cpu"
     )
 
 

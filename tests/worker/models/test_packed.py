@@ -96,3 +96,8 @@ def test_members_that_differ_are_packed_one_by_one() -> None:
         report = pack_linears(pair, torch.device("cpu"), torch.float32, min_elements=0)
         assert report.fused == 0 and pair.ab is None
         assert isinstance(pair.a, PackedLinear) and isinstance(pair.b, PackedLinear)
+
+
+def test_a_packed_linear_says_what_it_is() -> None:
+    packed = PackedLinear(torch.zeros(8, 4), None)
+    assert "in_features=4, out_features=8, oneDNN-packed" in repr(packed)
