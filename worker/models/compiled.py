@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -111,7 +111,17 @@ def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | N
 
 # ---- the compiled model ---------------------------------------------------------------------
 class CompiledForward:
-    """The decoder and the head under `torch.compile`, token count dynamic."""
+    """The decoder and the head under `torch.compile`, token count dynamic.
+
+    Once `warmed` (after `ModelRunner.warm_up` compiled every variant: one token, which dynamo
+    specialises, and any other count) each call runs with dynamo's guard evaluation cut to the
+    guards that tell its compiled variants apart (`skip_guard_eval_unsafe`): the full guard set
+    of this model (every parameter, module attribute and input property) cost ~0.28 ms per
+    call on one CPU thread, two calls per step. That is safe because nothing a full guard checks
+    changes after warm-up: the weights, modules and dtypes are fixed at load, and the runner's
+    inputs are made the same way in warm-up and in steps (`tests/worker/models/test_compiled.py`
+    asserts that serving compiles nothing after warm-up).
+    """
 
     def __init__(self, model: CausalLM, backend: str) -> None:
         self.layers = {layer.layer_id: layer for layer in model.attention_layers()}
@@ -132,18 +142,25 @@ class CompiledForward:
         self._logits: Callable[[torch.Tensor], torch.Tensor] = torch.compile(
             model.logits_eager, backend=backend, options=options
         )
+        self.warmed = False
+
+    def _guards(self) -> AbstractContextManager[None]:
+        if not self.warmed:
+            return nullcontext()
+        return torch.compiler.set_stance("default", skip_guard_eval_unsafe=True)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
     ) -> torch.Tensor:
         torch._dynamo.maybe_mark_dynamic(input_ids, 0)
         torch._dynamo.maybe_mark_dynamic(positions, 0)
-        with attention_context(ctx, self.layers):
+        with attention_context(ctx, self.layers), self._guards():
             return self._decoder(input_ids, positions)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         torch._dynamo.maybe_mark_dynamic(hidden, 0)
-        return self._logits(hidden)
+        with self._guards():
+            return self._logits(hidden)
 
 
 def prepare_model(

@@ -312,17 +312,23 @@ class ModelRunner:
         """
         dev = self.device
         for n in sizes:
-            zeros = torch.zeros(n, dtype=torch.int64, device=dev)
+            # NOTE: made like a step's inputs (views of one int64 tensor, not inference tensors),
+            # so warm-up compiles the variants steps use and no step compiles again.
+            with torch.inference_mode(False):
+                packed = torch.zeros(2 * n, dtype=torch.int64, device=dev)
+                zeros, positions = packed[:n], packed[n:]
+                positions.copy_(torch.arange(n, device=dev))
             view = KVView(zeros, torch.tensor([0, n], device=dev), (0,), (n,))
             kinds = [k for k, ids in ((LayerKind.FULL, self.spec.full_layer_ids),
                                       (LayerKind.SWA, self.spec.swa_layer_ids)) if ids]  # fmt: skip
-            positions = torch.arange(n, device=dev)
             attn = AttnBatch(q_lens=(n,), seq_lens=(n,), positions=positions,
                              kv=dict.fromkeys(kinds, view), window=self.spec.window)  # fmt: skip
             swa_out = zeros if self.spec.swa_layer_ids else None
             ctx = ForwardContext(self.pool, self.backend, self.backend.plan(attn), zeros, swa_out)
             hidden = self.model(zeros, positions, ctx)
             self.model.compute_logits(hidden)
+        if self.model.compiled is not None:
+            self.model.compiled.warmed = True  # every variant compiled: guards cut (§19)
 
     def sample(
         self, logits: torch.Tensor, rows: Sequence[SampleRow], bitmask: torch.Tensor | None = None
