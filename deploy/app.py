@@ -74,7 +74,8 @@ def build_app_from_config(
         max_queued_requests=ingress.max_queued,  # beyond: the proxy answers 503, never a hang
         ray_actor_options={"num_cpus": ingress.num_cpus},
     )(IngressDeployment)
-    workers = worker.bind(cfg.to_engine_config(), WorkerOptions(), engine_factory)
+    options = WorkerOptions(engine_process=cfg.engine_process)
+    workers = worker.bind(cfg.to_engine_config(), options, engine_factory)
     app: Application = front.bind(workers, ingress_options(cfg, ingress))
     return app
 

@@ -232,6 +232,15 @@ class ServeConfig(BaseModel):
         ),
     )
 
+    engine_process: bool = Field(
+        True,
+        description=(
+            "Step the engine in a child process of each worker replica (one rank), so that the "
+            "replica's own Python (Ray, Serve, streaming) never holds the GIL the step loop needs; "
+            "false: on a thread of the replica's process. Tensor parallelism always uses a thread."
+        ),
+    )
+
     # -- worker deployment (-> Ray Serve options) ------------------------------------------
     workers: int = Field(
         1, ge=1, description="Fixed number of worker replicas; used only when autoscaling is unset."

@@ -1,2 +1,2 @@
-"""The worker replica: the Serve deployment around `AsyncEngine`, its cache-event pump, and the
+"""The worker replica: the Serve deployment around the engine, its cache-event pump, and the
 client the ingress reaches replicas with."""

@@ -1,4 +1,5 @@
-"""The worker deployment: one `AsyncEngine` per Ray Serve replica.
+"""The worker deployment: one engine per Ray Serve replica (`EngineProcess`, its own child
+process, docs/design.md §20; `AsyncEngine`, a thread of the replica, under tensor parallelism).
 
 The class is plain Python (no Serve decorator) so tests drive it in-process with a fake engine;
 `deploy.app` wraps it with `serve.deployment(...)`. Serve calls, besides `generate`:
@@ -55,15 +56,23 @@ class WorkerOptions:
     stall_timeout_s: float = 120.0  # pending work but no engine step for this long -> unhealthy
     publish_events: bool = True  # cache events to the index actor (only inside a Serve replica)
     event_interval_s: float = 0.25  # background flush period of cache events
+    engine_process: bool = True  # step the engine in a child process (one rank; docs §20)
 
 
-def _default_engine(config: EngineConfig) -> EngineClient:
-    from worker.engine.async_engine import AsyncEngine  # heavy (torch); only inside the replica
-
+def _default_engine(config: EngineConfig, own_process: bool = True) -> EngineClient:
+    """The engine of a replica: in a child process (`own_process`, one rank) or on a thread of
+    the replica's process (tensor parallelism: the ranks are Ray actors the replica starts)."""
     if config.tensor_parallel_size > 1 and _replica_context() is not None:
         from deploy.replica.ranks import RayRankLauncher  # ranks in the replica's placement group
+        from worker.engine.async_engine import AsyncEngine
 
         return AsyncEngine(config, launcher=RayRankLauncher(current_replica_id()))
+    if own_process and config.tensor_parallel_size == 1:
+        from worker.engine.engine_process import EngineProcess
+
+        return EngineProcess(config)
+    from worker.engine.async_engine import AsyncEngine  # heavy (torch); only inside the replica
+
     return AsyncEngine(config)
 
 
@@ -92,7 +101,11 @@ class WorkerDeployment:
     ) -> None:
         self.replica_id = replica_id or current_replica_id()
         self._options = options or WorkerOptions()
-        self._engine = (engine_factory or _default_engine)(engine_config)
+        self._engine = (
+            engine_factory(engine_config)
+            if engine_factory is not None
+            else _default_engine(engine_config, self._options.engine_process)
+        )
         self._events = self._event_pump()
         self._inflight: set[str] = set()
         self._draining = False
@@ -214,10 +227,9 @@ class WorkerDeployment:
         if self._engine.error is not None:  # Serve replaces us at the next health check
             return StreamStart(self.replica_id, "unavailable", "worker engine failed; retry")
         try:
-            if params.grammar is None:
-                self._engine.validate(token_ids, params)
-            else:  # checking a grammar compiles it: off the event loop
-                await asyncio.to_thread(self._engine.validate, token_ids, params)
+            # Off the event loop: checking a grammar compiles it, and an engine in its own
+            # process answers over its connection.
+            await asyncio.to_thread(self._engine.validate, token_ids, params)
         except ValueError as e:
             return StreamStart(self.replica_id, "invalid", str(e))
         return None

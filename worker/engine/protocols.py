@@ -2,7 +2,7 @@
 needs of an engine. Implementations are checked against them by the type checker
 (`tests/test_typing.py` runs mypy on the packages and on `tests/fakes`).
 
-    WorkerDeployment ──EngineClient──▶ AsyncEngine (tests: FakeEngine)
+    WorkerDeployment ──EngineClient──▶ EngineProcess, AsyncEngine (tests: FakeEngine)
     Engine ──────────────Runner──────▶ ModelRunner (bench: SimRunner; TP: TPRunner)
     build_engine_parts ──RankLauncher─▶ ProcessLauncher (deploy: Ray rank actors) → Ranks
 """

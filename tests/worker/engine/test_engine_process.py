@@ -1,0 +1,110 @@
+"""`EngineProcess` (docs/design.md §20): the engine in a child process, behind the same
+`EngineClient` as `AsyncEngine` — streams equal the offline engine's greedy tokens, a closed
+stream aborts and frees its KV, refusals come back as ValueError, calls run between steps, and a
+child that dies fails every open stream and call instead of hanging them."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from tests.worker.engine.conftest import Oracle, tokens
+from worker.config import EngineConfig
+from worker.engine.engine_process import EngineProcess
+from worker.outputs import StreamDelta
+from worker.sampling_params import SamplingParams
+
+GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def engine(oracle: Oracle) -> Iterator[EngineProcess]:
+    cfg = EngineConfig(model=str(oracle.path), page_size=4, max_total_tokens=2048,
+                       swa_full_tokens_ratio=0.25, chunked_prefill_size=32, swa_eviction_interval=8)  # fmt: skip
+    ep = EngineProcess(cfg)
+    try:
+        yield ep
+    finally:
+        ep.shutdown()
+    assert ep._proc.returncode == 0
+
+
+def _wait_idle(engine: EngineProcess) -> None:
+    deadline = time.monotonic() + 30
+    while (s := engine.stats()).running or s.waiting:
+        assert time.monotonic() < deadline, "requests still run after 30 s"
+        time.sleep(0.02)  # waits on the child publishing its stats
+
+
+async def _collect(engine: EngineProcess, prompt: list[int], rid: str) -> list[StreamDelta]:
+    return [d async for d in engine.generate(prompt, GREEDY, rid)]
+
+
+def test_streams_match_offline_and_cancel_frees_kv(engine: EngineProcess, oracle: Oracle) -> None:
+    prompts = [tokens(50, seed=21), tokens(7, seed=22)]
+
+    async def cancel_midway() -> None:
+        long = SamplingParams(max_tokens=500, temperature=0.0, ignore_eos=True)
+        gen = engine.generate(tokens(40, seed=23), long, "cancelled")
+        async for d in gen:
+            if d.completion_tokens >= 3:
+                break
+        await gen.aclose()
+
+    async def main() -> list[list[StreamDelta]]:
+        *streams, _ = await asyncio.gather(
+            *(_collect(engine, p, f"p{i}") for i, p in enumerate(prompts)), cancel_midway()
+        )
+        return streams
+
+    aborts_before = engine.stats().aborts
+    for prompt, deltas in zip(prompts, asyncio.run(main())):
+        assert [t for d in deltas for t in d.token_ids] == oracle.greedy(prompt, 10)
+        assert deltas[-1].finished and deltas[-1].finish_reason == "length"
+        assert deltas[-1].prompt_len == len(prompt)
+    _wait_idle(engine)
+    engine.check_integrity()
+    s = engine.stats()
+    assert s.aborts == aborts_before + 1 and s.full.used == 0 and s.swa.used == 0
+    assert engine.flush_cache()
+    events, snapshot = engine.drain_and_snapshot()
+    assert events and snapshot == {}  # the flush removed every page it had published
+    assert engine.stats().full.free == engine.stats().full.total
+
+
+def test_refusals_are_value_errors(engine: EngineProcess) -> None:
+    with pytest.raises(ValueError, match="prompt is empty"):
+        engine.validate([], GREEDY)
+    with pytest.raises(ValueError, match="exceeds the model's context"):
+        engine.validate([1, 2], SamplingParams(max_tokens=engine.max_model_len))
+    engine.validate([1, 2, 3], GREEDY)  # a good one passes
+
+
+def test_a_dead_child_fails_streams_and_calls(oracle: Oracle) -> None:
+    cfg = EngineConfig(model=str(oracle.path), page_size=4, max_total_tokens=2048)
+    ep = EngineProcess(cfg)
+    try:
+        long = SamplingParams(max_tokens=100_000 // 64, temperature=0.0, ignore_eos=True)
+
+        async def main() -> StreamDelta:
+            last = None
+            async for d in ep.generate(tokens(20, seed=24), long, "doomed"):
+                if last is None:
+                    os.kill(ep._proc.pid, signal.SIGKILL)
+                last = d
+            assert last is not None
+            return last
+
+        last = asyncio.run(main())
+        assert last.finished and last.finish_reason == "abort"
+        assert last.error is not None and "engine process is gone" in last.error
+        assert ep.error is not None
+        with pytest.raises(RuntimeError, match="internal error"):
+            ep.check_integrity()
+    finally:
+        ep.shutdown()

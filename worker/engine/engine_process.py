@@ -1,0 +1,476 @@
+"""`EngineProcess`: the engine stepped in a child process of the replica (docs/design.md §20).
+
+`AsyncEngine` steps the engine on a thread of the replica's own process, where Ray's and Serve's
+threads run too: every streamed item, metrics push and health check is Python that holds the GIL,
+and each time the step thread comes back from a torch op it may wait for that. Measured on one
+CPU thread (46M Gemma-3, batch 1): a background thread holding the GIL ~10 % of the time made
+each decode step ~10 % slower, and a served replica's steps were ~30 % slower than offline ones.
+`EngineProcess` is the same `EngineClient`, with the engine in a process of its own (vLLM's
+engine core does the same): the child runs the step loop and sends one message per step (every
+request's deltas and the new stats snapshot); the replica's process only routes them.
+
+    replica process                           child (python -m worker.engine.engine_process)
+    generate/abort/validate/calls ──send──▶   control thread: adds, aborts → engine inbox,
+    reader thread ◀──recv── ("step", deltas, stats)   validate answered at once, calls queued
+      deltas → each stream's asyncio queue     step thread: calls, step, send
+
+The two ends talk over one `multiprocessing.connection` (a Unix socket with an auth key). The
+child exits when the connection closes (the replica died or shut down: after the step in
+flight); the replica treats a
+closed connection as the engine's death: `error` is set, every open stream ends with an
+``abort`` delta carrying the error, pending calls fail. Tensor parallelism keeps `AsyncEngine`
+(the ranks are started by the replica's launcher).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import logging
+import os
+import secrets
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from collections.abc import AsyncGenerator, Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from multiprocessing.connection import Client, Connection, Listener
+from pathlib import Path
+from typing import cast
+
+from worker.cache.events import CacheEvent, PageState
+from worker.config import EngineConfig
+from worker.outputs import EngineStats, StreamDelta
+from worker.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+AUTHKEY_ENV = "SWASERVE_ENGINE_AUTHKEY"
+IDLE_WAIT_S = 0.05  # how long the idle step thread waits before looking again
+CALLS = (
+    "check_integrity",
+    "flush_cache",
+    "drain_cache_events",
+    "cache_snapshot",
+    "drain_and_snapshot",
+)
+
+
+# ---- messages (replica → child: _Add, _Abort, _Call, _Stop; child → replica: _Step, _Reply) ----
+@dataclass(frozen=True)
+class _Add:
+    request_id: str
+    token_ids: list[int]
+    params: SamplingParams
+    follows: str | None
+
+
+@dataclass(frozen=True)
+class _Abort:
+    request_id: str
+
+
+@dataclass(frozen=True)
+class _Call:
+    call_id: int
+    name: str  # "validate" or one of CALLS
+    token_ids: list[int] | None = None  # validate's
+    params: SamplingParams | None = None
+
+
+@dataclass(frozen=True)
+class _Stop:
+    pass
+
+
+@dataclass(frozen=True)
+class _Step:
+    deltas: list[StreamDelta]
+    stats: EngineStats
+
+
+@dataclass(frozen=True)
+class _Reply:
+    call_id: int
+    ok: bool
+    value: object  # the result, or the exception to raise
+
+
+@dataclass(frozen=True)
+class _Ready:
+    """What the child tells the replica once its engine is built."""
+
+    max_model_len: int
+    model_dir: Path | None
+    window: int | None
+    swa_layers: int
+    stats: EngineStats
+
+
+class EngineProcess:
+    """An `EngineClient` whose engine runs in a child process (tensor-parallel size 1)."""
+
+    def __init__(self, config: EngineConfig, start_timeout_s: float = 3600.0) -> None:
+        if config.tensor_parallel_size > 1:
+            raise ValueError("EngineProcess runs one rank; tensor parallelism uses AsyncEngine")
+        self.config = config
+        key = secrets.token_bytes(32)
+        address = os.path.join(tempfile.mkdtemp(prefix="swaserve-engine-"), "sock")
+        listener = Listener(address, family="AF_UNIX", authkey=key)
+        env = {**os.environ, AUTHKEY_ENV: key.hex()}
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "worker.engine.engine_process", address],
+            env=env, stdin=subprocess.DEVNULL,
+        )  # fmt: skip
+        try:
+            self._conn = _accept(listener, self._proc, start_timeout_s)
+        finally:
+            listener.close()
+        self._send_lock = threading.Lock()
+        self._send(config)
+        ready = self._conn.recv()
+        if not isinstance(ready, _Ready):
+            self._proc.wait(30)
+            raise RuntimeError(f"the engine process failed to start:\n{ready}")
+        self.max_model_len = ready.max_model_len
+        self.model_dir = ready.model_dir
+        self.window = ready.window
+        self.swa_layers = ready.swa_layers
+        self._stats = ready.stats
+        self._error: BaseException | None = None
+        self._lock = threading.Lock()  # streams, calls, error
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[StreamDelta]]] = {}
+        self._calls: dict[int, Future[object]] = {}
+        self._ids = itertools.count()
+        self._reader = threading.Thread(
+            target=self._read, name="swaserve-engine-reader", daemon=True
+        )
+        self._reader.start()
+
+    # ---- EngineClient -----------------------------------------------------------------------------
+    @property
+    def error(self) -> BaseException | None:
+        return self._error
+
+    def validate(self, token_ids: Sequence[int], params: SamplingParams) -> None:
+        """Checked by the child's engine (answered by its control thread, not between steps)."""
+        self._call(_Call(0, "validate", list(token_ids), params))
+
+    async def generate(
+        self,
+        token_ids: list[int],
+        params: SamplingParams,
+        request_id: str,
+        follows: str | None = None,
+    ) -> AsyncGenerator[StreamDelta, None]:
+        """Stream the request's deltas; stopping the iteration (or cancelling) aborts it."""
+        self._check_alive()
+        deltas: asyncio.Queue[StreamDelta] = asyncio.Queue()
+        with self._lock:
+            self._streams[request_id] = (asyncio.get_running_loop(), deltas)
+        finished = False
+        try:
+            self._send(_Add(request_id, token_ids, params, follows))
+            while not finished:
+                delta = await deltas.get()
+                finished = delta.finished
+                yield delta
+        finally:
+            with self._lock:
+                self._streams.pop(request_id, None)
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        if self._error is None:
+            self._send(_Abort(request_id))
+
+    def stats(self) -> EngineStats:
+        return self._stats
+
+    def check_integrity(self) -> None:
+        self._call(_Call(0, "check_integrity"))
+
+    def flush_cache(self) -> bool:
+        return bool(self._call(_Call(0, "flush_cache")))
+
+    def drain_cache_events(self) -> list[CacheEvent]:
+        return cast("list[CacheEvent]", self._call(_Call(0, "drain_cache_events")))
+
+    def cache_snapshot(self) -> dict[int, PageState]:
+        return cast("dict[int, PageState]", self._call(_Call(0, "cache_snapshot")))
+
+    def drain_and_snapshot(self) -> tuple[list[CacheEvent], dict[int, PageState]]:
+        return cast(
+            "tuple[list[CacheEvent], dict[int, PageState]]",
+            self._call(_Call(0, "drain_and_snapshot")),
+        )
+
+    def shutdown(self) -> None:
+        if self._proc.poll() is None:
+            try:
+                self._send(_Stop())
+            except OSError:
+                pass
+            try:
+                self._proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait(30)
+        self._conn.close()
+        self._reader.join(timeout=10)
+
+    # ---- plumbing ---------------------------------------------------------------------------------
+    def _check_alive(self) -> None:
+        if self._error is not None:
+            raise RuntimeError(f"the engine stopped after an internal error: {self._error!r}")
+
+    def _send(self, message: object) -> None:
+        with self._send_lock:
+            self._conn.send(message)
+
+    def _call(self, call: _Call, timeout: float = 60.0) -> object:
+        """`call` (its id replaced by a fresh one) answered by the child."""
+        self._check_alive()
+        fut: Future[object] = Future()
+        with self._lock:
+            call_id = next(self._ids)
+            self._calls[call_id] = fut
+        self._send(dataclasses.replace(call, call_id=call_id))
+        return fut.result(timeout=timeout)
+
+    def _read(self) -> None:
+        try:
+            while True:
+                message = self._conn.recv()
+                if isinstance(message, _Step):
+                    self._stats = message.stats
+                    self._route(message.deltas)
+                elif isinstance(message, _Reply):
+                    with self._lock:
+                        fut = self._calls.pop(message.call_id)
+                    if message.ok:
+                        fut.set_result(message.value)
+                    else:
+                        assert isinstance(message.value, BaseException)
+                        fut.set_exception(message.value)
+        except (EOFError, OSError) as exc:
+            code = self._proc.poll()
+            self._die(RuntimeError(f"the engine process is gone (exit code {code}): {exc!r}"))
+        except BaseException as exc:  # noqa: BLE001 - surfaced to every caller
+            logger.exception("engine process reader failed")
+            self._die(exc)
+
+    def _route(self, deltas: list[StreamDelta]) -> None:
+        per_loop: dict[
+            asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[StreamDelta], StreamDelta]]
+        ] = {}
+        with self._lock:
+            for delta in deltas:
+                stream = self._streams.get(delta.request_id)
+                if stream is not None:
+                    per_loop.setdefault(stream[0], []).append((stream[1], delta))
+        for loop, items in per_loop.items():
+            loop.call_soon_threadsafe(_put_all, items)
+
+    def _die(self, exc: BaseException) -> None:
+        with self._lock:
+            self._error = exc
+            calls, self._calls = self._calls, {}
+            streams = dict(self._streams)
+        for fut in calls.values():
+            fut.set_exception(RuntimeError(f"engine stopped: {exc!r}"))
+        error = f"engine failure: {exc!r}"
+        for rid, (loop, q) in streams.items():
+            delta = StreamDelta(rid, [], True, "abort", 0, 0, 0, error=error)
+            loop.call_soon_threadsafe(q.put_nowait, delta)
+
+
+def _put_all(items: list[tuple[asyncio.Queue[StreamDelta], StreamDelta]]) -> None:
+    for q, delta in items:
+        q.put_nowait(delta)
+
+
+def _accept(
+    listener: Listener, proc: subprocess.Popen[bytes], timeout_s: float
+) -> Connection[object, object]:
+    """The child's connection; fails when the child exits first or `timeout_s` passes."""
+    box: list[Connection[object, object] | BaseException] = []
+
+    def accept() -> None:
+        try:
+            box.append(listener.accept())
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
+            box.append(exc)
+
+    t = threading.Thread(target=accept, daemon=True)
+    t.start()
+    deadline = time.monotonic() + timeout_s
+    while not box:
+        t.join(0.2)
+        if not box and (proc.poll() is not None or time.monotonic() > deadline):
+            if proc.poll() is None:
+                proc.kill()
+            raise RuntimeError(f"the engine process did not connect (exit code {proc.wait()})")
+    got = box[0]
+    if isinstance(got, BaseException):
+        raise RuntimeError("the engine process did not connect") from got
+    return got
+
+
+# ---- the child ----------------------------------------------------------------------------------
+class _Child:
+    """The engine and its two threads: control (this connection's reader) and step."""
+
+    def __init__(self, conn: Connection[object, object], config: EngineConfig) -> None:
+        from worker.engine.engine import Engine
+
+        self.conn = conn
+        self.engine = Engine(config)
+        self.send_lock = threading.Lock()
+        self.outbox: list[StreamDelta] = []  # filled by the sinks, on the step thread
+        self.calls: list[tuple[int, str]] = []
+        self.calls_lock = threading.Lock()
+        self.wake = threading.Event()
+        self.stop = threading.Event()
+
+    def send(self, message: object) -> None:
+        with self.send_lock:
+            self.conn.send(message)
+
+    def ready(self) -> _Ready:
+        e = self.engine
+        window = e.spec.window if e.spec.has_swa else None
+        return _Ready(
+            e.max_model_len, e.parts.model_dir, window, len(e.spec.swa_layer_ids), e.stats()
+        )
+
+    # control thread
+    def control(self) -> None:
+        try:
+            while True:
+                message = self.conn.recv()
+                if isinstance(message, _Add):
+                    self._add(message)
+                elif isinstance(message, _Abort):
+                    self.engine.abort(message.request_id)
+                elif isinstance(message, _Call) and message.name == "validate":
+                    self._validate(message)
+                elif isinstance(message, _Call) and message.name in CALLS:
+                    with self.calls_lock:
+                        self.calls.append((message.call_id, message.name))
+                elif isinstance(message, _Stop):
+                    break
+                else:
+                    raise ValueError(f"unknown message from the replica: {message!r:.200}")
+                self.wake.set()
+        except (EOFError, OSError):
+            pass  # the replica is gone: stop
+        self.stop.set()
+        self.wake.set()
+
+    def _add(self, m: _Add) -> None:
+        rid, token_ids, params, follows = m.request_id, m.token_ids, m.params, m.follows
+
+        def add() -> None:
+            try:
+                self.engine.add_request(token_ids, params, rid, self._sink, follows)
+            except Exception as exc:  # noqa: BLE001 - the stream ends with it
+                delta = StreamDelta(rid, [], True, "abort", len(token_ids), 0, 0, error=repr(exc))
+                self.send(_Step([delta], self.engine.stats()))
+            self.wake.set()
+
+        if params.grammar is None:
+            add()
+        else:  # compiling a grammar takes a while: neither on this thread nor the step thread
+            threading.Thread(target=add, daemon=True).start()
+
+    def _sink(self, delta: StreamDelta) -> None:  # step thread
+        self.outbox.append(delta)
+
+    def _validate(self, m: _Call) -> None:
+        call_id, token_ids, params = m.call_id, m.token_ids, m.params
+        assert token_ids is not None and params is not None
+
+        def run() -> None:
+            try:
+                self.engine.validate(token_ids, params)
+                self.send(_Reply(call_id, True, None))
+            except Exception as exc:  # noqa: BLE001 - raised in the replica
+                self.send(_Reply(call_id, False, exc))
+
+        if params.grammar is None:
+            run()
+        else:
+            threading.Thread(target=run, daemon=True).start()
+
+    # step thread
+    def step_loop(self) -> None:
+        e = self.engine
+        try:
+            while not self.stop.is_set():
+                self._run_calls()
+                if e.has_work():
+                    e.step()
+                    self._publish()
+                else:
+                    self.wake.wait(IDLE_WAIT_S)
+                    self.wake.clear()
+        except BaseException as exc:  # noqa: BLE001 - every stream hears of it, then we exit
+            logger.exception("engine step loop died")
+            e.fail_all(f"engine failure: {exc!r}")
+            self._publish()
+            raise
+
+    def _publish(self) -> None:
+        out, self.outbox = self.outbox, []
+        self.send(_Step(out, self.engine.stats()))
+
+    def _run_calls(self) -> None:
+        with self.calls_lock:
+            calls, self.calls = self.calls, []
+        e = self.engine
+        for call_id, name in calls:
+            try:
+                if name == "drain_and_snapshot":
+                    value: object = (e.drain_cache_events(), e.cache_snapshot())
+                else:
+                    fn: Callable[[], object] = getattr(e, name)
+                    value = fn()
+                reply = _Reply(call_id, True, value)
+            except Exception as exc:  # noqa: BLE001 - raised in the replica
+                reply = _Reply(call_id, False, exc)
+            self.send(reply)
+        if calls:
+            self.send(_Step([], e.stats()))
+
+
+def _serve(address: str) -> int:
+    conn = Client(address, family="AF_UNIX", authkey=bytes.fromhex(os.environ.pop(AUTHKEY_ENV)))
+    config = conn.recv()
+    try:
+        child = _Child(conn, config)
+    except BaseException:  # noqa: BLE001 - the replica raises it
+        conn.send(traceback.format_exc())
+        return 1
+    conn.send(child.ready())
+    control = threading.Thread(target=child.control, name="swaserve-engine-control", daemon=True)
+    control.start()
+    try:
+        child.step_loop()
+    finally:
+        child.engine.close()
+    return 0
+
+
+if __name__ == "__main__":
+    # NOTE: through the module's own name, so what crosses the connection unpickles in the replica
+    from worker.engine import engine_process
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s engine %(levelname)s %(message)s")
+    sys.exit(engine_process._serve(sys.argv[1]))
