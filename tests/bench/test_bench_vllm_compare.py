@@ -143,11 +143,12 @@ def test_process_roles_are_the_started_servers_own(tmp_path: Path) -> None:
     _fake_proc(tmp_path, 12, 11, "ray::ServeReplica:swaserve:Worker", 3 * ticks)
     _fake_proc(tmp_path, 13, 11, "ray::ServeReplica:swaserve:Ingress", ticks)
     _fake_proc(tmp_path, 14, 11, "ray::ProxyActor", ticks)
+    _fake_proc(tmp_path, 15, 12, "/venv/bin/python -m worker.engine.engine_process /tmp/s", 5 * ticks)
     _fake_proc(tmp_path, 20, 1, "ray::ServeReplica:swaserve:Worker", ticks)  # someone else's
-    assert {p.pid for p in descendants(10, tmp_path)} == {10, 11, 12, 13, 14}
+    assert {p.pid for p in descendants(10, tmp_path)} == {10, 11, 12, 13, 14, 15}
     roles = role_pids(10, tmp_path)
-    assert roles == {"worker": [12], "ingress": [13], "proxy": [14]}
-    assert cpu_seconds(roles, tmp_path) == {"worker": 3.0, "ingress": 1.0, "proxy": 1.0}
+    assert roles == {"worker": [12], "engine": [15], "ingress": [13], "proxy": [14]}
+    assert cpu_seconds(roles, tmp_path) == {"worker": 3.0, "engine": 5.0, "ingress": 1.0, "proxy": 1.0}
 
 
 def test_thread_cpu_and_names(tmp_path: Path) -> None:

@@ -30,6 +30,7 @@ import itertools
 import logging
 import os
 import secrets
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -130,7 +131,8 @@ class EngineProcess:
         try:
             self._conn = _accept(listener, self._proc, start_timeout_s)
         finally:
-            listener.close()
+            listener.close()  # removes the socket file; the connection stays
+            shutil.rmtree(os.path.dirname(address), ignore_errors=True)
         self._send_lock = threading.Lock()
         self._send(config)
         ready = self._conn.recv()

@@ -238,12 +238,14 @@ def test_metrics_have_both_pools_for_every_replica(server: Server) -> None:
 
 
 def test_replicas_run_at_normal_priority(server: Server) -> None:
-    """The worker and ingress replicas run at niceness 0, not Ray's default 15."""
+    """The worker and ingress replicas, and each worker's engine process, run at niceness 0,
+    not Ray's default 15."""
     from bench.compare_procs import read_proc, role_pids
 
     roles = role_pids(server.proc.pid)
     assert len(roles.get("worker", [])) == WORKERS and len(roles.get("ingress", [])) == 1, roles
-    for pid in roles["worker"] + roles["ingress"]:
+    assert len(roles.get("engine", [])) == WORKERS, roles
+    for pid in roles["worker"] + roles["ingress"] + roles["engine"]:
         info = read_proc(pid)
         assert info is not None and info.nice == 0, info
 
