@@ -171,9 +171,9 @@ class EngineProcess:
         follows: str | None = None,
     ) -> AsyncGenerator[StreamDelta, None]:
         """Stream the request's deltas; stopping the iteration (or cancelling) aborts it."""
-        self._check_alive()
         deltas: asyncio.Queue[StreamDelta] = asyncio.Queue()
-        with self._lock:
+        with self._lock:  # with `_die`'s: a stream is either failed by it or never registered
+            self._check_alive()
             self._streams[request_id] = (asyncio.get_running_loop(), deltas)
         finished = False
         try:
@@ -238,9 +238,9 @@ class EngineProcess:
 
     def _call(self, call: _Call, timeout: float = 60.0) -> object:
         """`call` (its id replaced by a fresh one) answered by the child."""
-        self._check_alive()
         fut: Future[object] = Future()
         with self._lock:
+            self._check_alive()
             call_id = next(self._ids)
             self._calls[call_id] = fut
         self._send(dataclasses.replace(call, call_id=call_id))

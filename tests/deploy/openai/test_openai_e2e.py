@@ -256,7 +256,9 @@ def test_sigterm_drains_then_exits_cleanly(server: Server) -> None:
     'stopped' logged, the port free again (Ctrl-C takes the same path)."""
     import threading
 
-    body = {"model": MODEL, "prompt": "Count:", "max_tokens": 1000, "ignore_eos": True}
+    # NOTE: long requests (the tiny model's whole context): both must still run when SIGTERM
+    # is sent, after /metrics (slow while streams run) has seen them both in flight.
+    body = {"model": MODEL, "prompt": "Count:", "max_tokens": 4000, "ignore_eos": True}
     results: dict[str, Any] = {}
 
     def plain() -> None:
@@ -273,7 +275,8 @@ def test_sigterm_drains_then_exits_cleanly(server: Server) -> None:
         t.start()
     deadline = time.monotonic() + 180  # a bound on a hang, not a timing: CI machines are busy
     while _metric(server, "swaserve_requests_in_flight") < 2:
-        assert time.monotonic() < deadline, "the two requests never were in flight together"
+        assert all(t.is_alive() for t in clients), f"a request ended before SIGTERM: {results}"
+        assert time.monotonic() < deadline, f"the two requests never were in flight together: {results}"
         time.sleep(0.05)  # waits on both requests reaching the ingress
     server.proc.send_signal(signal.SIGTERM)
     deadline = time.monotonic() + 120
@@ -284,7 +287,7 @@ def test_sigterm_drains_then_exits_cleanly(server: Server) -> None:
     assert refused.status_code == 503 and refused.headers["retry-after"], refused.text
     for t in clients:
         t.join(300)
-    assert results == {"plain": (200, 1000), "stream": (200, "data: [DONE]")}, results
+    assert results == {"plain": (200, 4000), "stream": (200, "data: [DONE]")}, results
     assert server.proc.wait(120) == 0, server.text()[-3000:]
     assert "in-flight requests finished" in server.text() and "stopped" in server.text()
     deadline = time.monotonic() + 30
