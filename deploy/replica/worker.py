@@ -36,6 +36,7 @@ from cluster.messages import (
 from deploy.metrics import flatten_stats
 from worker.config import EngineConfig
 from worker.engine.protocols import EngineClient
+from worker.errors import EngineGoneError
 from worker.outputs import StreamDelta
 from worker.sampling_params import SamplingParams
 
@@ -119,7 +120,11 @@ class WorkerDeployment:
         from deploy.replica.events import CacheEventPump
 
         return CacheEventPump(
-            self._engine, self.replica_id, ctx.app_name, ctx.deployment, self._options.event_interval_s
+            self._engine,
+            self.replica_id,
+            ctx.app_name,
+            ctx.deployment,
+            self._options.event_interval_s,
         )
 
     # -- requests --------------------------------------------------------------------------
@@ -154,7 +159,9 @@ class WorkerDeployment:
         queue: _DeltaQueue = asyncio.Queue()  # (choice id, delta | error | None: ended)
         first = choices[0][0]
         pumps = [
-            asyncio.create_task(self._pump(token_ids, p, cid, queue, None if cid == first else first))
+            asyncio.create_task(
+                self._pump(token_ids, p, cid, queue, None if cid == first else first)
+            )
             for cid, p in choices
         ]
         open_ids = {cid for cid, _ in choices}
@@ -200,7 +207,9 @@ class WorkerDeployment:
             delta = merged.get(cid)
             ended_early = item is None and not (delta and delta.finished)
             if ended_early or (delta and delta.finish_reason == "abort" and not delta.error):
-                raise WorkerUnavailableError(f"request {cid} was aborted on worker {self.replica_id}; retry")
+                raise WorkerUnavailableError(
+                    f"request {cid} was aborted on worker {self.replica_id}; retry"
+                )
         return list(merged.values())
 
     async def _pump(
@@ -215,6 +224,8 @@ class WorkerDeployment:
         try:
             async for delta in gen:
                 queue.put_nowait((rid, delta))
+        except EngineGoneError as e:  # not the request's fault: the ingress sends it elsewhere
+            queue.put_nowait((rid, WorkerUnavailableError(f"worker {self.replica_id}: {e}; retry")))
         except Exception as e:  # noqa: BLE001 - forwarded to the consumer, raised there
             queue.put_nowait((rid, e))
         finally:
@@ -223,7 +234,9 @@ class WorkerDeployment:
 
     async def _refusal(self, token_ids: list[int], params: SamplingParams) -> StreamStart | None:
         if self._draining:
-            return StreamStart(self.replica_id, "unavailable", "worker replica is shutting down; retry")
+            return StreamStart(
+                self.replica_id, "unavailable", "worker replica is shutting down; retry"
+            )
         if self._engine.error is not None:  # Serve replaces us at the next health check
             return StreamStart(self.replica_id, "unavailable", "worker engine failed; retry")
         try:
@@ -267,7 +280,9 @@ class WorkerDeployment:
         out.update(flatten_stats(s))
         out["inflight"] = float(len(self._inflight))
         out["draining"] = 1.0 if self._draining else 0.0
-        out["pid"] = float(os.getpid())  # which process serves this replica (operators, fault tests)
+        out["pid"] = float(
+            os.getpid()
+        )  # which process serves this replica (operators, fault tests)
         return out
 
     def check_health(self) -> None:
@@ -325,5 +340,9 @@ def merge_deltas(deltas: list[StreamDelta]) -> StreamDelta:
     logprobs = None
     if any(d.logprobs is not None for d in deltas):
         logprobs = [lp for d in deltas for lp in (d.logprobs or [])]
-    prompt_logprobs = next((d.prompt_logprobs for d in deltas if d.prompt_logprobs is not None), None)
-    return dataclasses.replace(last, token_ids=tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+    prompt_logprobs = next(
+        (d.prompt_logprobs for d in deltas if d.prompt_logprobs is not None), None
+    )
+    return dataclasses.replace(
+        last, token_ids=tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs
+    )

@@ -17,8 +17,9 @@ request's deltas and the new stats snapshot); the replica's process only routes 
 The two ends talk over one `multiprocessing.connection` (a Unix socket with an auth key). The
 child exits when the connection closes (the replica died or shut down: after the step in
 flight); the replica treats a
-closed connection as the engine's death: `error` is set, every open stream ends with an
-``abort`` delta carrying the error, pending calls fail. Tensor parallelism keeps `AsyncEngine`
+closed connection as the engine's death: `error` is set, every open stream raises
+`EngineGoneError` (the replica hands its requests to the ingress as retryable), pending calls
+fail. Tensor parallelism keeps `AsyncEngine`
 (the ranks are started by the replica's launcher).
 """
 
@@ -46,12 +47,14 @@ from typing import cast
 
 from worker.cache.events import CacheEvent, PageState
 from worker.config import EngineConfig
+from worker.errors import EngineGoneError
 from worker.outputs import EngineStats, StreamDelta
 from worker.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
 AUTHKEY_ENV = "SWASERVE_ENGINE_AUTHKEY"
+_Queue = asyncio.Queue["StreamDelta | EngineGoneError"]  # one stream's deltas, or its end
 IDLE_WAIT_S = 0.05  # how long the idle step thread waits before looking again
 CALLS = (
     "check_integrity",
@@ -146,7 +149,7 @@ class EngineProcess:
         self._stats = ready.stats
         self._error: BaseException | None = None
         self._lock = threading.Lock()  # streams, calls, error
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[StreamDelta]]] = {}
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, _Queue]] = {}
         self._calls: dict[int, Future[object]] = {}
         self._ids = itertools.count()
         self._reader = threading.Thread(
@@ -171,7 +174,7 @@ class EngineProcess:
         follows: str | None = None,
     ) -> AsyncGenerator[StreamDelta, None]:
         """Stream the request's deltas; stopping the iteration (or cancelling) aborts it."""
-        deltas: asyncio.Queue[StreamDelta] = asyncio.Queue()
+        deltas: _Queue = asyncio.Queue()
         with self._lock:  # with `_die`'s: a stream is either failed by it or never registered
             self._check_alive()
             self._streams[request_id] = (asyncio.get_running_loop(), deltas)
@@ -180,6 +183,9 @@ class EngineProcess:
             self._send(_Add(request_id, token_ids, params, follows))
             while not finished:
                 delta = await deltas.get()
+                if isinstance(delta, EngineGoneError):
+                    finished = True  # nothing left to abort
+                    raise delta
                 finished = delta.finished
                 yield delta
         finally:
@@ -269,9 +275,7 @@ class EngineProcess:
             self._die(exc)
 
     def _route(self, deltas: list[StreamDelta]) -> None:
-        per_loop: dict[
-            asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[StreamDelta], StreamDelta]]
-        ] = {}
+        per_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Queue, StreamDelta]]] = {}
         with self._lock:
             for delta in deltas:
                 stream = self._streams.get(delta.request_id)
@@ -287,13 +291,11 @@ class EngineProcess:
             streams = dict(self._streams)
         for fut in calls.values():
             fut.set_exception(RuntimeError(f"engine stopped: {exc!r}"))
-        error = f"engine failure: {exc!r}"
-        for rid, (loop, q) in streams.items():
-            delta = StreamDelta(rid, [], True, "abort", 0, 0, 0, error=error)
-            loop.call_soon_threadsafe(q.put_nowait, delta)
+        for loop, q in streams.values():
+            loop.call_soon_threadsafe(q.put_nowait, EngineGoneError(f"engine stopped: {exc!r}"))
 
 
-def _put_all(items: list[tuple[asyncio.Queue[StreamDelta], StreamDelta]]) -> None:
+def _put_all(items: list[tuple[_Queue, StreamDelta]]) -> None:
     for q, delta in items:
         q.put_nowait(delta)
 

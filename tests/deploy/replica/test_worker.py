@@ -97,3 +97,22 @@ def test_shutdown_aborts_inflight_and_stops_engine() -> None:
     held, items = asyncio.run(asyncio.wait_for(go(), 10))
     assert held > 0 and engine.stats().full.used == 0 and engine.shut_down
     assert isinstance(items[0], StreamStart) and not items[1].finished
+
+
+def test_an_engine_gone_mid_stream_is_a_lost_replica_to_the_ingress() -> None:
+    """The engine's process dying under a request (`EngineGoneError`) reaches the ingress as
+    `WorkerUnavailableError`, which it retries or restarts elsewhere, not as the request's error."""
+    from worker.errors import EngineGoneError
+
+    w, engine = _worker()
+    real = engine.generate
+
+    async def dies_after_one(*args: Any, **kw: Any) -> Any:
+        async for delta in real(*args, **kw):
+            yield delta
+            raise EngineGoneError("engine stopped: the engine process is gone (exit code -9)")
+
+    engine.generate = dies_after_one  # type: ignore[method-assign]
+    req = RoutedRequest([1, 2, 3], "a", params=SamplingParams(max_tokens=50, temperature=0))
+    with pytest.raises(WorkerUnavailableError, match="engine process is gone.*retry"):
+        asyncio.run(_collect(w, req))
