@@ -1,5 +1,5 @@
-"""A worker replica lost mid-generation (in-process, no Ray): a non-streaming request is
-restarted on another replica and answered in full; a stream, whose client already has tokens,
+"""A worker replica (or its engine process) lost mid-generation (in-process, no Ray): a
+non-streaming request is restarted on another replica and answered in full; a stream, whose client already has tokens,
 ends with an in-band error."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from ray.exceptions import ActorUnavailableError
 
-from cluster.messages import RoutedRequest, StreamStart
+from cluster.messages import RoutedRequest, StreamStart, WorkerUnavailableError
 from deploy.openai.service import PLAIN_RESTARTS
 from tests.deploy.openai.openai_harness import MODEL, expected_greedy, make_harness, sse_events
 from tests.fakes.tokenizer import make_tokenizer_dir
@@ -29,8 +29,8 @@ class DyingClient:
     """Wraps the in-process client: the first `deaths` streams lose their replica after the
     first delta (what a node that went away looks like to the ingress)."""
 
-    def __init__(self, inner: Any, deaths: int) -> None:
-        self._inner, self._deaths = inner, deaths
+    def __init__(self, inner: Any, deaths: int, death: type[Exception] = ActorUnavailableError) -> None:
+        self._inner, self._deaths, self._death = inner, deaths, death
         self.sent: list[RoutedRequest] = []
 
     async def stream(self, request: RoutedRequest) -> AsyncIterator[StreamStart | StreamDelta]:
@@ -42,7 +42,9 @@ class DyingClient:
             if isinstance(item, StreamDelta):
                 deltas += 1
                 if dies and deltas == 1 and not item.finished:
-                    raise ActorUnavailableError("the node went away", None)
+                    if self._death is ActorUnavailableError:
+                        raise ActorUnavailableError("the node went away", None)
+                    raise self._death("worker w0: the engine process is gone; retry")
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
@@ -56,16 +58,23 @@ def _post(h: Any, body: dict[str, Any]) -> Any:
     return asyncio.run(go())
 
 
-def _harness(tokenizer: Any, deaths: int) -> tuple[Any, DyingClient]:
+def _harness(
+    tokenizer: Any, deaths: int, death: type[Exception] = ActorUnavailableError
+) -> tuple[Any, DyingClient]:
     # A slow fake step, so the answer takes several deltas (the replica dies after the first).
     h = make_harness(tokenizer, workers=2, step_s=0.002)
-    client = DyingClient(h.service._client, deaths)
+    client = DyingClient(h.service._client, deaths, death)
     h.service._client = client  # type: ignore[assignment]
     return h, client
 
 
-def test_a_plain_request_survives_its_replica_dying_mid_generation(tokenizer: Any) -> None:
-    h, client = _harness(tokenizer, deaths=1)
+@pytest.mark.parametrize("death", [ActorUnavailableError, WorkerUnavailableError])
+def test_a_plain_request_survives_its_replica_dying_mid_generation(
+    tokenizer: Any, death: type[Exception]
+) -> None:
+    """The replica process lost (ActorUnavailableError), or only its engine process
+    (the worker deployment raises WorkerUnavailableError): restarted on the other replica."""
+    h, client = _harness(tokenizer, deaths=1, death=death)
     prompt = [11, 22, 33]
     r = _post(h, {"model": MODEL, "prompt": prompt, "max_tokens": 8, "temperature": 0})
     assert r.status_code == 200, r.text
