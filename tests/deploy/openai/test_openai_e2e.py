@@ -256,28 +256,37 @@ def test_sigterm_drains_then_exits_cleanly(server: Server) -> None:
     'stopped' logged, the port free again (Ctrl-C takes the same path)."""
     import threading
 
-    # NOTE: long requests (the tiny model's whole context): both must still run when SIGTERM
-    # is sent, after /metrics (slow while streams run) has seen them both in flight.
+    # NOTE: long requests (the tiny model's whole context), and in-flight seen without /metrics
+    # while a stream runs (the ingress answers it late then): the plain request is seen in flight
+    # first, alone; then the stream's first token is seen by its own client.
     body = {"model": MODEL, "prompt": "Count:", "max_tokens": 4000, "ignore_eos": True}
     results: dict[str, Any] = {}
+    first_token = threading.Event()
 
     def plain() -> None:
         r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=300)
         results["plain"] = (r.status_code, r.json()["usage"]["completion_tokens"])
 
     def streamed() -> None:
+        lines = []
         with httpx.stream("POST", f"{server.url}/v1/completions", json={**body, "stream": True}, timeout=300) as r:
-            lines = [line for line in r.iter_lines() if line.startswith("data: ")]
-        results["stream"] = (r.status_code, lines[-1])
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    lines.append(line)
+                    first_token.set()
+        results["stream"] = (r.status_code, lines[-1] if lines else None)
+        first_token.set()
 
     clients = [threading.Thread(target=plain), threading.Thread(target=streamed)]
-    for t in clients:
-        t.start()
     deadline = time.monotonic() + 180  # a bound on a hang, not a timing: CI machines are busy
-    while _metric(server, "swaserve_requests_in_flight") < 2:
-        assert all(t.is_alive() for t in clients), f"a request ended before SIGTERM: {results}"
-        assert time.monotonic() < deadline, f"the two requests never were in flight together: {results}"
-        time.sleep(0.05)  # waits on both requests reaching the ingress
+    clients[0].start()
+    while _metric(server, "swaserve_requests_in_flight") < 1:
+        assert clients[0].is_alive(), f"the plain request ended before SIGTERM: {results}"
+        assert time.monotonic() < deadline, f"the plain request never was in flight: {results}"
+        time.sleep(0.05)  # waits on the plain request reaching the ingress
+    clients[1].start()
+    assert first_token.wait(180), "the stream sent no token"
+    assert all(t.is_alive() for t in clients), f"a request ended before SIGTERM: {results}"
     server.proc.send_signal(signal.SIGTERM)
     deadline = time.monotonic() + 120
     while httpx.get(f"{server.url}/health", timeout=30).status_code != 503:
