@@ -26,8 +26,10 @@ from bench.harness import (
 from bench.machine import load_average
 
 # packed: auto without its compile (packed linears, eager); inductor: inductor + freezing of the
-# unpacked model (measurements, not configs).
-MODES = ("off", "auto", "packed", "inductor")
+# unpacked model; gather: auto's engine with the CPU decode-attention kernel off (the torch
+# backend's gather path, docs §21; the same engine, since two compiled engines cannot share a
+# process). Measurements, not configs.
+MODES = ("off", "auto", "packed", "inductor", "gather")
 
 
 @dataclass(frozen=True)
@@ -91,21 +93,36 @@ def run(args: argparse.Namespace) -> int:
     model_dir = Path(args.model) if args.model else ensure_compare_model()
     need = max(args.batch_sizes) * (args.prompt_len + args.max_new_tokens + 16)
     load_before = load_average()
-    engines, build_s = {}, {}
+    engines: dict[str, Any] = {}
+    build_s: dict[str, float] = {}
     for mode in args.modes:
-        engines[mode], build_s[mode] = _engine(model_dir, mode, need)
+        other = {"gather": "auto", "auto": "gather"}.get(mode)
+        if other in engines:
+            engines[mode], build_s[mode] = engines[other], 0.0
+            continue
+        engines[mode], build_s[mode] = _engine(model_dir, "auto" if mode == "gather" else mode, need)
         print(f"{mode}: engine built (load, prepare, warm-up) in {build_s[mode]:.1f} s", flush=True)
+    kernels = {m: engines[m].runner.backend.kernel for m in ("auto", "gather") if m in engines}
+    kernels["auto"] = next(iter(kernels.values()), None)  # what the engine was built with
+    kernels["gather"] = None
+
+    def _run(mode: str, prompts: list[list[int]], max_new: int) -> tuple[float, list[list[int]]]:
+        e = engines[mode]
+        if mode in kernels:
+            e.runner.backend.kernel = kernels[mode]
+        return _generate(e, prompts, max_new)
+
     gen = torch.Generator().manual_seed(0)
     rows: list[ModeRow] = []
     for b in args.batch_sizes:
         prompts = torch.randint(1, 1000, (b, args.prompt_len), generator=gen).tolist()
-        for e in engines.values():  # warm each mode on this batch (2 tokens)
-            _generate(e, prompts, 2)
+        for mode in engines:  # warm each mode on this batch (2 tokens)
+            _run(mode, prompts, 2)
         best = dict.fromkeys(args.modes, float("inf"))
         tokens: dict[str, list[list[int]]] = {}
         for _ in range(args.runs):
-            for mode, e in engines.items():
-                seconds, tokens[mode] = _generate(e, prompts, args.max_new_tokens)
+            for mode in engines:
+                seconds, tokens[mode] = _run(mode, prompts, args.max_new_tokens)
                 best[mode] = min(best[mode], seconds)
         base = b * args.max_new_tokens / best[args.modes[0]]
         for mode in args.modes:

@@ -57,6 +57,10 @@ class _Group:
     # Per KV-head count: `kv_idx` as rows of the pool viewed ``[slots*H, D]``, head-major, so
     # one gather per layer lays the keys out per head (built by the first layer of the step).
     head_rows: dict[int, torch.Tensor] = field(default_factory=dict, compare=False)
+    # Decode groups for the CPU kernel (`cpu_kernel`): request i sees ``kv_idx[i*L + lo[i] ..
+    # i*L + hi[i])``, int64 [G] on the host; `bias` is then None (the kernel skips padding).
+    lo: torch.Tensor | None = None
+    hi: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -118,12 +122,23 @@ def _slots(
     return view.padded([m.idx for m in members], [m.kv_off for m in members], L)
 
 
-def _decode_group(members: list[_Member], view: KVView, window: int | None, total: int) -> _Group:
+def _decode_group(
+    members: list[_Member], view: KVView, window: int | None, total: int, kernel: bool = False
+) -> _Group:
     """One query per request at position ``prefix``: every key of its view is visible (the view
-    ends at the query and, on SWA layers, starts at the window) except padding."""
+    ends at the query and, on SWA layers, starts at the window) except padding. With `kernel`
+    the visible range of each row is `lo`/`hi` instead of a mask."""
     dev = view.device
     G, L = len(members), max(m.kv_len for m in members)
     kv_idx, visible = _slots(members, view, L)
+    if kernel:
+        w = window
+        lo = [0 if w is None else max(0, m.prefix - w - m.kv_start) for m in members]
+        bounds = torch.tensor([lo, [m.kv_len for m in members]], dtype=torch.int64)
+        rows = None
+        if not (G == total and all(m.q_off == i for i, m in enumerate(members))):
+            rows = torch.tensor([m.q_off for m in members], dtype=torch.int64)
+        return _Group(G, 1, L, rows, kv_idx.contiguous(), None, None, rows, lo=bounds[0], hi=bounds[1])
     if window is not None and any(m.kv_start < m.prefix - window for m in members):
         k_pos = _col([m.kv_start for m in members], dev) + torch.arange(L, device=dev)[None, :]
         in_window = k_pos >= _col([m.prefix for m in members], dev) - window
@@ -165,12 +180,14 @@ def _in_order(members: list[_Member]) -> bool:
     return all(m.q_off == i * members[0].q_len for i, m in enumerate(members))
 
 
-def _plan_kind(batch: AttnBatch, view: KVView, window: int | None) -> tuple[_Group, ...]:
+def _plan_kind(
+    batch: AttnBatch, view: KVView, window: int | None, kernel: bool = False
+) -> tuple[_Group, ...]:
     members = _members(batch, view)
     total = sum(batch.q_lens)
     decodes = [m for m in members if m.q_len == 1]
     extends = _buckets([m for m in members if m.q_len > 1])
-    groups = [_decode_group(decodes, view, window, total)] if decodes else []
+    groups = [_decode_group(decodes, view, window, total, kernel)] if decodes else []
     return tuple(groups + [_extend_group(g, view, window, total) for g in extends])
 
 
@@ -242,14 +259,29 @@ class TorchBackend(AttentionBackend):
 
     name = "torch"
 
-    def __init__(self, pool: HybridKVPool) -> None:
+    def __init__(self, pool: HybridKVPool, kernel: bool | None = None) -> None:
+        """`kernel`: run decode groups through the CPU kernel (`cpu_kernel`); None: when the
+        pool is float32 on the CPU and the kernel builds here (SWASERVE_CPU_KERNEL is read
+        now). True insists (ValueError when it cannot be had); False: the gather path."""
         self.pool = pool
+        self.kernel = None
+        if kernel is False:
+            return
+        from worker.attention.cpu_kernel import decode_kernel
+
+        device, dtype = getattr(pool, "device", None), getattr(pool, "dtype", None)
+        fits = device is not None and torch.device(device).type == "cpu" and dtype == torch.float32
+        self.kernel = decode_kernel() if fits else None
+        if kernel and self.kernel is None:
+            why = "the pool is not float32 on the CPU" if not fits else "it is off or did not build"
+            raise ValueError(f"the CPU decode-attention kernel cannot run: {why} (see the log)")
 
     def plan(self, batch: AttnBatch) -> TorchMetadata:
         per_kind = {}
+        kernel = self.kernel is not None
         for kind, view in batch.kv.items():
             window = batch.window if kind is LayerKind.SWA else None
-            per_kind[kind] = _plan_kind(batch, view, window)
+            per_kind[kind] = _plan_kind(batch, view, window, kernel)
         return TorchMetadata(per_kind=per_kind, num_tokens=sum(batch.q_lens))
 
     def forward(
@@ -261,16 +293,50 @@ class TorchBackend(AttentionBackend):
     ) -> torch.Tensor:
         groups = metadata.per_kind[layer.kind]
         k_buf, v_buf = self.pool.kv_buffers(layer.layer_id)
-        if len(groups) == 1 and groups[0].out_rows is None:  # one group, rows in order
-            return group_attention(groups[0], q, k_buf, v_buf, layer, sinks)
+        if len(groups) == 1 and groups[0].out_rows is None and groups[0].lo is None:
+            return group_attention(groups[0], q, k_buf, v_buf, layer, sinks)  # one group, in order
         out = q.new_empty(q.shape[0], layer.num_q_heads, layer.v_head_dim)
         for grp in groups:
+            if grp.lo is not None:
+                self._kernel_decode(grp, q, k_buf, v_buf, layer, sinks, out)
+                continue
             res = group_attention(grp, q, k_buf, v_buf, layer, sinks)
             if grp.keep is not None:
                 res = res.index_select(0, grp.keep)
             assert grp.out_rows is not None
             out.index_copy_(0, grp.out_rows, res.to(out.dtype))
         return out
+
+    def _kernel_decode(
+        self,
+        grp: _Group,
+        q: torch.Tensor,
+        k_buf: torch.Tensor,
+        v_buf: torch.Tensor,
+        layer: AttentionLayer,
+        sinks: torch.Tensor | None,
+        out: torch.Tensor,
+    ) -> None:
+        """A decode group through the CPU kernel, written into its rows of `out`."""
+        from worker.attention.cpu_kernel import decode_attention
+
+        assert self.kernel is not None and grp.lo is not None and grp.hi is not None
+        q32, dst = q, out
+        if q.dtype != torch.float32 or q.stride(2) != 1 or q.stride(1) != q.shape[2]:
+            q32 = q.float().contiguous()
+        if out.dtype != torch.float32:
+            dst = torch.empty(out.shape, dtype=torch.float32)
+        sink32 = None if sinks is None else sinks.detach().float().contiguous()
+        decode_attention(
+            self.kernel, q32, k_buf, v_buf, grp.kv_idx, grp.kv_len, grp.lo, grp.hi, grp.rows,
+            layer.scaling, layer.softcap, sink32, dst,
+        )  # fmt: skip
+        if dst is out:
+            return
+        if grp.out_rows is None:
+            out.copy_(dst)
+        else:
+            out.index_copy_(0, grp.out_rows, dst.index_select(0, grp.out_rows).to(out.dtype))
 
 
 __all__ = ["TorchBackend", "TorchMetadata", "group_attention"]

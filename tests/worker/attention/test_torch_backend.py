@@ -25,6 +25,14 @@ class FakePool:
     def kv_buffers(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k, self.v
 
+    @property
+    def device(self) -> torch.device:
+        return self.k.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.k.dtype
+
 
 def _layer(kind: LayerKind, softcap: float | None = None) -> AttentionLayer:
     return AttentionLayer(0, kind, HQ, HKV, D, DV, scaling=D**-0.5, softcap=softcap)
@@ -87,7 +95,7 @@ CASES = [
 
 
 @pytest.mark.parametrize("kind,window,softcap,with_sinks", CASES)
-def test_matches_definition_on_mixed_batch(kind, window, softcap, with_sinks) -> None:
+def test_matches_definition_on_mixed_batch(kind, window, softcap, with_sinks, kernel) -> None:
     """Decodes and prefill chunks (with and without a prefix) in one batch, GQA, Dv != D."""
     gen = torch.Generator().manual_seed(0)
     slots = 128
@@ -100,7 +108,7 @@ def test_matches_definition_on_mixed_batch(kind, window, softcap, with_sinks) ->
     q = torch.randn(sum(q_lens), HQ, D, generator=gen)
     sinks = torch.randn(HQ, generator=gen) if with_sinks else None
     layer = _layer(kind, softcap)
-    backend = TorchBackend(pool)  # type: ignore[arg-type]
+    backend = TorchBackend(pool, kernel)  # type: ignore[arg-type]
     got = backend.forward(layer, q, backend.plan(batch), sinks)
     want = _naive(
         q,
@@ -116,7 +124,7 @@ def test_matches_definition_on_mixed_batch(kind, window, softcap, with_sinks) ->
     torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
 
 
-def test_window_edge_is_inclusive() -> None:
+def test_window_edge_is_inclusive(kernel: bool) -> None:
     """A query at q sees the key at q - window and not the one at q - window - 1."""
     gen = torch.Generator().manual_seed(1)
     window, prefix = 4, 10
@@ -130,7 +138,7 @@ def test_window_edge_is_inclusive() -> None:
         batch.q_lens, batch.seq_lens, batch.positions, {LayerKind.SWA: swa_view}, window
     )
     q = torch.randn(1, HQ, D, generator=gen)
-    backend = TorchBackend(pool)  # type: ignore[arg-type]
+    backend = TorchBackend(pool, kernel)  # type: ignore[arg-type]
 
     def run() -> torch.Tensor:
         return backend.forward(_layer(LayerKind.SWA), q, backend.plan(swa))
@@ -143,13 +151,13 @@ def test_window_edge_is_inclusive() -> None:
     torch.testing.assert_close(run(), base)
 
 
-def test_sinks_only_shrink_the_weights() -> None:
+def test_sinks_only_shrink_the_weights(kernel: bool) -> None:
     """A very negative sink changes nothing; a very positive one drives the output to zero."""
     gen = torch.Generator().manual_seed(2)
     pool = FakePool(torch.randn(32, HKV, D, generator=gen), torch.randn(32, HKV, DV, generator=gen))
     batch, _ = _batch([3], [4], LayerKind.FULL, None, 32, gen)
     q = torch.randn(3, HQ, D, generator=gen)
-    backend = TorchBackend(pool)  # type: ignore[arg-type]
+    backend = TorchBackend(pool, kernel)  # type: ignore[arg-type]
     meta = backend.plan(batch)
     plain = backend.forward(_layer(LayerKind.FULL), q, meta)
     torch.testing.assert_close(

@@ -22,6 +22,14 @@ class FakePool:
     def kv_buffers(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k, self.v
 
+    @property
+    def device(self) -> torch.device:
+        return self.k.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.k.dtype
+
 
 def _batch(q_lens, prefixes, window, tables) -> AttnBatch:
     starts = [max(0, p - window) if window is not None else 0 for p in prefixes]
@@ -34,7 +42,9 @@ def _batch(q_lens, prefixes, window, tables) -> AttnBatch:
 
 
 @pytest.mark.parametrize("window,with_sinks", [(None, False), (4, True)])
-def test_batched_groups_equal_requests_alone(window: int | None, with_sinks: bool) -> None:
+def test_batched_groups_equal_requests_alone(
+    window: int | None, with_sinks: bool, kernel: bool
+) -> None:
     """Decodes and prefill chunks of very different shapes (several groups) vs one at a time."""
     gen = torch.Generator().manual_seed(3)
     slots = 400
@@ -52,7 +62,7 @@ def test_batched_groups_equal_requests_alone(window: int | None, with_sinks: boo
     layer = AttentionLayer(0, kind, HQ, HKV, D, DV, scaling=D**-0.5)
     sinks = torch.randn(HQ, generator=gen) if with_sinks else None
     q = torch.randn(sum(q_lens), HQ, D, generator=gen)
-    backend = TorchBackend(pool)  # type: ignore[arg-type]
+    backend = TorchBackend(pool, kernel)  # type: ignore[arg-type]
     meta = backend.plan(_batch(q_lens, prefixes, window, tables))
     assert len(meta.per_kind[kind]) >= 3  # decodes + at least two prefill shapes
     got = backend.forward(layer, q, meta, sinks)
@@ -64,7 +74,7 @@ def test_batched_groups_equal_requests_alone(window: int | None, with_sinks: boo
         row += ql
 
 
-def test_paged_view_equals_the_flat_view() -> None:
+def test_paged_view_equals_the_flat_view(kernel: bool) -> None:
     """The FULL keys read from a page table (rows out of order, longer than the requests, junk
     past each request's end) give the flat view's output, and `flat_indices` rebuilds its
     indices exactly."""
@@ -87,7 +97,7 @@ def test_paged_view_equals_the_flat_view() -> None:
     assert torch.equal(view.flat_indices(), flat.kv[LayerKind.FULL].flat_indices())
     layer = AttentionLayer(0, LayerKind.FULL, HQ, HKV, D, DV, scaling=D**-0.5)
     q = torch.randn(sum(q_lens), HQ, D, generator=gen)
-    backend = TorchBackend(pool)  # type: ignore[arg-type]
+    backend = TorchBackend(pool, kernel)  # type: ignore[arg-type]
     got = backend.forward(layer, q, backend.plan(paged))
     want = backend.forward(layer, q, backend.plan(flat))
     torch.testing.assert_close(got, want, atol=0, rtol=0)

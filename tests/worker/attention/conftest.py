@@ -1,0 +1,25 @@
+"""Every torch-backend test runs on both decode paths: the gather path and the CPU kernel."""
+
+from __future__ import annotations
+
+import pytest
+
+from worker.attention import cpu_kernel
+
+
+def kernel_missing() -> str | None:
+    """Why the CPU kernel cannot run here (no C compiler, or the build failed); None: it can."""
+    if cpu_kernel._compiler() is None:
+        return "no C compiler: the CPU decode-attention kernel cannot be built here"
+    if cpu_kernel._load() is None:
+        return "the CPU decode-attention kernel did not build (see the log)"
+    return None
+
+
+@pytest.fixture(params=[False, True], ids=["gather", "kernel"])
+def kernel(request: pytest.FixtureRequest) -> bool:
+    if request.param:
+        why = kernel_missing()
+        if why:
+            pytest.skip(why)
+    return request.param

@@ -1,0 +1,167 @@
+"""The CPU decode-attention kernel: equal to the gather path on random batches, built once per
+machine into its cache, and never required (no compiler, a failed build, the off switch)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tests.worker.attention.conftest import kernel_missing
+from worker.attention import cpu_kernel
+from worker.attention.base import AttentionLayer, AttnBatch, KVView, check_views
+from worker.attention.torch_backend import TorchBackend
+from worker.models.spec import LayerKind
+
+needs_kernel = pytest.mark.skipif(kernel_missing() is not None, reason=str(kernel_missing()))
+
+
+@dataclass
+class Pool:
+    k: torch.Tensor
+    v: torch.Tensor
+
+    def kv_buffers(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k, self.v
+
+    @property
+    def device(self) -> torch.device:
+        return self.k.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.k.dtype
+
+
+@st.composite
+def cases(draw: st.DrawFn) -> dict:
+    hkv = draw(st.sampled_from([1, 2, 4]))
+    g = draw(st.sampled_from([1, 2, 4]))
+    d, dv = draw(st.sampled_from([(64, 64), (128, 128), (256, 256), (8, 8), (16, 12)]))
+    n = draw(st.integers(1, 6))
+    q_lens = draw(st.lists(st.sampled_from([1, 1, 1, 3, 9]), min_size=n, max_size=n))
+    prefixes = draw(st.lists(st.integers(0, 70), min_size=n, max_size=n))
+    window = draw(st.sampled_from([None, 1, 5, 31]))
+    return {
+        "hkv": hkv, "hq": hkv * g, "d": d, "dv": dv, "q_lens": q_lens, "prefixes": prefixes,
+        "window": window, "softcap": draw(st.sampled_from([None, 3.0])),
+        "sinks": draw(st.booleans()), "seed": draw(st.integers(0, 2**16)),
+    }  # fmt: skip
+
+
+def _batch(c: dict, slots: int, gen: torch.Generator) -> AttnBatch:
+    perm = torch.randperm(slots - 1, generator=gen) + 1
+    window, kind = c["window"], LayerKind.FULL if c["window"] is None else LayerKind.SWA
+    parts, starts, used = [], [], 0
+    for q, p in zip(c["q_lens"], c["prefixes"]):
+        start = 0 if window is None else max(0, p - window)
+        parts.append(perm[used + start : used + p + q])
+        starts.append(start)
+        used += p + q
+    indptr = torch.cumsum(torch.tensor([0] + [len(x) for x in parts]), 0)
+    pos = torch.cat([torch.arange(p, p + q) for p, q in zip(c["prefixes"], c["q_lens"])])
+    seq = tuple(p + q for p, q in zip(c["prefixes"], c["q_lens"]))
+    view = KVView(torch.cat(parts), indptr, tuple(starts))
+    return AttnBatch(tuple(c["q_lens"]), seq, pos, {kind: view}, window)
+
+
+@needs_kernel
+@settings(max_examples=60, deadline=None)
+@given(cases())
+def test_kernel_equals_gather_path(c: dict) -> None:
+    """Decodes alone or beside prefill chunks (the kernel writes only the decode rows), GQA
+    groups of 1-4, the specialised head sizes and generic ones, windows, softcap, sinks."""
+    gen = torch.Generator().manual_seed(c["seed"])
+    slots = 8 + sum(p + q for p, q in zip(c["prefixes"], c["q_lens"]))
+    pool = Pool(torch.randn(slots, c["hkv"], c["d"], generator=gen),
+                torch.randn(slots, c["hkv"], c["dv"], generator=gen))  # fmt: skip
+    batch = _batch(c, slots, gen)
+    check_views(batch)
+    kind = next(iter(batch.kv))
+    layer = AttentionLayer(0, kind, c["hq"], c["hkv"], c["d"], c["dv"], c["d"] ** -0.5, c["softcap"])
+    sinks = torch.randn(c["hq"], generator=gen) if c["sinks"] else None
+    q = torch.randn(sum(c["q_lens"]), c["hq"], c["d"], generator=gen)
+    fast, ref = TorchBackend(pool, kernel=True), TorchBackend(pool, kernel=False)  # type: ignore[arg-type]
+    meta = fast.plan(batch)
+    assert any(grp.lo is not None for grp in meta.per_kind[kind]) == (1 in c["q_lens"])
+    got = fast.forward(layer, q, meta, sinks)
+    want = ref.forward(layer, q, ref.plan(batch), sinks)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
+
+
+@needs_kernel
+def test_kernel_reads_a_strided_query() -> None:
+    """Queries that are a view of a wider projection (q of a fused qkv) are read in place."""
+    gen = torch.Generator().manual_seed(0)
+    pool = Pool(torch.randn(40, 2, 64, generator=gen), torch.randn(40, 2, 64, generator=gen))
+    c = {"q_lens": [1, 1, 1], "prefixes": [5, 20, 11], "window": None}
+    batch = _batch(c, 40, gen)
+    qkv = torch.randn(3, 8 * 64 + 2 * 2 * 64, generator=gen)
+    q = qkv[:, : 8 * 64].view(3, 8, 64)  # row stride 768, heads contiguous
+    layer = AttentionLayer(0, LayerKind.FULL, 8, 2, 64, 64, 0.125)
+    fast, ref = TorchBackend(pool, kernel=True), TorchBackend(pool, kernel=False)  # type: ignore[arg-type]
+    got = fast.forward(layer, q, fast.plan(batch))
+    torch.testing.assert_close(got, ref.forward(layer, q.contiguous(), ref.plan(batch)))
+
+
+@pytest.fixture
+def fresh_load(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """An empty kernel cache and a forgotten load (restored after the test)."""
+    monkeypatch.setenv("SWASERVE_KERNEL_CACHE", str(tmp_path / "cache"))
+    cpu_kernel._load.cache_clear()
+    yield tmp_path / "cache"
+    cpu_kernel._load.cache_clear()
+
+
+@needs_kernel
+def test_built_once_into_the_cache(fresh_load: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cc = cpu_kernel._compiler()
+    assert cc is not None
+    first = cpu_kernel._build(cc)
+    assert first.parent == fresh_load and first.exists()
+    runs = []
+    real = cpu_kernel.subprocess.run
+    monkeypatch.setattr(cpu_kernel.subprocess, "run", lambda cmd, **kw: runs.append(cmd) or real(cmd, **kw))
+    assert cpu_kernel._build(cc) == first
+    assert [cmd[1:] for cmd in runs] == [["--version"]]  # no compile the second time
+    assert list(fresh_load.iterdir()) == [first]  # no temporary files left
+
+
+def _pool() -> Pool:
+    return Pool(torch.zeros(8, 1, 8), torch.zeros(8, 1, 8))
+
+
+def test_no_compiler_means_the_gather_path(fresh_load, monkeypatch, caplog) -> None:
+    monkeypatch.setattr(cpu_kernel, "_compiler", lambda: None)
+    with caplog.at_level(logging.INFO, logger=cpu_kernel.__name__):
+        assert TorchBackend(_pool()).kernel is None  # type: ignore[arg-type]
+    assert "no C compiler" in caplog.text
+    with pytest.raises(ValueError, match="cannot run"):
+        TorchBackend(_pool(), kernel=True)  # type: ignore[arg-type]
+
+
+@needs_kernel
+def test_failed_build_means_the_gather_path(fresh_load, tmp_path, monkeypatch, caplog) -> None:
+    broken = tmp_path / "broken.c"
+    broken.write_text("int swaserve_decode_attention_f32(void) { return not C; }\n")
+    monkeypatch.setattr(cpu_kernel, "SOURCE", broken)
+    with caplog.at_level(logging.WARNING, logger=cpu_kernel.__name__):
+        assert TorchBackend(_pool()).kernel is None  # type: ignore[arg-type]
+    assert "CPU decode-attention kernel off" in caplog.text and "failed" in caplog.text
+    assert not list(fresh_load.glob("*.so"))
+
+
+@needs_kernel
+def test_off_switch_and_other_pools(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert TorchBackend(_pool()).kernel is not None  # type: ignore[arg-type]
+    monkeypatch.setenv("SWASERVE_CPU_KERNEL", "0")
+    assert TorchBackend(_pool()).kernel is None  # type: ignore[arg-type]
+    monkeypatch.delenv("SWASERVE_CPU_KERNEL")
+    bf16 = Pool(torch.zeros(8, 1, 8, dtype=torch.bfloat16), torch.zeros(8, 1, 8, dtype=torch.bfloat16))
+    assert TorchBackend(bf16).kernel is None  # type: ignore[arg-type]
+    assert TorchBackend(_pool(), kernel=False).kernel is None  # type: ignore[arg-type]
