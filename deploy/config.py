@@ -150,11 +150,11 @@ class ServeConfig(BaseModel):
         True, description="Prefix (radix) cache; off: chunk cache only."
     )
     max_num_batched_tokens: int = Field(
-        2048,
+        1024,
         ge=1,
         description=(
-            "Tokens one engine step feeds, decodes included (vLLM's knob and its CPU serving "
-            "default): every decode first, prefill chunks fill the rest (>= max_running_requests)."
+            "Tokens one engine step feeds, decodes included (vLLM's knob): every decode first, "
+            "prefill chunks fill the rest (>= max_running_requests; GPUs want 8192)."
         ),
     )
     chunked_prefill_size: int | None = Field(

@@ -28,9 +28,9 @@ class EngineConfig:
     swa_full_tokens_ratio: float = 0.8  # SWA pool tokens = ratio x full pool tokens, in (0, 1]
     disable_hybrid_swa_memory: bool = False  # one pool for all layers (SWA layers keep their KV)
     enable_radix_cache: bool = True
-    # Tokens one step feeds, decodes included (vLLM's max_num_batched_tokens; its CPU serving
-    # default): decodes first, prefill chunks fill the rest (docs/design.md §11.7).
-    max_num_batched_tokens: int = 2048
+    # Tokens one step feeds, decodes included (vLLM's max_num_batched_tokens): decodes first,
+    # prefill chunks fill the rest. 1024 on CPU measured best (docs/design.md §11.7).
+    max_num_batched_tokens: int = 1024
     chunked_prefill_size: int | None = None  # most prompt tokens per step; None: the budget's rest
     max_running_requests: int = 64
     swa_eviction_interval: int = 128  # decode frees out-of-window SWA once this many tokens left it
