@@ -26,7 +26,7 @@ from bench.harness import (
 from bench.machine import load_average
 
 # packed: auto without its compile (packed linears, eager); inductor: inductor + freezing of the
-# unpacked model; gather: auto's engine with the CPU decode-attention kernel off (the torch
+# unpacked model; gather: auto's engine with the CPU attention kernel off (the torch
 # backend's gather path, docs §21; the same engine, since two compiled engines cannot share a
 # process). Measurements, not configs.
 MODES = ("off", "auto", "packed", "inductor", "gather")

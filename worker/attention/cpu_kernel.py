@@ -1,14 +1,15 @@
-"""The CPU decode-attention kernel (`csrc/decode_attention.c`): built once per machine, called
-through ctypes (docs/design.md §21).
+"""The CPU attention kernel (`csrc/attention.c`): built once per machine, called through ctypes
+(docs/design.md §21).
 
-The torch backend's decode group gathers every key and value it reads into a padded copy, then
-runs two batched matmuls and a softmax over the padding; on a CPU that is bandwidth bound (the
-pool is read, the copy written and read again). The kernel reads each key and value row once,
-from its slot, and skips padding. It is plain C, compiled by the system C compiler for this CPU
+The torch backend's groups gather every key and value they read into a padded copy, then run
+batched matmuls (or SDPA) and a softmax over the padding and the masked keys; on a CPU that is
+bound by memory (the pool is read, the copy written and read again). The kernel reads each key
+and value row from its slot, only those a query row may see (causal, windowed), in one call per
+layer for the whole step. It is plain C, compiled by the system C compiler for this CPU
 (``-O3 -march=native``) into a cache directory keyed by the source, the flags, the compiler and
 the CPU, so a machine builds it once (about a second) and every process after loads it.
 
-Without a C compiler, or when the build fails, `decode_kernel` returns None once (logged) and
+Without a C compiler, or when the build fails, `attention_kernel` returns None once (logged) and
 the torch backend keeps its gather path: the kernel is a speed-up, never a requirement.
 ``SWASERVE_CPU_KERNEL=0`` turns it off (A/B runs; a suspect kernel); ``SWASERVE_KERNEL_CACHE``
 moves the cache (default ``$XDG_CACHE_HOME/swaserve/kernels`` or ``~/.cache/swaserve/kernels``).
@@ -31,8 +32,8 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("csrc") / "decode_attention.c"
-SYMBOL = "swaserve_decode_attention_f32"
+SOURCE = Path(__file__).with_name("csrc") / "attention.c"
+SYMBOL = "swaserve_attention_f32"
 # NOTE: -ffast-math at compile time only (it lets GCC call glibc's vector expf); linking a
 # shared object with it would add crtfastmath.o, which sets flush-to-zero for the whole process.
 COMPILE_FLAGS = ("-O3", "-march=native", "-fPIC", "-fopenmp-simd", "-ffast-math")
@@ -42,7 +43,7 @@ BUILD_TIMEOUT_S = 120
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
 _F = ctypes.c_float
-_ARGTYPES = (_P, _I, _P, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, _F, _F, _P, _P, _I)
+_ARGTYPES = (_P, _I, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _F, _F, _P, _P, _I)
 
 
 def enabled() -> bool:
@@ -82,7 +83,7 @@ def _build(cc: str) -> Path:
             [SOURCE.read_text(), *COMPILE_FLAGS, *LINK_FLAGS, version.stdout, _cpu_signature()]
         ).encode()
     ).hexdigest()[:20]
-    target = cache_dir() / f"decode_attention-{key}.so"
+    target = cache_dir() / f"attention-{key}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -105,52 +106,49 @@ def _build(cc: str) -> Path:
 def _load() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
     cc = _compiler()
     if cc is None:
-        logger.info("CPU decode-attention kernel off: no C compiler (set CC); using torch ops")
+        logger.info("CPU attention kernel off: no C compiler (set CC); using torch ops")
         return None
     try:
         path = _build(cc)
         fn = ctypes.CDLL(str(path))[SYMBOL]  # CDLL: the call releases the GIL
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-        logger.warning("CPU decode-attention kernel off (using torch ops): %s", exc)
+        logger.warning("CPU attention kernel off (using torch ops): %s", exc)
         return None
     fn.argtypes = _ARGTYPES
     fn.restype = ctypes.c_int
-    logger.info("CPU decode-attention kernel loaded from %s", path)
+    logger.info("CPU attention kernel loaded from %s", path)
     return fn
 
 
-def decode_kernel() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+def attention_kernel() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
     """The kernel's ctypes function, or None (off, no compiler, or the build failed)."""
     return _load() if enabled() else None
 
 
-def decode_attention(
+def attention(
     fn: ctypes._CFuncPtr,  # type: ignore[name-defined]
-    q: torch.Tensor,  # [T, hq, d] float32, heads contiguous
+    q: torch.Tensor,  # [T, hq, d] float32, heads contiguous (rows may be strided)
     k_buf: torch.Tensor,  # [slots, hkv, d] float32, contiguous
     v_buf: torch.Tensor,  # [slots, hkv, dv] float32, contiguous
-    slots: torch.Tensor,  # int64 [G*L] contiguous
-    L: int,
-    lo: torch.Tensor,  # int64 [G]
-    hi: torch.Tensor,  # int64 [G]
-    rows: torch.Tensor | None,  # int64 [G]: request i's row of q and out; None: row i
+    slots: torch.Tensor,  # int64, contiguous: the key slots the rows index into
+    start: torch.Tensor,  # int64 [T]: row r reads slots[start[r] : start[r] + count[r]]
+    count: torch.Tensor,  # int64 [T], each >= 1
     scale: float,
     softcap: float | None,
     sinks: torch.Tensor | None,  # float32 [hq] contiguous
-    out: torch.Tensor,  # [T, hq, dv] float32: rows `rows` are written
+    out: torch.Tensor,  # [T, hq, dv] float32, heads contiguous
 ) -> None:
-    """One decode group's attention into `out` (the caller checked dtypes and layouts)."""
+    """Every query row's attention into `out` (the caller checked dtypes and layouts)."""
     T, hq, d = q.shape
     hkv, dv = k_buf.shape[1], v_buf.shape[2]
-    G = lo.shape[0]
     rc = fn(
-        q.data_ptr(), q.stride(0), 0 if rows is None else rows.data_ptr(),
-        k_buf.data_ptr(), v_buf.data_ptr(), slots.data_ptr(), L, lo.data_ptr(), hi.data_ptr(),
-        G, hq, hkv, d, dv, scale, 0.0 if softcap is None else softcap,
-        0 if sinks is None else sinks.data_ptr(), out.data_ptr(), out.stride(0),
+        q.data_ptr(), q.stride(0), k_buf.data_ptr(), v_buf.data_ptr(), slots.data_ptr(),
+        start.data_ptr(), count.data_ptr(), T, hq, hkv, d, dv, scale,
+        0.0 if softcap is None else softcap, 0 if sinks is None else sinks.data_ptr(),
+        out.data_ptr(), out.stride(0),
     )  # fmt: skip
     if rc != 0:
-        raise MemoryError("CPU decode-attention kernel could not allocate its scratch memory")
+        raise MemoryError("CPU attention kernel could not allocate its scratch memory")
 
 
-__all__ = ["decode_kernel", "decode_attention", "enabled", "cache_dir"]
+__all__ = ["attention_kernel", "attention", "enabled", "cache_dir"]

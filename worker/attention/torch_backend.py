@@ -10,6 +10,14 @@ Scores follow the HF eager order: ``(q @ k^T) * scaling`` → tanh softcap → m
 float32, with a sink column appended per head when the layer has sinks (its probability is
 dropped after the softmax, so it only enlarges the denominator).
 
+On a float32 CPU pool `cpu_kernel`'s C kernel takes the query rows of the step in one call per
+layer, each row with the run of key slots it may see (causal, windowed), read straight from the
+pool (docs/design.md §21): every decode, every sliding-window prefill chunk, and full-attention
+prefill chunks whose keys are few or mostly their own (`_kernel_takes`); a long-prefix chunk on a
+full layer is a dense product that SDPA's blocked kernel does faster, and keeps its group. The
+groups are the whole path everywhere else (GPU cross-checks, other dtypes, no C compiler,
+``SWASERVE_CPU_KERNEL=0``).
+
 A prefill group in float32 with neither softcap nor sinks (Gemma 3, Mistral, MiMo, Cohere 2)
 goes through `F.scaled_dot_product_attention` instead, with the same additive mask: its CPU
 kernel never materialises the ``[G*Hq, Q, L]`` scores (a prefill step of 8 prompts × 256 tokens of
@@ -27,6 +35,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -39,6 +48,13 @@ if TYPE_CHECKING:
 # A prefill group is padded to its longest query and key range; start another group when the
 # padding would exceed this multiple of the real work (scores computed / scores needed).
 MAX_PADDING = 1.5
+
+# A full-attention prefill chunk goes to the CPU kernel when it reads at most this many keys, or
+# when its prefix is at most half its length (the kernel then computes at most ~3/4 of the dense
+# scores SDPA would; per score it is ~1.35x slower). Measured, one thread, 8 query / 2 KV heads of
+# 64: 1,024 new tokens, no prefix: kernel 18 ms, SDPA group 29 ms (plan included); 512 new tokens
+# after 2,048: kernel 42 ms, SDPA 38 ms.
+KERNEL_FULL_KEYS = 1024
 
 
 @dataclass(frozen=True)
@@ -57,16 +73,23 @@ class _Group:
     # Per KV-head count: `kv_idx` as rows of the pool viewed ``[slots*H, D]``, head-major, so
     # one gather per layer lays the keys out per head (built by the first layer of the step).
     head_rows: dict[int, torch.Tensor] = field(default_factory=dict, compare=False)
-    # Decode groups for the CPU kernel (`cpu_kernel`): request i sees ``kv_idx[i*L + lo[i] ..
-    # i*L + hi[i])``, int64 [G] on the host; `bias` is then None (the kernel skips padding).
-    lo: torch.Tensor | None = None
-    hi: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class _Rows:
+    """The CPU kernel's plan for one layer kind: query row r reads the key slots
+    ``slots[start[r] : start[r] + count[r]]`` (int64 tensors on the CPU)."""
+
+    slots: torch.Tensor  # the view's flat key slots
+    start: torch.Tensor  # [T]
+    count: torch.Tensor  # [T]
 
 
 @dataclass(frozen=True)
 class TorchMetadata:
     per_kind: dict[LayerKind, tuple[_Group, ...]]
     num_tokens: int
+    rows: dict[LayerKind, _Rows] = field(default_factory=dict)  # kinds the kernel runs
 
 
 class _Member(NamedTuple):
@@ -122,23 +145,12 @@ def _slots(
     return view.padded([m.idx for m in members], [m.kv_off for m in members], L)
 
 
-def _decode_group(
-    members: list[_Member], view: KVView, window: int | None, total: int, kernel: bool = False
-) -> _Group:
+def _decode_group(members: list[_Member], view: KVView, window: int | None, total: int) -> _Group:
     """One query per request at position ``prefix``: every key of its view is visible (the view
-    ends at the query and, on SWA layers, starts at the window) except padding. With `kernel`
-    the visible range of each row is `lo`/`hi` instead of a mask."""
+    ends at the query and, on SWA layers, starts at the window) except padding."""
     dev = view.device
     G, L = len(members), max(m.kv_len for m in members)
     kv_idx, visible = _slots(members, view, L)
-    if kernel:
-        w = window
-        lo = [0 if w is None else max(0, m.prefix - w - m.kv_start) for m in members]
-        bounds = torch.tensor([lo, [m.kv_len for m in members]], dtype=torch.int64)
-        rows = None
-        if not (G == total and all(m.q_off == i for i, m in enumerate(members))):
-            rows = torch.tensor([m.q_off for m in members], dtype=torch.int64)
-        return _Group(G, 1, L, rows, kv_idx.contiguous(), None, None, rows, lo=bounds[0], hi=bounds[1])
     if window is not None and any(m.kv_start < m.prefix - window for m in members):
         k_pos = _col([m.kv_start for m in members], dev) + torch.arange(L, device=dev)[None, :]
         in_window = k_pos >= _col([m.prefix for m in members], dev) - window
@@ -182,13 +194,51 @@ def _in_order(members: list[_Member]) -> bool:
 
 def _plan_kind(
     batch: AttnBatch, view: KVView, window: int | None, kernel: bool = False
-) -> tuple[_Group, ...]:
+) -> tuple[tuple[_Group, ...], _Rows | None]:
+    """The groups of this kind and, with `kernel`, the kernel's rows (the groups then hold only
+    the requests the kernel leaves, `_kernel_takes`)."""
     members = _members(batch, view)
     total = sum(batch.q_lens)
+    rows = None
+    if kernel:
+        taken = [_kernel_takes(m, window) for m in members]
+        rows = _kernel_rows(batch, view, window, taken)
+        members = [m for m, t in zip(members, taken) if not t]
+        total = -1  # the groups never cover the whole output: they write their rows
+        if not members:
+            return (), rows
     decodes = [m for m in members if m.q_len == 1]
     extends = _buckets([m for m in members if m.q_len > 1])
-    groups = [_decode_group(decodes, view, window, total, kernel)] if decodes else []
-    return tuple(groups + [_extend_group(g, view, window, total) for g in extends])
+    groups = [_decode_group(decodes, view, window, total)] if decodes else []
+    return tuple(groups + [_extend_group(g, view, window, total) for g in extends]), rows
+
+
+def _kernel_takes(m: _Member, window: int | None) -> bool:
+    """Whether the CPU kernel attends this request's queries (see KERNEL_FULL_KEYS)."""
+    return m.q_len == 1 or window is not None or m.kv_len <= KERNEL_FULL_KEYS or 2 * m.prefix <= m.q_len
+
+
+def _kernel_rows(
+    batch: AttnBatch, view: KVView, window: int | None, taken: list[bool]
+) -> _Rows:
+    """Each query row's run of visible keys in the view's flat slots: query j of request i, at
+    position ``p = prefix + j``, sees positions ``max(kv_start, p - window) .. p``; rows of
+    requests not `taken` get count 0 (the kernel skips them). Host work O(tokens) in numpy (a
+    few vector ops per step, no Python loop over tokens)."""
+    q_lens = np.asarray(batch.q_lens, dtype=np.int64)
+    seq = np.asarray(batch.seq_lens, dtype=np.int64)
+    kv_start = np.asarray(view.kv_starts, dtype=np.int64)
+    kv_len = seq - kv_start
+    kv_off = np.cumsum(kv_len) - kv_len
+    q_off = np.cumsum(q_lens) - q_lens
+    member = np.repeat(np.arange(len(q_lens)), q_lens)
+    pos = (seq - q_lens)[member] + np.arange(int(q_lens.sum())) - q_off[member]
+    first = kv_start[member]
+    if window is not None:
+        first = np.maximum(first, pos - window)
+    start = kv_off[member] + first - kv_start[member]
+    count = (pos - first + 1) * np.asarray(taken, dtype=np.int64)[member]
+    return _Rows(view.flat_indices().contiguous(), torch.from_numpy(start), torch.from_numpy(count))
 
 
 def _gather(buf: torch.Tensor, grp: _Group) -> torch.Tensor:
@@ -260,29 +310,30 @@ class TorchBackend(AttentionBackend):
     name = "torch"
 
     def __init__(self, pool: HybridKVPool, kernel: bool | None = None) -> None:
-        """`kernel`: run decode groups through the CPU kernel (`cpu_kernel`); None: when the
-        pool is float32 on the CPU and the kernel builds here (SWASERVE_CPU_KERNEL is read
-        now). True insists (ValueError when it cannot be had); False: the gather path."""
+        """`kernel`: attend through the CPU kernel (`cpu_kernel`); None: when the pool is
+        float32 on the CPU and the kernel builds here (SWASERVE_CPU_KERNEL is read now). True
+        insists (ValueError when it cannot be had); False: the groups."""
         self.pool = pool
         self.kernel = None
         if kernel is False:
             return
-        from worker.attention.cpu_kernel import decode_kernel
+        from worker.attention.cpu_kernel import attention_kernel
 
         device, dtype = getattr(pool, "device", None), getattr(pool, "dtype", None)
         fits = device is not None and torch.device(device).type == "cpu" and dtype == torch.float32
-        self.kernel = decode_kernel() if fits else None
+        self.kernel = attention_kernel() if fits else None
         if kernel and self.kernel is None:
             why = "the pool is not float32 on the CPU" if not fits else "it is off or did not build"
-            raise ValueError(f"the CPU decode-attention kernel cannot run: {why} (see the log)")
+            raise ValueError(f"the CPU attention kernel cannot run: {why} (see the log)")
 
     def plan(self, batch: AttnBatch) -> TorchMetadata:
-        per_kind = {}
-        kernel = self.kernel is not None
+        per_kind, rows = {}, {}
         for kind, view in batch.kv.items():
             window = batch.window if kind is LayerKind.SWA else None
-            per_kind[kind] = _plan_kind(batch, view, window, kernel)
-        return TorchMetadata(per_kind=per_kind, num_tokens=sum(batch.q_lens))
+            per_kind[kind], kind_rows = _plan_kind(batch, view, window, self.kernel is not None)
+            if kind_rows is not None:
+                rows[kind] = kind_rows
+        return TorchMetadata(per_kind=per_kind, num_tokens=sum(batch.q_lens), rows=rows)
 
     def forward(
         self,
@@ -291,15 +342,15 @@ class TorchBackend(AttentionBackend):
         metadata: TorchMetadata,
         sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        groups = metadata.per_kind[layer.kind]
         k_buf, v_buf = self.pool.kv_buffers(layer.layer_id)
-        if len(groups) == 1 and groups[0].out_rows is None and groups[0].lo is None:
-            return group_attention(groups[0], q, k_buf, v_buf, layer, sinks)  # one group, in order
-        out = q.new_empty(q.shape[0], layer.num_q_heads, layer.v_head_dim)
+        groups, rows = metadata.per_kind[layer.kind], metadata.rows.get(layer.kind)
+        if rows is not None:
+            out = self._kernel_forward(rows, q, k_buf, v_buf, layer, sinks)
+        elif len(groups) == 1 and groups[0].out_rows is None:  # one group, rows in order
+            return group_attention(groups[0], q, k_buf, v_buf, layer, sinks)
+        else:
+            out = q.new_empty(q.shape[0], layer.num_q_heads, layer.v_head_dim)
         for grp in groups:
-            if grp.lo is not None:
-                self._kernel_decode(grp, q, k_buf, v_buf, layer, sinks, out)
-                continue
             res = group_attention(grp, q, k_buf, v_buf, layer, sinks)
             if grp.keep is not None:
                 res = res.index_select(0, grp.keep)
@@ -307,36 +358,29 @@ class TorchBackend(AttentionBackend):
             out.index_copy_(0, grp.out_rows, res.to(out.dtype))
         return out
 
-    def _kernel_decode(
+    def _kernel_forward(
         self,
-        grp: _Group,
+        rows: _Rows,
         q: torch.Tensor,
         k_buf: torch.Tensor,
         v_buf: torch.Tensor,
         layer: AttentionLayer,
         sinks: torch.Tensor | None,
-        out: torch.Tensor,
-    ) -> None:
-        """A decode group through the CPU kernel, written into its rows of `out`."""
-        from worker.attention.cpu_kernel import decode_attention
+    ) -> torch.Tensor:
+        from worker.attention.cpu_kernel import attention
 
-        assert self.kernel is not None and grp.lo is not None and grp.hi is not None
-        q32, dst = q, out
+        assert self.kernel is not None
+        assert k_buf.is_contiguous() and v_buf.is_contiguous(), "pool buffers are contiguous"
+        q32 = q
         if q.dtype != torch.float32 or q.stride(2) != 1 or q.stride(1) != q.shape[2]:
             q32 = q.float().contiguous()
-        if out.dtype != torch.float32:
-            dst = torch.empty(out.shape, dtype=torch.float32)
+        out = torch.empty(q.shape[0], layer.num_q_heads, layer.v_head_dim, dtype=torch.float32)
         sink32 = None if sinks is None else sinks.detach().float().contiguous()
-        decode_attention(
-            self.kernel, q32, k_buf, v_buf, grp.kv_idx, grp.kv_len, grp.lo, grp.hi, grp.rows,
-            layer.scaling, layer.softcap, sink32, dst,
+        attention(
+            self.kernel, q32, k_buf, v_buf, rows.slots, rows.start, rows.count, layer.scaling,
+            layer.softcap, sink32, out,
         )  # fmt: skip
-        if dst is out:
-            return
-        if grp.out_rows is None:
-            out.copy_(dst)
-        else:
-            out.index_copy_(0, grp.out_rows, dst.index_select(0, grp.out_rows).to(out.dtype))
+        return out if q.dtype == torch.float32 else out.to(q.dtype)
 
 
 __all__ = ["TorchBackend", "TorchMetadata", "group_attention"]

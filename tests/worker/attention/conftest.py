@@ -1,4 +1,4 @@
-"""Every torch-backend test runs on both decode paths: the gather path and the CPU kernel."""
+"""Every torch-backend test runs on both paths: the padded groups and the CPU kernel."""
 
 from __future__ import annotations
 
@@ -10,13 +10,13 @@ from worker.attention import cpu_kernel
 def kernel_missing() -> str | None:
     """Why the CPU kernel cannot run here (no C compiler, or the build failed); None: it can."""
     if cpu_kernel._compiler() is None:
-        return "no C compiler: the CPU decode-attention kernel cannot be built here"
+        return "no C compiler: the CPU attention kernel cannot be built here"
     if cpu_kernel._load() is None:
-        return "the CPU decode-attention kernel did not build (see the log)"
+        return "the CPU attention kernel did not build (see the log)"
     return None
 
 
-@pytest.fixture(params=[False, True], ids=["gather", "kernel"])
+@pytest.fixture(params=[False, True], ids=["groups", "kernel"])
 def kernel(request: pytest.FixtureRequest) -> bool:
     if request.param:
         why = kernel_missing()

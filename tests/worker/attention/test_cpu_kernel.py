@@ -1,5 +1,5 @@
-"""The CPU decode-attention kernel: equal to the gather path on random batches, built once per
-machine into its cache, and never required (no compiler, a failed build, the off switch)."""
+"""The CPU attention kernel: equal to the groups path on random batches, built once per machine
+into its cache, and never required (no compiler, a failed build, the off switch)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.worker.attention.conftest import kernel_missing
-from worker.attention import cpu_kernel
+from worker.attention import cpu_kernel, torch_backend
 from worker.attention.base import AttentionLayer, AttnBatch, KVView, check_views
 from worker.attention.torch_backend import TorchBackend
 from worker.models.spec import LayerKind
@@ -51,6 +51,7 @@ def cases(draw: st.DrawFn) -> dict:
         "hkv": hkv, "hq": hkv * g, "d": d, "dv": dv, "q_lens": q_lens, "prefixes": prefixes,
         "window": window, "softcap": draw(st.sampled_from([None, 3.0])),
         "sinks": draw(st.booleans()), "seed": draw(st.integers(0, 2**16)),
+        "full_keys": draw(st.sampled_from([0, 20, 1024])),
     }  # fmt: skip
 
 
@@ -74,8 +75,8 @@ def _batch(c: dict, slots: int, gen: torch.Generator) -> AttnBatch:
 @settings(max_examples=60, deadline=None)
 @given(cases())
 def test_kernel_equals_gather_path(c: dict) -> None:
-    """Decodes alone or beside prefill chunks (the kernel writes only the decode rows), GQA
-    groups of 1-4, the specialised head sizes and generic ones, windows, softcap, sinks."""
+    """Decodes and prefill chunks with and without a prefix, GQA groups of 1-4, the specialised
+    head sizes and generic ones, windows, softcap, sinks: one kernel call per layer."""
     gen = torch.Generator().manual_seed(c["seed"])
     slots = 8 + sum(p + q for p, q in zip(c["prefixes"], c["q_lens"]))
     pool = Pool(torch.randn(slots, c["hkv"], c["d"], generator=gen),
@@ -87,8 +88,18 @@ def test_kernel_equals_gather_path(c: dict) -> None:
     sinks = torch.randn(c["hq"], generator=gen) if c["sinks"] else None
     q = torch.randn(sum(c["q_lens"]), c["hq"], c["d"], generator=gen)
     fast, ref = TorchBackend(pool, kernel=True), TorchBackend(pool, kernel=False)  # type: ignore[arg-type]
-    meta = fast.plan(batch)
-    assert any(grp.lo is not None for grp in meta.per_kind[kind]) == (1 in c["q_lens"])
+    saved, torch_backend.KERNEL_FULL_KEYS = torch_backend.KERNEL_FULL_KEYS, c["full_keys"]
+    try:  # small thresholds send long-prefix full-attention chunks to their SDPA groups
+        meta = fast.plan(batch)
+    finally:
+        torch_backend.KERNEL_FULL_KEYS = saved
+    rows = meta.rows[kind]
+    left = [(q, p) for q, p in zip(c["q_lens"], c["prefixes"]) if q > 1 and c["window"] is None
+            and p + q > c["full_keys"] and 2 * p > q]  # fmt: skip
+    assert sum(g.size for g in meta.per_kind[kind]) == len(left)
+    assert int((rows.count == 0).sum()) == sum(q for q, _ in left)
+    if c["window"] is not None:  # a sliding-window row reads the window, nothing more
+        assert int(rows.count.max()) <= c["window"] + 1
     got = fast.forward(layer, q, meta, sinks)
     want = ref.forward(layer, q, ref.plan(batch), sinks)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
@@ -148,11 +159,11 @@ def test_no_compiler_means_the_gather_path(fresh_load, monkeypatch, caplog) -> N
 @needs_kernel
 def test_failed_build_means_the_gather_path(fresh_load, tmp_path, monkeypatch, caplog) -> None:
     broken = tmp_path / "broken.c"
-    broken.write_text("int swaserve_decode_attention_f32(void) { return not C; }\n")
+    broken.write_text("int swaserve_attention_f32(void) { return not C; }\n")
     monkeypatch.setattr(cpu_kernel, "SOURCE", broken)
     with caplog.at_level(logging.WARNING, logger=cpu_kernel.__name__):
         assert TorchBackend(_pool()).kernel is None  # type: ignore[arg-type]
-    assert "CPU decode-attention kernel off" in caplog.text and "failed" in caplog.text
+    assert "CPU attention kernel off" in caplog.text and "failed" in caplog.text
     assert not list(fresh_load.glob("*.so"))
 
 

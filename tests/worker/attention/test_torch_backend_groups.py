@@ -64,7 +64,8 @@ def test_batched_groups_equal_requests_alone(
     q = torch.randn(sum(q_lens), HQ, D, generator=gen)
     backend = TorchBackend(pool, kernel)  # type: ignore[arg-type]
     meta = backend.plan(_batch(q_lens, prefixes, window, tables))
-    assert len(meta.per_kind[kind]) >= 3  # decodes + at least two prefill shapes
+    if not kernel:
+        assert len(meta.per_kind[kind]) >= 3  # decodes + at least two prefill shapes
     got = backend.forward(layer, q, meta, sinks)
     row = 0
     for i, (ql, p) in enumerate(zip(q_lens, prefixes)):

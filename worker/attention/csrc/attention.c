@@ -1,13 +1,14 @@
-/* Decode attention over the paged KV pool, float32, for the CPU (docs/design.md §21).
+/* Attention over the paged KV pool, float32, for the CPU (docs/design.md §21).
  *
- * One query token per request. Request i reads the pool rows slots[i*L + lo[i] .. i*L + hi[i]):
- * the keys its view lists, already cut to the sliding window. Every key and value row (all KV
- * heads of a slot, contiguous) is read from the pool once per step and layer, straight from its
- * slot: no gathered copy of the keys, no padded score matrix. Scores follow the HF eager order of
- * the torch backend: (q . k) * scale, tanh softcap, softmax in float32 with an optional sink
- * logit per head in the denominator.
+ * One call per layer for every query row of a step: row r reads the pool rows
+ * slots[start[r] .. start[r] + count[r]) — a decode's whole view (already cut to the sliding
+ * window), or one prefill query's causal, windowed part of its request's view. Every key and
+ * value row (all KV heads of a slot, contiguous) is read straight from its slot, once per query
+ * row: no gathered copy of the keys, no padding, no mask, and a sliding-window layer touches
+ * only the window. Scores follow the HF eager order of the torch backend: (q . k) * scale, tanh
+ * softcap, softmax in float32 with an optional sink logit per head in the denominator.
  *
- * The loop is bound by memory, not arithmetic: rows sit at scattered slots, so the hardware
+ * Decode is bound by memory, not arithmetic: rows sit at scattered slots, so the hardware
  * prefetcher cannot run ahead. The key loop prefetches the key and value rows PREFETCH slots
  * ahead (values are then in cache for the second loop). Measured on one core, 12 layers of the
  * 46M Gemma-3 at batch 32 (62 MB of KV a step): 6.8 ms a step per KV head at a time without
@@ -30,7 +31,7 @@ static inline __attribute__((always_inline)) void prefetch_row(const float *r, i
         __builtin_prefetch(r + x, 0, 3);
 }
 
-/* One request: hq query heads (g = hq / hkv per KV head) against the n keys of slots `sl`.
+/* One query row: hq query heads (g = hq / hkv per KV head) against the n keys of slots `sl`.
  * `scores` holds hq * n floats, `acc` hq * dv. Inlined into each size-specialised caller. */
 static inline __attribute__((always_inline)) void attend(
     const float *q, const int64_t *sl, int64_t n, const float *k, const float *v,
@@ -87,39 +88,40 @@ static inline __attribute__((always_inline)) void attend(
     for (int64_t x = 0; x < hq * dv; x++) o[x] = acc[x];
 }
 
-#define FOR_EACH_REQUEST(D, DV)                                                                \
-    for (int64_t i = 0; i < G; i++) {                                                          \
-        const int64_t row = q_rows ? q_rows[i] : i;                                            \
-        attend(q + row * q_stride, slots + i * L + lo[i], hi[i] - lo[i], k, v, hq, hkv, (D),   \
-               (DV), scale, softcap, sinks, scores, acc, out + row * out_stride);              \
-    }
+#define FOR_EACH_ROW(D, DV)                                                                    \
+    for (int64_t r = 0; r < rows; r++)                                                         \
+        if (count[r] > 0)                                                                      \
+        attend(q + r * q_stride, slots + start[r], count[r], k, v, hq, hkv, (D), (DV), scale,  \
+               softcap, sinks, scores, acc, out + r * out_stride);
 
-/* Returns 0, or -1 when the scratch memory cannot be allocated (nothing written then). */
-int swaserve_decode_attention_f32(
-    const float *q, int64_t q_stride,      /* query rows: q + row * q_stride, heads of d contiguous */
-    const int64_t *q_rows,                 /* [G] row of request i in q and out; NULL: row i */
+/* Query row r (of q and out) attends to the keys at slots[start[r] .. start[r] + count[r]):
+ * a decode's whole view, or one prefill query's causal, windowed part of its request's view.
+ * A row with count 0 is skipped (its output row is left as it was).
+ * Returns 0, or -1 when the scratch memory cannot be allocated (nothing written then). */
+int swaserve_attention_f32(
+    const float *q, int64_t q_stride,      /* query row r at q + r * q_stride, heads of d contiguous */
     const float *k, const float *v,        /* pool [slots, hkv, d] and [slots, hkv, dv], contiguous */
-    const int64_t *slots, int64_t L,       /* [G, L] key slots, request-major */
-    const int64_t *lo, const int64_t *hi,  /* [G] the visible part of each request's row */
-    int64_t G, int64_t hq, int64_t hkv, int64_t d, int64_t dv,
+    const int64_t *slots,                  /* key slots, each row's a contiguous run */
+    const int64_t *start, const int64_t *count, int64_t rows,
+    int64_t hq, int64_t hkv, int64_t d, int64_t dv,
     float scale, float softcap,            /* softcap <= 0: none */
     const float *sinks,                    /* [hq] or NULL */
-    float *out, int64_t out_stride)        /* out + row * out_stride, heads of dv contiguous */
+    float *out, int64_t out_stride)        /* out + r * out_stride, heads of dv contiguous */
 {
     int64_t longest = 1;
-    for (int64_t i = 0; i < G; i++)
-        if (hi[i] - lo[i] > longest) longest = hi[i] - lo[i];
+    for (int64_t r = 0; r < rows; r++)
+        if (count[r] > longest) longest = count[r];
     float *scores = malloc(sizeof(float) * (size_t)(hq * longest + hq * dv));
     if (scores == NULL) return -1;
     float *acc = scores + hq * longest;
     if (d == 64 && dv == 64) {
-        FOR_EACH_REQUEST(64, 64)
+        FOR_EACH_ROW(64, 64)
     } else if (d == 128 && dv == 128) {
-        FOR_EACH_REQUEST(128, 128)
+        FOR_EACH_ROW(128, 128)
     } else if (d == 256 && dv == 256) {
-        FOR_EACH_REQUEST(256, 256)
+        FOR_EACH_ROW(256, 256)
     } else {
-        FOR_EACH_REQUEST(d, dv)
+        FOR_EACH_ROW(d, dv)
     }
     free(scores);
     return 0;
