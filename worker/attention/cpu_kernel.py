@@ -86,7 +86,18 @@ def _build(cc: str) -> Path:
     target = cache_dir() / f"attention-{key}.so"
     if target.exists():
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if not os.access(target.parent, os.W_OK):
+            raise PermissionError(f"{target.parent} is not writable")
+    except OSError as exc:  # a read-only home (a locked-down container): the temp dir instead
+        fallback = Path(tempfile.gettempdir()) / "swaserve-kernels" / target.name
+        logger.info("kernel cache %s unusable (%s); building into %s", target.parent, exc,
+                    fallback.parent)  # fmt: skip
+        target = fallback
+        if target.exists():
+            return target
+        target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         obj, lib = Path(tmp) / "k.o", Path(tmp) / "k.so"
         for cmd in (

@@ -143,6 +143,20 @@ def test_built_once_into_the_cache(fresh_load: Path, monkeypatch: pytest.MonkeyP
     assert list(fresh_load.iterdir()) == [first]  # no temporary files left
 
 
+@needs_kernel
+def test_unwritable_cache_builds_into_the_temp_dir(fresh_load, tmp_path, monkeypatch) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("")  # the cache "directory" lies under a file: it cannot be made
+    monkeypatch.setenv("SWASERVE_KERNEL_CACHE", str(blocker / "cache"))
+    monkeypatch.setattr(cpu_kernel.tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    cc = cpu_kernel._compiler()
+    assert cc is not None
+    built = cpu_kernel._build(cc)
+    assert built.parent == tmp_path / "tmp" / "swaserve-kernels" and built.exists()
+    assert TorchBackend(_pool()).kernel is not None  # type: ignore[arg-type]
+
+
 def _pool() -> Pool:
     return Pool(torch.zeros(8, 1, 8), torch.zeros(8, 1, 8))
 
