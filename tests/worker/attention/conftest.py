@@ -2,9 +2,31 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import pytest
+import torch
 
 from worker.attention import cpu_kernel
+
+
+@dataclass
+class FakePool:
+    """Only what the torch backend reads: one (K, V) buffer pair for every layer."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+
+    def kv_buffers(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k, self.v
+
+    @property
+    def device(self) -> torch.device:
+        return self.k.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.k.dtype
 
 
 def kernel_missing() -> str | None:

@@ -4,7 +4,6 @@ into its cache, and never required (no compiler, a failed build, the off switch)
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -12,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.worker.attention.conftest import kernel_missing
+from tests.worker.attention.conftest import FakePool, kernel_missing
 from worker.attention import cpu_kernel, torch_backend
 from worker.attention.base import AttentionLayer, AttnBatch, KVView, check_views
 from worker.attention.torch_backend import TorchBackend
@@ -21,21 +20,6 @@ from worker.models.spec import LayerKind
 needs_kernel = pytest.mark.skipif(kernel_missing() is not None, reason=str(kernel_missing()))
 
 
-@dataclass
-class Pool:
-    k: torch.Tensor
-    v: torch.Tensor
-
-    def kv_buffers(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.k, self.v
-
-    @property
-    def device(self) -> torch.device:
-        return self.k.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.k.dtype
 
 
 @st.composite
@@ -79,7 +63,7 @@ def test_kernel_equals_gather_path(c: dict) -> None:
     head sizes and generic ones, windows, softcap, sinks: one kernel call per layer."""
     gen = torch.Generator().manual_seed(c["seed"])
     slots = 8 + sum(p + q for p, q in zip(c["prefixes"], c["q_lens"]))
-    pool = Pool(torch.randn(slots, c["hkv"], c["d"], generator=gen),
+    pool = FakePool(torch.randn(slots, c["hkv"], c["d"], generator=gen),
                 torch.randn(slots, c["hkv"], c["dv"], generator=gen))  # fmt: skip
     batch = _batch(c, slots, gen)
     check_views(batch)
@@ -109,7 +93,7 @@ def test_kernel_equals_gather_path(c: dict) -> None:
 def test_kernel_reads_a_strided_query() -> None:
     """Queries that are a view of a wider projection (q of a fused qkv) are read in place."""
     gen = torch.Generator().manual_seed(0)
-    pool = Pool(torch.randn(40, 2, 64, generator=gen), torch.randn(40, 2, 64, generator=gen))
+    pool = FakePool(torch.randn(40, 2, 64, generator=gen), torch.randn(40, 2, 64, generator=gen))
     c = {"q_lens": [1, 1, 1], "prefixes": [5, 20, 11], "window": None}
     batch = _batch(c, 40, gen)
     qkv = torch.randn(3, 8 * 64 + 2 * 2 * 64, generator=gen)
@@ -157,8 +141,8 @@ def test_unwritable_cache_builds_into_the_temp_dir(fresh_load, tmp_path, monkeyp
     assert TorchBackend(_pool()).kernel is not None  # type: ignore[arg-type]
 
 
-def _pool() -> Pool:
-    return Pool(torch.zeros(8, 1, 8), torch.zeros(8, 1, 8))
+def _pool() -> FakePool:
+    return FakePool(torch.zeros(8, 1, 8), torch.zeros(8, 1, 8))
 
 
 def test_no_compiler_means_the_gather_path(fresh_load, monkeypatch, caplog) -> None:
@@ -187,6 +171,6 @@ def test_off_switch_and_other_pools(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SWASERVE_CPU_KERNEL", "0")
     assert TorchBackend(_pool()).kernel is None  # type: ignore[arg-type]
     monkeypatch.delenv("SWASERVE_CPU_KERNEL")
-    bf16 = Pool(torch.zeros(8, 1, 8, dtype=torch.bfloat16), torch.zeros(8, 1, 8, dtype=torch.bfloat16))
+    bf16 = FakePool(torch.zeros(8, 1, 8, dtype=torch.bfloat16), torch.zeros(8, 1, 8, dtype=torch.bfloat16))
     assert TorchBackend(bf16).kernel is None  # type: ignore[arg-type]
     assert TorchBackend(_pool(), kernel=False).kernel is None  # type: ignore[arg-type]

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import pytest
 import torch
 
+from tests.worker.attention.conftest import FakePool
 from worker.attention.base import AttentionLayer, AttnBatch, KVView, check_views
 from worker.attention.torch_backend import TorchBackend
 from worker.models.spec import LayerKind
@@ -15,23 +15,6 @@ from worker.models.spec import LayerKind
 HQ, HKV, D, DV = 4, 2, 8, 6
 
 
-@dataclass
-class FakePool:
-    """Only what a backend reads: one (K, V) buffer pair per layer."""
-
-    k: torch.Tensor
-    v: torch.Tensor
-
-    def kv_buffers(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.k, self.v
-
-    @property
-    def device(self) -> torch.device:
-        return self.k.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.k.dtype
 
 
 def _layer(kind: LayerKind, softcap: float | None = None) -> AttentionLayer:

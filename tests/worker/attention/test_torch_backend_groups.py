@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import pytest
 import torch
 
+from tests.worker.attention.conftest import FakePool
 from worker.attention.base import AttentionLayer, AttnBatch, KVView
 from worker.attention.torch_backend import TorchBackend
 from worker.models.spec import LayerKind
@@ -14,21 +13,6 @@ from worker.models.spec import LayerKind
 HQ, HKV, D, DV = 6, 3, 8, 5
 
 
-@dataclass
-class FakePool:
-    k: torch.Tensor
-    v: torch.Tensor
-
-    def kv_buffers(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.k, self.v
-
-    @property
-    def device(self) -> torch.device:
-        return self.k.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.k.dtype
 
 
 def _batch(q_lens, prefixes, window, tables) -> AttnBatch:
