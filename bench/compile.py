@@ -91,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     out_dir = prepare_output_dir(args.output_dir)
     model_dir = Path(args.model) if args.model else ensure_compare_model()
-    need = max(args.batch_sizes) * (args.prompt_len + args.max_new_tokens + 16)
+    need = max(args.batch_sizes) * (args.prompt_len + args.max_new_tokens + 64)  # + page rounding
     load_before = load_average()
     engines: dict[str, Any] = {}
     build_s: dict[str, float] = {}
@@ -102,9 +102,8 @@ def run(args: argparse.Namespace) -> int:
             continue
         engines[mode], build_s[mode] = _engine(model_dir, "auto" if mode == "gather" else mode, need)
         print(f"{mode}: engine built (load, prepare, warm-up) in {build_s[mode]:.1f} s", flush=True)
-    kernels = {m: engines[m].runner.backend.kernel for m in ("auto", "gather") if m in engines}
-    kernels["auto"] = next(iter(kernels.values()), None)  # what the engine was built with
-    kernels["gather"] = None
+    shared = engines.get("auto") or engines.get("gather")  # one engine, its kernel switched
+    kernels = {"auto": shared.runner.backend.kernel, "gather": None} if shared else {}
 
     def _run(mode: str, prompts: list[list[int]], max_new: int) -> tuple[float, list[list[int]]]:
         e = engines[mode]
