@@ -74,7 +74,7 @@ def build_app_from_config(
         max_queued_requests=ingress.max_queued,  # beyond: the proxy answers 503, never a hang
         ray_actor_options={"num_cpus": ingress.num_cpus},
     )(IngressDeployment)
-    options = WorkerOptions(engine_process=cfg.engine_process)
+    options = WorkerOptions(engine_process=cfg.engine_process, engine_niceness=cfg.engine_niceness)
     workers = worker.bind(cfg.to_engine_config(), options, engine_factory)
     app: Application = front.bind(workers, ingress_options(cfg, ingress))
     return app

@@ -240,6 +240,18 @@ class ServeConfig(BaseModel):
             "false: on a thread of the replica's process. Tensor parallelism always uses a thread."
         ),
     )
+    engine_niceness: int | None = Field(
+        -5,
+        ge=-20,
+        le=19,
+        description=(
+            "Niceness of each worker's engine process (with engine_process): below the replicas' "
+            "0, the step loop every stream waits on gets the CPU first when the HTTP side, Ray "
+            "and other processes want more than is free. Lowering niceness needs CAP_SYS_NICE "
+            "(root, or the capability); without it the engine keeps 0 and logs why. null: keep "
+            "the replica's without trying."
+        ),
+    )
 
     # -- worker deployment (-> Ray Serve options) ------------------------------------------
     workers: int = Field(

@@ -58,9 +58,12 @@ class WorkerOptions:
     publish_events: bool = True  # cache events to the index actor (only inside a Serve replica)
     event_interval_s: float = 0.25  # background flush period of cache events
     engine_process: bool = True  # step the engine in a child process (one rank; docs §20)
+    engine_niceness: int | None = None  # that process's niceness (None: the replica's)
 
 
-def _default_engine(config: EngineConfig, own_process: bool = True) -> EngineClient:
+def _default_engine(
+    config: EngineConfig, own_process: bool = True, niceness: int | None = None
+) -> EngineClient:
     """The engine of a replica: in a child process (`own_process`, one rank) or on a thread of
     the replica's process (tensor parallelism: the ranks are Ray actors the replica starts)."""
     if config.tensor_parallel_size > 1 and _replica_context() is not None:
@@ -71,7 +74,7 @@ def _default_engine(config: EngineConfig, own_process: bool = True) -> EngineCli
     if own_process and config.tensor_parallel_size == 1:
         from worker.engine.engine_process import EngineProcess
 
-        return EngineProcess(config)
+        return EngineProcess(config, niceness=niceness)
     from worker.engine.async_engine import AsyncEngine  # heavy (torch); only inside the replica
 
     return AsyncEngine(config)
@@ -105,7 +108,9 @@ class WorkerDeployment:
         self._engine = (
             engine_factory(engine_config)
             if engine_factory is not None
-            else _default_engine(engine_config, self._options.engine_process)
+            else _default_engine(
+                engine_config, self._options.engine_process, self._options.engine_niceness
+            )
         )
         self._events = self._event_pump()
         self._inflight: set[str] = set()

@@ -81,6 +81,18 @@ def test_builder_with_fixed_workers(monkeypatch: pytest.MonkeyPatch) -> None:
     assert ray_private.deployment_config(worker).autoscaling_config is None
 
 
+def test_builder_hands_the_engine_process_options_to_the_workers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from deploy.replica.worker import WorkerOptions
+
+    monkeypatch.delenv(API_KEY_ENV, raising=False)
+    assert ServeConfig().engine_niceness == -5
+    worker = _built(ServeConfig(engine_niceness=3))[WORKER_DEPLOYMENT]
+    options = worker.init_args[1]
+    assert options == WorkerOptions(engine_process=True, engine_niceness=3)
+
+
 # -- local.yaml really serves --------------------------------------------------------------
 
 

@@ -2,11 +2,12 @@
 `EngineClient` as `AsyncEngine` — streams equal the offline engine's greedy tokens, a closed
 stream aborts and frees its KV, refusals come back as ValueError, calls run between steps, and a
 child that dies ends every open stream with `EngineGoneError` and fails every call instead of
-hanging them."""
+hanging them; the child runs at the niceness asked, or keeps its own when it may not lower it."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import signal
 import time
@@ -16,19 +17,22 @@ import pytest
 
 from tests.worker.engine.conftest import Oracle, tokens
 from worker.config import EngineConfig
+from worker.engine import engine_process
 from worker.engine.engine_process import EngineProcess
 from worker.errors import EngineGoneError
 from worker.outputs import StreamDelta
 from worker.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+# above this process's niceness: raising it needs no privilege (lowering it would)
+NICENESS = min(os.getpriority(os.PRIO_PROCESS, 0) + 2, 19)
 
 
 @pytest.fixture(scope="module")
 def engine(oracle: Oracle) -> Iterator[EngineProcess]:
     cfg = EngineConfig(model=str(oracle.path), page_size=4, max_total_tokens=2048,
                        swa_full_tokens_ratio=0.25, chunked_prefill_size=32, swa_eviction_interval=8)  # fmt: skip
-    ep = EngineProcess(cfg)
+    ep = EngineProcess(cfg, niceness=NICENESS)
     try:
         yield ep
     finally:
@@ -77,6 +81,31 @@ def test_streams_match_offline_and_cancel_frees_kv(engine: EngineProcess, oracle
     events, snapshot = engine.drain_and_snapshot()
     assert events and snapshot == {}  # the flush removed every page it had published
     assert engine.stats().full.free == engine.stats().full.total
+
+
+def test_the_child_runs_at_the_niceness_asked(engine: EngineProcess) -> None:
+    assert engine.niceness == NICENESS
+    threads = os.listdir(f"/proc/{engine.pid}/task")
+    assert len(threads) >= 2  # the step (main) and control threads at least
+    assert {os.getpriority(os.PRIO_PROCESS, int(t)) for t in threads} == {NICENESS}
+
+
+def test_a_niceness_it_may_not_take_is_logged_and_kept(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    before = os.getpriority(os.PRIO_PROCESS, 0)
+    calls: list[int] = []
+
+    def refuse(which: int, who: int, prio: int) -> None:
+        calls.append(prio)
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(engine_process.os, "setpriority", refuse)
+    with caplog.at_level(logging.INFO, logger=engine_process.__name__):
+        assert engine_process.set_niceness(before - 5) == before
+    assert calls == [before - 5]  # tried once, nothing left half-applied
+    assert f"runs at {before}" in caplog.text and "CAP_SYS_NICE" in caplog.text
+    assert engine_process.set_niceness(before) == before and calls == [before - 5]  # no call
 
 
 def test_refusals_are_value_errors(engine: EngineProcess) -> None:
