@@ -10,12 +10,11 @@ Scores follow the HF eager order: ``(q @ k^T) * scaling`` → tanh softcap → m
 float32, with a sink column appended per head when the layer has sinks (its probability is
 dropped after the softmax, so it only enlarges the denominator).
 
-On a float32 CPU pool `cpu_kernel`'s C kernel takes the query rows of the step in one call per
+On a float32 CPU pool `cpu_kernel`'s C kernel takes every query row of the step in one call per
 layer, each row with the run of key slots it may see (causal, windowed), read straight from the
-pool (docs/design.md §21): every decode, every sliding-window prefill chunk, and full-attention
-prefill chunks whose keys are few or mostly their own (`_kernel_takes`); a long-prefix chunk on a
-full layer is a dense product that SDPA's blocked kernel does faster, and keeps its group. The
-groups are the whole path everywhere else (GPU cross-checks, other dtypes, no C compiler,
+pool (docs/design.md §21): decodes one by one, a prefill chunk's rows in blocks of neighbours
+(2.2-2.6x faster than the SDPA groups even on a dense full-attention chunk). The groups are the
+whole path everywhere else (GPU cross-checks, other dtypes, no C compiler,
 ``SWASERVE_CPU_KERNEL=0``).
 
 A prefill group in float32 with neither softcap nor sinks (Gemma 3, Mistral, MiMo, Cohere 2)
@@ -48,14 +47,6 @@ if TYPE_CHECKING:
 # A prefill group is padded to its longest query and key range; start another group when the
 # padding would exceed this multiple of the real work (scores computed / scores needed).
 MAX_PADDING = 1.5
-
-# A full-attention prefill chunk goes to the CPU kernel when it reads at most this many keys, or
-# when its prefix is at most half its length (the kernel then computes at most ~3/4 of the dense
-# scores SDPA would; per score it is ~1.35x slower). Measured, one thread, 8 query / 2 KV heads of
-# 64: 1,024 new tokens, no prefix: kernel 18 ms, SDPA group 29 ms (plan included); 512 new tokens
-# after 2,048: kernel 42 ms, SDPA 38 ms.
-KERNEL_FULL_KEYS = 1024
-
 
 @dataclass(frozen=True)
 class _Group:
@@ -195,36 +186,21 @@ def _in_order(members: list[_Member]) -> bool:
 def _plan_kind(
     batch: AttnBatch, view: KVView, window: int | None, kernel: bool = False
 ) -> tuple[tuple[_Group, ...], _Rows | None]:
-    """The groups of this kind and, with `kernel`, the kernel's rows (the groups then hold only
-    the requests the kernel leaves, `_kernel_takes`)."""
+    """The groups of this kind, or with `kernel` the kernel's rows (every query's)."""
+    if kernel:
+        return (), _kernel_rows(batch, view, window)
     members = _members(batch, view)
     total = sum(batch.q_lens)
-    rows = None
-    if kernel:
-        taken = [_kernel_takes(m, window) for m in members]
-        rows = _kernel_rows(batch, view, window, taken)
-        members = [m for m, t in zip(members, taken) if not t]
-        total = -1  # the groups never cover the whole output: they write their rows
-        if not members:
-            return (), rows
     decodes = [m for m in members if m.q_len == 1]
     extends = _buckets([m for m in members if m.q_len > 1])
     groups = [_decode_group(decodes, view, window, total)] if decodes else []
-    return tuple(groups + [_extend_group(g, view, window, total) for g in extends]), rows
+    return tuple(groups + [_extend_group(g, view, window, total) for g in extends]), None
 
 
-def _kernel_takes(m: _Member, window: int | None) -> bool:
-    """Whether the CPU kernel attends this request's queries (see KERNEL_FULL_KEYS)."""
-    return m.q_len == 1 or window is not None or m.kv_len <= KERNEL_FULL_KEYS or 2 * m.prefix <= m.q_len
-
-
-def _kernel_rows(
-    batch: AttnBatch, view: KVView, window: int | None, taken: list[bool]
-) -> _Rows:
+def _kernel_rows(batch: AttnBatch, view: KVView, window: int | None) -> _Rows:
     """Each query row's run of visible keys in the view's flat slots: query j of request i, at
-    position ``p = prefix + j``, sees positions ``max(kv_start, p - window) .. p``; rows of
-    requests not `taken` get count 0 (the kernel skips them). Host work O(tokens) in numpy (a
-    few vector ops per step, no Python loop over tokens)."""
+    position ``p = prefix + j``, sees positions ``max(kv_start, p - window) .. p``. Host work
+    O(tokens) in numpy (a few vector ops per step, no Python loop over tokens)."""
     q_lens = np.asarray(batch.q_lens, dtype=np.int64)
     seq = np.asarray(batch.seq_lens, dtype=np.int64)
     kv_start = np.asarray(view.kv_starts, dtype=np.int64)
@@ -237,7 +213,7 @@ def _kernel_rows(
     if window is not None:
         first = np.maximum(first, pos - window)
     start = kv_off[member] + first - kv_start[member]
-    count = (pos - first + 1) * np.asarray(taken, dtype=np.int64)[member]
+    count = pos - first + 1
     return _Rows(view.flat_indices().contiguous(), torch.from_numpy(start), torch.from_numpy(count))
 
 
@@ -344,12 +320,11 @@ class TorchBackend(AttentionBackend):
     ) -> torch.Tensor:
         k_buf, v_buf = self.pool.kv_buffers(layer.layer_id)
         groups, rows = metadata.per_kind[layer.kind], metadata.rows.get(layer.kind)
-        if rows is not None:
-            out = self._kernel_forward(rows, q, k_buf, v_buf, layer, sinks)
-        elif len(groups) == 1 and groups[0].out_rows is None:  # one group, rows in order
+        if rows is not None:  # the kernel answers every row
+            return self._kernel_forward(rows, q, k_buf, v_buf, layer, sinks)
+        if len(groups) == 1 and groups[0].out_rows is None:  # one group, rows in order
             return group_attention(groups[0], q, k_buf, v_buf, layer, sinks)
-        else:
-            out = q.new_empty(q.shape[0], layer.num_q_heads, layer.v_head_dim)
+        out = q.new_empty(q.shape[0], layer.num_q_heads, layer.v_head_dim)
         for grp in groups:
             res = group_attention(grp, q, k_buf, v_buf, layer, sinks)
             if grp.keep is not None:
