@@ -2,11 +2,11 @@
 `torch.compile` of the dense parts with attention as one opaque custom op (docs/design.md §19).
 
 Piecewise scheme (vLLM's): dynamo traces the whole decoder, but the pool write and the attention
-kernel of each layer are one `torch.library` custom op, ``swaserve::paged_attention``, that
+kernel of each layer are one opaque operator, ``swaserve::paged_attention`` (`opaque_ops`), that
 inductor never looks into. The graph is therefore dense code (norms, projections, rope, MLPs,
 the head) between opaque attention calls, compiled once with the token count dynamic.
 
-NOTE: a custom op takes tensors and scalars only, so the step's `ForwardContext` (pool, backend,
+NOTE: an operator takes tensors and scalars only, so the step's `ForwardContext` (pool, backend,
 planned metadata, slots) cannot be an argument. `CompiledForward` puts it in a thread-local slot
 for the duration of the compiled call and the op reads it there; eager forwards keep passing it
 explicitly. The engine runs one step at a time per thread, so one slot per thread suffices.
@@ -27,6 +27,7 @@ from worker.attention.base import AttentionLayer
 from worker.config import COMPILE_MODES
 from worker.errors import ConfigError
 from worker.models.layers import PagedAttention
+from worker.models.opaque_ops import define_opaque_op
 from worker.models.packed import PackedLinear, pack_linears
 
 if TYPE_CHECKING:
@@ -84,8 +85,7 @@ def attention_context(ctx: ForwardContext, layers: dict[int, AttentionLayer]) ->
         stack.pop()
 
 
-@torch.library.custom_op("swaserve::paged_attention", mutates_args=())
-def paged_attention(
+def _paged_attention(
     q: torch.Tensor,  # [T, Hq, D]
     k: torch.Tensor,  # [T, Hkv, D]
     v: torch.Tensor,  # [T, Hkv, Dv]
@@ -104,9 +104,16 @@ def paged_attention(
     return out.clone() if same else out
 
 
-@paged_attention.register_fake
-def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None, layer_id: int) -> torch.Tensor:  # fmt: skip
+def _paged_attention_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None, layer_id: int) -> torch.Tensor:  # fmt: skip
     return q.new_empty(q.shape[0], q.shape[1], v.shape[2])
+
+
+define_opaque_op(
+    "paged_attention",
+    "(Tensor q, Tensor k, Tensor v, Tensor? sinks, int layer_id) -> Tensor",
+    _paged_attention,
+    _paged_attention_fake,
+)
 
 
 # ---- the compiled model ---------------------------------------------------------------------

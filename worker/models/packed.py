@@ -25,6 +25,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from worker.models.opaque_ops import define_opaque_op
+
 logger = logging.getLogger(__name__)
 
 # Smallest weight (in x out elements) worth packing. oneDNN's packed call has a fixed cost of
@@ -68,17 +70,19 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, oneDNN-packed"
 
 
-@torch.library.custom_op("swaserve::packed_linear", mutates_args=())
-def packed_linear(rows: torch.Tensor, index: int, out_features: int) -> torch.Tensor:
+def _packed_linear(rows: torch.Tensor, index: int, out_features: int) -> torch.Tensor:
     """`PackedLinear.product` of the packed linear number `index` (``rows [n, in]``)."""
     module = _REGISTRY[index]()
     assert module is not None, f"packed linear {index} was freed"
     return module.product(rows)
 
 
-@packed_linear.register_fake
-def _(rows: torch.Tensor, index: int, out_features: int) -> torch.Tensor:
+def _packed_linear_fake(rows: torch.Tensor, index: int, out_features: int) -> torch.Tensor:
     return rows.new_empty(rows.shape[0], out_features)
+
+
+define_opaque_op("packed_linear", "(Tensor rows, int index, int out_features) -> Tensor",
+                 _packed_linear, _packed_linear_fake)  # fmt: skip
 
 
 class PackedSplitLinear(nn.Module):
