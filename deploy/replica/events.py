@@ -39,8 +39,11 @@ class CacheEventPump:
         self._actor_name = index_actor_name(app_name, deployment_name)
         self._interval_s = interval_s
         self._seq = 0
-        self._seq_lock = threading.Lock()  # snapshots run on the loop thread, drains in a worker thread
+        # snapshots run on the loop thread, drains in a worker thread
+        self._seq_lock = threading.Lock()
         self._flush_lock = asyncio.Lock()
+        self._flush_calls = 0  # flush() calls so far
+        self._flushed = 0  # every call up to this number is published
         self._start_lock = asyncio.Lock()
         self._publisher: EventPublisher | None = None
         self._task: asyncio.Task[None] | None = None
@@ -96,15 +99,25 @@ class CacheEventPump:
             return EventBatch(self._worker_id, self._incarnation, self._seq, tuple(events))
 
     async def flush(self) -> None:
-        """Drain and publish whatever the engine queued since the last flush."""
+        """Publish every event the engine queued before this call.
+
+        Group commit: callers that arrive while a flush runs share the next one (a flush
+        covers every call made before its drain), so many requests ending at once cost two
+        drains and publishes, not one each."""
         if self._publisher is None:
             return
+        self._flush_calls += 1
+        mine = self._flush_calls
         async with self._flush_lock:  # drains and publishes stay in seq order
-            # NOTE: draining waits for the engine's current step to end; off the event loop, so
-            # other requests' deltas keep flowing meanwhile.
+            if self._flushed >= mine:
+                return  # a flush that drained after this call was made covered it
+            covers = self._flush_calls
+            # NOTE: an in-process engine drains between two steps, so this waits for the step
+            # in flight; off the event loop, so other requests' deltas keep flowing meanwhile.
             batch = await asyncio.to_thread(self._drain_batch)
             if batch is not None:
                 await self._publisher.publish(batch)
+            self._flushed = covers
 
     def report_stats(self, stats: StatsDict, *, register: bool) -> None:
         """Send a stats sample to the index actor in the background (once started; no wait)."""

@@ -7,12 +7,17 @@ CPU thread (46M Gemma-3, batch 1): a background thread holding the GIL ~10 % of 
 each decode step ~10 % slower, and a served replica's steps were ~30 % slower than offline ones.
 `EngineProcess` is the same `EngineClient`, with the engine in a process of its own (vLLM's
 engine core does the same): the child runs the step loop and sends one message per step (every
-request's deltas and the new stats snapshot); the replica's process only routes them.
+request's deltas, the new stats snapshot and the cache events the step queued); the replica's
+process only routes them. The events ride with the deltas so that publishing a finished
+request's cache (which must reach the router before the client hears back) waits for nothing:
+fetching them with a call instead waited for the step in flight, and with many requests ending
+at once those waits queued one behind another (seconds at concurrency 32).
 
     replica process                           child (python -m worker.engine.engine_process)
     generate/abort/validate/calls ──send──▶   control thread: adds, aborts → engine inbox,
-    reader thread ◀──recv── ("step", deltas, stats)   validate answered at once, calls queued
-      deltas → each stream's asyncio queue     step thread: calls, step, send
+    reader thread ◀──recv── (step: deltas, stats,     validate answered at once, calls queued
+      events → buffer, deltas → each            cache events)   step thread: calls, step, send
+      stream's asyncio queue
 
 The two ends talk over one `multiprocessing.connection` (a Unix socket with an auth key). The
 child exits when the connection closes (the replica died or shut down: after the step in
@@ -65,7 +70,6 @@ IDLE_WAIT_S = 0.05  # how long the idle step thread waits before looking again
 CALLS = (
     "check_integrity",
     "flush_cache",
-    "drain_cache_events",
     "cache_snapshot",
     "drain_and_snapshot",
 )
@@ -108,6 +112,7 @@ class _Stop:
 class _Step:
     deltas: list[StreamDelta]
     stats: EngineStats
+    events: list[CacheEvent] = dataclasses.field(default_factory=list)  # queued up to now
 
 
 @dataclass(frozen=True)
@@ -168,7 +173,8 @@ class EngineProcess:
         self._error: BaseException | None = None
         self._lock = threading.Lock()  # streams, calls, error
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, _Queue]] = {}
-        self._calls: dict[int, Future[object]] = {}
+        self._calls: dict[int, tuple[str, Future[object]]] = {}
+        self._events: list[CacheEvent] = []  # cache events received, not yet drained
         self._ids = itertools.count()
         self._reader = threading.Thread(
             target=self._read, name="swaserve-engine-reader", daemon=True
@@ -226,7 +232,12 @@ class EngineProcess:
         return bool(self._call(_Call(0, "flush_cache")))
 
     def drain_cache_events(self) -> list[CacheEvent]:
-        return cast("list[CacheEvent]", self._call(_Call(0, "drain_cache_events")))
+        """Every event the engine queued up to its last step message: no round trip and no
+        wait for the step in flight (each step message carries its events, read before its
+        deltas, so a stream's final delta is never ahead of the events of its step)."""
+        with self._lock:
+            events, self._events = self._events, []
+        return events
 
     def cache_snapshot(self) -> dict[int, PageState]:
         return cast("dict[int, PageState]", self._call(_Call(0, "cache_snapshot")))
@@ -266,7 +277,7 @@ class EngineProcess:
         with self._lock:
             self._check_alive()
             call_id = next(self._ids)
-            self._calls[call_id] = fut
+            self._calls[call_id] = (call.name, fut)
         self._send(dataclasses.replace(call, call_id=call_id))
         return fut.result(timeout=timeout)
 
@@ -276,12 +287,23 @@ class EngineProcess:
                 message = self._conn.recv()
                 if isinstance(message, _Step):
                     self._stats = message.stats
+                    if message.events:
+                        with self._lock:
+                            self._events.extend(message.events)
                     self._route(message.deltas)
                 elif isinstance(message, _Reply):
+                    value = message.value
                     with self._lock:
-                        fut = self._calls.pop(message.call_id)
+                        name, fut = self._calls.pop(message.call_id)
+                        if name == "drain_and_snapshot" and message.ok:
+                            # Events received before the reply precede the snapshot; later
+                            # ones (after this point) follow it.
+                            events, pages = cast(
+                                "tuple[list[CacheEvent], dict[int, PageState]]", value
+                            )
+                            value, self._events = (self._events + events, pages), []
                     if message.ok:
-                        fut.set_result(message.value)
+                        fut.set_result(value)
                     else:
                         assert isinstance(message.value, BaseException)
                         fut.set_exception(message.value)
@@ -307,7 +329,7 @@ class EngineProcess:
             self._error = exc
             calls, self._calls = self._calls, {}
             streams = dict(self._streams)
-        for fut in calls.values():
+        for _, fut in calls.values():
             fut.set_exception(RuntimeError(f"engine stopped: {exc!r}"))
         for loop, q in streams.values():
             loop.call_soon_threadsafe(q.put_nowait, EngineGoneError(f"engine stopped: {exc!r}"))
@@ -452,12 +474,14 @@ class _Child:
 
     def _publish(self) -> None:
         out, self.outbox = self.outbox, []
-        self.send(_Step(out, self.engine.stats()))
+        self.send(_Step(out, self.engine.stats(), self.engine.drain_cache_events()))
 
     def _run_calls(self) -> None:
         with self.calls_lock:
             calls, self.calls = self.calls, []
         e = self.engine
+        if calls:  # events queued before the calls reach the replica before their replies
+            self.send(_Step([], e.stats(), e.drain_cache_events()))
         for call_id, name in calls:
             try:
                 if name == "drain_and_snapshot":
@@ -470,7 +494,7 @@ class _Child:
                 reply = _Reply(call_id, False, exc)
             self.send(reply)
         if calls:
-            self.send(_Step([], e.stats()))
+            self.send(_Step([], e.stats(), e.drain_cache_events()))
 
 
 def set_niceness(niceness: int) -> int:

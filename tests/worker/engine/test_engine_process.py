@@ -10,12 +10,14 @@ import asyncio
 import logging
 import os
 import signal
+import threading
 import time
 from collections.abc import Iterator
 
 import pytest
 
 from tests.worker.engine.conftest import Oracle, tokens
+from worker.cache.events import EventKind, replay
 from worker.config import EngineConfig
 from worker.engine import engine_process
 from worker.engine.engine_process import EngineProcess
@@ -81,6 +83,38 @@ def test_streams_match_offline_and_cancel_frees_kv(engine: EngineProcess, oracle
     events, snapshot = engine.drain_and_snapshot()
     assert events and snapshot == {}  # the flush removed every page it had published
     assert engine.stats().full.free == engine.stats().full.total
+
+
+def test_cache_events_come_with_the_deltas(engine: EngineProcess) -> None:
+    """A finished stream's cache events are in the replica once its final delta is: draining
+    them needs no round trip, so it answers while the child is stopped (SIGSTOP) — fetching
+    them from the child waited for the step in flight. Replaying every drain reproduces the
+    child's own snapshot (events that came before `drain_and_snapshot`'s reply precede it)."""
+    engine.flush_cache()
+    _, pages = engine.drain_and_snapshot()
+    prompts = [tokens(40, seed=21), tokens(56, seed=22)]
+    for deltas in asyncio.run(_collect_all(engine, prompts)):
+        assert deltas[-1].finished
+    os.kill(engine.pid, signal.SIGSTOP)
+    try:
+        result: list[object] = []
+        drainer = threading.Thread(target=lambda: result.append(engine.drain_cache_events()))
+        drainer.start()
+        drainer.join(timeout=60)
+        assert result, "drain_cache_events waited for the (stopped) child"
+    finally:
+        os.kill(engine.pid, signal.SIGCONT)
+    events = result[0]
+    assert isinstance(events, list) and any(e.kind is EventKind.STORED for e in events)
+    replay(events, pages)
+    more, snapshot = engine.drain_and_snapshot()
+    assert replay(more, pages) == snapshot and snapshot
+
+
+async def _collect_all(engine: EngineProcess, prompts: list[list[int]]) -> list[list[StreamDelta]]:
+    return list(
+        await asyncio.gather(*(_collect(engine, p, f"ev{i}") for i, p in enumerate(prompts)))
+    )
 
 
 def test_the_child_runs_at_the_niceness_asked(engine: EngineProcess) -> None:
