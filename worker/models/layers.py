@@ -28,12 +28,28 @@ def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
         "silu": F.silu,
         "swish": F.silu,
         "gelu": F.gelu,
-        "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
-        "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+        "gelu_pytorch_tanh": gelu_tanh,
+        "gelu_new": gelu_tanh,
     }
     if name not in table:
         raise ValueError(f"activation {name!r} is not supported; supported: {', '.join(table)}")
     return table[name]
+
+
+# 2 * sqrt(2 / pi): 0.5 * (1 + tanh(u)) == sigmoid(2u)
+_GELU_2K = 1.5957691216057308
+
+
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """GELU with the tanh approximation (``F.gelu(x, approximate="tanh")``).
+
+    Under `torch.compile` it is written as ``x * sigmoid(2u)``, the same function: inductor's CPU
+    code vectorises `tanh` through an accurate but slow routine, and the sigmoid form (one `exp`)
+    ran 3.2x faster on a 256 x 2,048 gated MLP (670 -> 205 us on one thread; 12 such calls in a
+    256-token prefill step of the 46M Gemma-3), within 1e-6 of it."""
+    if torch.compiler.is_compiling():
+        return x * torch.sigmoid(_GELU_2K * (x + 0.044715 * x * x * x))
+    return F.gelu(x, approximate="tanh")
 
 
 class RMSNorm(nn.Module):
