@@ -8,7 +8,7 @@ dynamo traces it as one opaque call and inductor emits a call to it.
 NOTE: they are defined with `Library.define` / `Library.impl`, not `torch.library.custom_op`:
 the latter wraps every call in Python (dynamo disabled, a dispatch through `OpOverload`, and an
 aliasing check of the outputs against the inputs), ~10 µs per call on one CPU thread against
-~2.5 µs here; a decode step makes ~60 such calls (design §19). The contract the aliasing check
+~2.5 µs here; a decode step makes ~60 such calls (docs/design.md §19). The contract the aliasing check
 enforced is the implementations' to keep: every output is a fresh tensor, never an input or a
 view of one.
 """

@@ -39,7 +39,7 @@ async def _until(cond: Any, deadline_s: float = 30.0) -> None:
     end = time.monotonic() + deadline_s
     while not cond():
         assert time.monotonic() < end, "condition not met before the deadline"
-        await asyncio.sleep(0.01)
+        await asyncio.sleep(0.01)  # waits on the condition, polled until the deadline
 
 
 def test_flushes_during_a_flush_share_the_next_drain() -> None:
