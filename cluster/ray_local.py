@@ -16,7 +16,10 @@ Ray's environment switches are set here and nowhere else:
   priority; it only ever lowers priority, so no privilege is needed (a non-root pod too; the
   Helm chart sets the same variable on its pods);
 - `MALLOC_*` (`MALLOC_ENV` below): glibc malloc keeps a replica's step buffers instead of
-  returning them to the OS and faulting them in again every step.
+  returning them to the OS and faulting them in again every step;
+- with `LocalRayConfig.direct_ingress_port` (`swaserve serve`), Serve's direct ingress
+  (`direct_ingress_env` below): the ingress replica listens on that port itself, so HTTP no
+  longer passes through Serve's proxy process (docs/design.md §4.2).
 Each cluster gets its own short temp dir (Ray's socket paths must stay under ~107 bytes), so
 parallel jobs on one machine do not share sessions; it is removed on stop. The two Ray internals
 this needs live in `cluster.ray_private`.
@@ -65,6 +68,30 @@ class LocalRayConfig:
     object_store_memory: int = 256 << 20  # the default takes 30 % of RAM in /dev/shm
     namespace: str | None = None
     temp_root: str = "/tmp"
+    # The ingress replica serves HTTP on this port itself (Serve's direct ingress); None: the
+    # HTTP port is Serve's proxy's, as `serve.start(http_options=...)` sets it.
+    direct_ingress_port: int | None = None
+
+
+def direct_ingress_env(port: int) -> dict[str, str]:
+    """Serve's direct ingress with exactly one port, `port`, for the one ingress replica.
+
+    - the port range is [port, port + 1): a second ingress replica would find no port, so only a
+      single-replica ingress may run this way (`swaserve serve`'s);
+    - no quarantine of a released port (Serve holds it back ~90 s by default, for HAProxy
+      workers still routing to it) and no minimum draining period (30 s by default, for an
+      external load balancer to deregister the replica): nothing stands in front of a local
+      ingress, and a replacement replica must get the port back at once.
+    Serve's controller still starts its proxy on the head node (a fallback it keeps in this
+    mode); the caller gives it another port.
+    """
+    return {
+        "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",
+        "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(port),
+        "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(port + 1),
+        "RAY_SERVE_PORT_QUARANTINE_S": "0",
+        "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "0",
+    }
 
 
 @dataclass(frozen=True)
@@ -89,6 +116,10 @@ def start_local_ray(config: LocalRayConfig | None = None) -> LocalRay:
             "Ray is already initialised in this process; stop it (ray.shutdown()) or reuse it"
         )
     os.environ.update(RAY_ENV)
+    # Read by Serve's controller and replicas, which inherit the raylet's environment (this
+    # process's at `ray.init`); restored at stop so a later cluster does not inherit them.
+    if cfg.direct_ingress_port is not None:
+        _set_env(direct_ingress_env(cfg.direct_ingress_port))
     # NOTE: Ray reads the variable when it is imported, usually before this call; set the
     # constant it became as well (restored by stop_local_ray).
     ray_private.set_clusters_enabled(False)
@@ -105,6 +136,7 @@ def start_local_ray(config: LocalRayConfig | None = None) -> LocalRay:
         )
     except BaseException:
         ray_private.set_clusters_enabled(_CLUSTERS_DEFAULT)
+        _restore_env()
         shutil.rmtree(temp_dir, ignore_errors=True)
         raise
     return LocalRay(temp_dir=temp_dir, address=ray.get_runtime_context().gcs_address)
@@ -116,6 +148,7 @@ def stop_local_ray(cluster: LocalRay) -> None:
 
     ray.shutdown()
     ray_private.set_clusters_enabled(_CLUSTERS_DEFAULT)
+    _restore_env()
     # Ray's helper processes (log monitor, agents) exit a moment after shutdown and may still
     # write session files: retry until the directory is really gone (at most ~5 s).
     for _ in range(50):
@@ -123,6 +156,24 @@ def stop_local_ray(cluster: LocalRay) -> None:
         if not os.path.exists(cluster.temp_dir):
             return
         time.sleep(0.1)
+
+
+_SAVED_ENV: dict[str, str | None] = {}  # what `_set_env` replaced, for `_restore_env`
+
+
+def _set_env(env: dict[str, str]) -> None:
+    for key, value in env.items():
+        _SAVED_ENV.setdefault(key, os.environ.get(key))
+        os.environ[key] = value
+
+
+def _restore_env() -> None:
+    for key, old in _SAVED_ENV.items():
+        if old is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = old
+    _SAVED_ENV.clear()
 
 
 @contextmanager

@@ -103,6 +103,36 @@ def grpc_stream_handle(handle: Any, method_name: str) -> Any:
     )
 
 
+def reuse_address_for_direct_ingress() -> None:
+    """In this process, Serve's direct-ingress HTTP server binds its port with SO_REUSEADDR
+    (and SO_REUSEPORT), as Serve's own HTTP proxy does (`SOCKET_REUSE_PORT_ENABLED`, on by
+    default).
+
+    Why private: a direct-ingress replica binds through `start_asgi_http_server(...,
+    enable_so_reuseport=False)` (`Replica._maybe_start_direct_ingress_servers`), a bare socket.
+    Every connection that replica closed then leaves a TIME_WAIT socket that blocks any later
+    bind of the port for a minute: a restarted `swaserve serve`, or the replica Serve starts
+    in place of a dead ingress replica. No option reaches that socket; this swaps the function
+    the replica module calls for one that passes `enable_so_reuseport=True`. The ingress
+    replica calls it in its constructor, which Serve runs before it starts the server.
+    """
+    import functools
+
+    from ray.serve._private import http_util, replica
+
+    if getattr(replica.start_asgi_http_server, "_swaserve_reuse", False):
+        return
+    original = http_util.start_asgi_http_server
+
+    @functools.wraps(original)
+    async def start(*args: Any, **kwargs: Any) -> Any:
+        kwargs["enable_so_reuseport"] = True
+        return await original(*args, **kwargs)
+
+    start._swaserve_reuse = True  # type: ignore[attr-defined]
+    replica.start_asgi_http_server = start
+
+
 # ---- tests only ----------------------------------------------------------------------------
 
 

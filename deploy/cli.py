@@ -2,7 +2,7 @@
 
     swaserve serve [--model tiny|PATH] [--workers N] [--host 127.0.0.1] [--port 8000]
                    [--routing swa_prefix|prefix|least_loaded|round_robin] [--config FILE]
-                   [--device cpu|cuda] [--num-cpus N] [--startup-timeout S]
+                   [--device cpu|cuda] [--num-cpus N] [--startup-timeout S] [--serve-proxy]
     swaserve bench {memory,engine,cache,routing,vllm-compare,replica-profile,host-step,gpu-check,
                     schedule} [benchmark options]
 
@@ -42,6 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--config", metavar="FILE", help="a ServeConfig YAML or a Ray Serve config file; flags override it")
     serve.add_argument("--num-cpus", type=int, help="CPUs of the local Ray cluster (default: all)")
     serve.add_argument("--startup-timeout", type=float, default=900.0, help="seconds to wait for the workers (default 900)")
+    serve.add_argument("--serve-proxy", action="store_true", help="listen through Ray Serve's HTTP proxy (default: the ingress replica listens on --port itself, one process hop fewer)")
 
     bench = sub.add_parser("bench", help="run a benchmark", add_help=False)
     bench.add_argument("name", metavar="BENCHMARK", help=f"one of: {', '.join(BENCHMARKS)}")
@@ -64,7 +65,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         ServeRequest(
             model=args.model, workers=args.workers, host=args.host, port=args.port,
             routing=args.routing, device=args.device, config=args.config, num_cpus=args.num_cpus,
-            startup_timeout_s=args.startup_timeout,
+            startup_timeout_s=args.startup_timeout, serve_proxy=args.serve_proxy,
         )
     )  # fmt: skip
 

@@ -1,9 +1,15 @@
 """`swaserve serve`: a local Ray cluster on loopback, the app on it, in the foreground until Ctrl-C.
 
 Steps, each announced on stderr: resolve the config (file, then flags on top), prepare the model
-(create the tiny model, or check the directory), start Ray bound to 127.0.0.1, start Serve's
-HTTP proxy on `--host/--port`, deploy, then report worker progress until every worker has its
-engine loaded and `/health` answers 200.
+(create the tiny model, or check the directory), start Ray bound to 127.0.0.1, start Serve, deploy,
+then report worker progress until every worker has its engine loaded and `/health` answers 200.
+
+The ingress replica listens on `--host/--port` itself (Serve's direct ingress,
+`cluster.ray_local.direct_ingress_env`): HTTP goes client → ingress → worker, without Serve's
+HTTP proxy process in between (one process hop and two messages fewer per streamed token;
+docs/design.md §4.2). Serve still starts its proxy on the head node, on another free port;
+`--serve-proxy` puts the proxy on `--host/--port` instead, as a Ray Serve deployment on a
+cluster (the Helm chart) has it.
 
 SIGTERM (what Kubernetes, systemd and `docker stop` send) or Ctrl-C drains, then stops: the
 ingress stops admitting (503 + Retry-After, `/health` 503), the requests in flight get up to the
@@ -45,6 +51,7 @@ class ServeRequest:
     config: str | None = None
     num_cpus: int | None = None
     startup_timeout_s: float = 900.0
+    serve_proxy: bool = False  # HTTP through Serve's proxy rather than straight to the ingress
 
 
 @dataclass(frozen=True)
@@ -53,6 +60,11 @@ class Plan:
     host: str
     port: int
     num_cpus: int
+    serve_proxy: bool = False
+
+    @property
+    def direct_ingress_port(self) -> int | None:
+        return None if self.serve_proxy else self.port
 
 
 class Progress:
@@ -90,7 +102,8 @@ def plan(req: ServeRequest) -> Plan:
     cfg = ServeConfig.model_validate(args)
     cfg = _fit_cpus(cfg, args, num_cpus)
     _check_gpus(cfg)
-    return Plan(cfg, req.host or host or DEFAULT_HOST, req.port or port or DEFAULT_PORT, num_cpus)
+    return Plan(cfg, req.host or host or DEFAULT_HOST, req.port or port or DEFAULT_PORT, num_cpus,
+                req.serve_proxy)  # fmt: skip
 
 
 def _fit_cpus(cfg: ServeConfig, args: dict[str, Any], num_cpus: int) -> ServeConfig:
@@ -151,6 +164,13 @@ def check_port_free(host: str, port: int) -> None:
             raise ValueError(f"cannot listen on {host}:{port} ({e.strerror}); pass another --port") from None
 
 
+def free_port(host: str) -> int:
+    """A port nothing listens on now (the OS's choice)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
 def serve_foreground(req: ServeRequest, out: TextIO = sys.stdout) -> int:
     progress = Progress()
     try:
@@ -163,7 +183,9 @@ def serve_foreground(req: ServeRequest, out: TextIO = sys.stdout) -> int:
     from cluster.ray_local import LocalRayConfig, start_local_ray, stop_local_ray
 
     progress.say(f"starting a local Ray cluster on 127.0.0.1 ({p.num_cpus} CPUs) ...")
-    cluster = start_local_ray(LocalRayConfig(num_cpus=p.num_cpus))
+    cluster = start_local_ray(
+        LocalRayConfig(num_cpus=p.num_cpus, direct_ingress_port=p.direct_ingress_port)
+    )
     _quiet_ray_logs()  # after ray.init, which sets up Ray's loggers
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
@@ -195,8 +217,14 @@ def _deploy(p: Plan, progress: Progress, timeout_s: float) -> None:
 
     from deploy.app import build_app_from_config
 
-    progress.say(f"starting the HTTP proxy on {p.host}:{p.port} ...")
-    serve.start(http_options={"host": p.host, "port": p.port}, proxy_location="HeadOnly")
+    if p.serve_proxy:
+        proxy_port = p.port
+        progress.say(f"starting Serve, its HTTP proxy on {p.host}:{p.port} ...")
+    else:
+        proxy_port = free_port(p.host)
+        progress.say(f"starting Serve (the ingress replica will listen on {p.host}:{p.port}; "
+                     f"Serve's own proxy on {p.host}:{proxy_port}) ...")  # fmt: skip
+    serve.start(http_options={"host": p.host, "port": proxy_port}, proxy_location="HeadOnly")
     _quiet_ray_logs()  # serve.start configures the serve logger
     progress.say(f"deploying {_workers(p.config)}; each loads the model ...")
     app = serve.RunTarget(build_app_from_config(p.config), name=APP_NAME, route_prefix="/")

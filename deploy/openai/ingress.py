@@ -247,10 +247,12 @@ class IngressDeployment:
     `__serve_build_asgi_app__` (Serve calls it after `__init__`)."""
 
     def __init__(self, worker: DeploymentHandle, options: IngressOptions) -> None:
+        from cluster.ray_private import reuse_address_for_direct_ingress
         from deploy.openai.chat_format import chat_format_for
         from deploy.replica.client import ServeWorkerClient
         from worker.models.model_dir import load_tokenizer, resolve_model_dir
 
+        reuse_address_for_direct_ingress()  # `swaserve serve` binds this replica to its port
         self._options = options
         model_dir = resolve_model_dir(options.model)
         tokenizer = load_tokenizer(model_dir)

@@ -74,6 +74,50 @@ def test_a_handle_router_can_still_run_on_the_calling_loop() -> None:
     source = inspect.getsource(default_impl.create_router)
     assert "handle_options._run_router_in_separate_loop" in source and "CurrentLoopRouter" in source
 
+def test_direct_ingress_still_binds_through_the_function_patched_for_address_reuse() -> None:
+    """A direct-ingress replica starts its HTTP server through the `start_asgi_http_server`
+    name of the replica module, with `enable_so_reuseport=False`; after the patch that server's
+    socket has SO_REUSEADDR (so a port its closed connections leave in TIME_WAIT binds again)."""
+    import asyncio
+    import socket
+
+    from ray.serve._private import replica
+    from ray.serve.config import HTTPOptions
+
+    source = inspect.getsource(replica.Replica._maybe_start_direct_ingress_servers)
+    assert "start_asgi_http_server(" in source and "enable_so_reuseport=False" in source
+    before = replica.start_asgi_http_server
+    try:
+        ray_private.reuse_address_for_direct_ingress()
+        ray_private.reuse_address_for_direct_ingress()  # idempotent
+        assert replica.start_asgi_http_server is not before
+
+        async def app(scope: dict, receive: object, send: object) -> None:  # never called
+            raise AssertionError(scope)
+
+        async def bind() -> int:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            loop = asyncio.get_running_loop()
+            options = HTTPOptions(host="127.0.0.1", port=port)
+            task, server = await replica.start_asgi_http_server(app, options, event_loop=loop)
+            try:
+                deadline = loop.time() + 30
+                while not server.started:
+                    assert loop.time() < deadline, "uvicorn did not start"
+                    await asyncio.sleep(0.01)  # waits on uvicorn's startup
+                (sock,) = server.servers[0].sockets
+                return int(sock.getsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR))
+            finally:
+                server.should_exit = True
+                await asyncio.wait_for(task, 30)
+
+        assert asyncio.run(bind()) != 0
+    finally:
+        replica.start_asgi_http_server = before
+
+
 def test_build_app_and_deployment_config_work_offline() -> None:
     """`build_app(app, name=)` resolves an application's deployments without a cluster, and a
     deployment's `_deployment_config` carries `autoscaling_config`."""

@@ -75,6 +75,23 @@ def test_plan_merges_config_file_and_flags(tmp_path: Path) -> None:
     assert 2 * p.config.worker_num_cpus + 0.25 <= 2  # fractional CPUs fit the 2-CPU cluster
 
 
+def test_the_ingress_takes_the_port_unless_serve_proxy_is_asked() -> None:
+    """By default the ingress replica listens on --port itself (Serve's direct ingress, one
+    port for one replica, released ports reusable at once); --serve-proxy leaves the port to
+    Serve's proxy and sets none of that."""
+    from cluster.ray_local import direct_ingress_env
+
+    direct = plan(ServeRequest(port=8123, num_cpus=2))
+    assert direct.direct_ingress_port == 8123
+    env = direct_ingress_env(8123)
+    assert env["RAY_SERVE_ENABLE_DIRECT_INGRESS"] == "1"
+    assert (env["RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT"], env["RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT"]) == ("8123", "8124")
+    assert env["RAY_SERVE_PORT_QUARANTINE_S"] == env["RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"] == "0"
+    args = cli.build_parser().parse_args(["serve", "--serve-proxy"])
+    assert args.serve_proxy and not cli.build_parser().parse_args(["serve"]).serve_proxy
+    assert plan(ServeRequest(port=8123, num_cpus=2, serve_proxy=True)).direct_ingress_port is None
+
+
 def test_plan_refuses_workers_that_cannot_fit(tmp_path: Path) -> None:
     """Explicit worker CPUs beyond the cluster are refused before anything starts."""
     doc = tmp_path / "cfg.yaml"

@@ -40,6 +40,37 @@ def _per_replica(families: dict[str, Any], name: str, pool: str | None = None) -
             if pool is None or s.labels.get("pool") == pool}  # fmt: skip
 
 
+def _listener_pids(port: int) -> set[int]:
+    """The processes holding a listening TCP socket on `port` (from /proc: Linux)."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for row in f.readlines()[1:]:
+                cols = row.split()
+                if int(cols[1].rsplit(":", 1)[1], 16) == port and cols[3] == "0A":  # LISTEN
+                    inodes.add(cols[9])
+    pids = set()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            links = {os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")}
+        except OSError:  # gone, or not ours to read
+            continue
+        if any(f"socket:[{i}]" in links for i in inodes):
+            pids.add(int(pid))
+    return pids
+
+
+def test_the_ingress_replica_itself_listens_on_the_port(server: Server) -> None:
+    """`swaserve serve` binds the ingress replica to --port (Serve's direct ingress): the
+    listener is that replica's process, not Serve's proxy, and Serve's routes answer there."""
+    port = int(server.url.rsplit(":", 1)[1])
+    pids = _listener_pids(port)
+    assert pids, f"nothing listens on {port}"
+    titles = {pid: open(f"/proc/{pid}/cmdline").read().replace("\0", " ") for pid in pids}
+    assert all("ServeReplica:swaserve:Ingress" in t for t in titles.values()), titles
+    assert httpx.get(f"{server.url}/-/routes", timeout=30).json() == {"/": "swaserve"}
+
+
 def test_openai_client_completions_and_chat(server: Server) -> None:
     """The openai package gets completions and chat completions, streamed and not."""
     client = _openai(server)
