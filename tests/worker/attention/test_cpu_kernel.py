@@ -85,6 +85,29 @@ def test_kernel_equals_gather_path(c: dict) -> None:
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
 
 
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 70), min_size=1, max_size=8), st.sampled_from([None, 1, 5, 31]),
+       st.integers(0, 2**16))  # fmt: skip
+def test_decode_rows_in_python_equal_the_numpy_plan(prefixes: list[int], window: int | None, seed: int) -> None:
+    """A batch of single-row decodes is planned in plain Python; the rows equal the numpy
+    plan's (the one every other batch takes)."""
+    from worker.attention import torch_backend
+
+    c = {"q_lens": [1] * len(prefixes), "prefixes": prefixes, "window": window}
+    gen = torch.Generator().manual_seed(seed)
+    batch = _batch(c, 8 + sum(prefixes) + len(prefixes), gen)
+    (view,) = batch.kv.values()
+    fast = torch_backend._kernel_rows(batch, view, window)
+    saved = torch_backend._PY_DECODE_ROWS
+    try:
+        torch_backend._PY_DECODE_ROWS = 0
+        ref = torch_backend._kernel_rows(batch, view, window)
+    finally:
+        torch_backend._PY_DECODE_ROWS = saved
+    for got, want in ((fast.slots, ref.slots), (fast.start, ref.start), (fast.count, ref.count)):
+        assert got.dtype == want.dtype and torch.equal(got, want)
+
+
 @needs_kernel
 def test_kernel_reads_a_strided_query() -> None:
     """Queries that are a view of a wider projection (q of a fused qkv) are read in place."""
