@@ -1,4 +1,4 @@
-"""`PageAllocator`: the free-page list of ONE pool, in plain Python (torch only for a view).
+"""`PageAllocator`: the free-page list of ONE pool, in plain Python (numpy only for a view).
 
 Page p holds slots ``[p * page_size, (p + 1) * page_size)``. Page 0 is the reserved dummy page
 (padded tokens write there), so the usable pages are ``1 .. num_pages`` and page 0 never enters
@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable
 
-import torch
+import numpy as np
 
 
 def check_page_size(page_size: int) -> None:
@@ -83,10 +83,10 @@ class PageAllocator:
         """Byte p is 1 iff page p is free (page 0 always 0); for vectorised integrity checks."""
         return bytes(self._is_free)
 
-    def free_flag_view(self) -> torch.Tensor:
-        """`free_flags` as a uint8 tensor sharing the flags' memory (no copy; read it at once:
+    def free_flag_view(self) -> np.ndarray:
+        """`free_flags` as a uint8 array sharing the flags' memory (no copy; read it at once:
         `clear` replaces the flags)."""
-        return torch.frombuffer(self._is_free, dtype=torch.uint8)
+        return np.frombuffer(self._is_free, dtype=np.uint8)
 
     def free_pages(self) -> list[int]:
         """A copy of the free list in allocation order (for snapshots and tests)."""
