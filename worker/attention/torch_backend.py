@@ -209,15 +209,7 @@ def _kernel_rows(batch: AttnBatch, view: KVView, window: int | None) -> _Rows:
     O(tokens) in numpy (a few vector ops per step, no Python loop over tokens); a batch of
     single-row decodes in plain Python (one row per request: cheaper than the numpy ops)."""
     if len(batch.q_lens) <= _PY_DECODE_ROWS and all(q == 1 for q in batch.q_lens):
-        starts, counts, off = [], [], 0
-        for seq_len, kv_start in zip(batch.seq_lens, view.kv_starts):
-            pos = seq_len - 1
-            first = kv_start if window is None else max(kv_start, pos - window)
-            starts.append(off + first - kv_start)
-            counts.append(pos - first + 1)
-            off += seq_len - kv_start
-        return _Rows(view.flat_indices().contiguous(), torch.tensor(starts, dtype=torch.int64),
-                     torch.tensor(counts, dtype=torch.int64))  # fmt: skip
+        return _decode_rows(batch, view, window)
     q_lens = np.asarray(batch.q_lens, dtype=np.int64)
     seq = np.asarray(batch.seq_lens, dtype=np.int64)
     kv_start = np.asarray(view.kv_starts, dtype=np.int64)
@@ -232,6 +224,19 @@ def _kernel_rows(batch: AttnBatch, view: KVView, window: int | None) -> _Rows:
     start = kv_off[member] + first - kv_start[member]
     count = pos - first + 1
     return _Rows(view.flat_indices().contiguous(), torch.from_numpy(start), torch.from_numpy(count))
+
+
+def _decode_rows(batch: AttnBatch, view: KVView, window: int | None) -> _Rows:
+    """`_kernel_rows` of a batch of single-row decodes, in plain Python."""
+    starts, counts, off = [], [], 0
+    for seq_len, kv_start in zip(batch.seq_lens, view.kv_starts):
+        pos = seq_len - 1
+        first = kv_start if window is None else max(kv_start, pos - window)
+        starts.append(off + first - kv_start)
+        counts.append(pos - first + 1)
+        off += seq_len - kv_start
+    return _Rows(view.flat_indices().contiguous(), torch.tensor(starts, dtype=torch.int64),
+                 torch.tensor(counts, dtype=torch.int64))  # fmt: skip
 
 
 def _gather(buf: torch.Tensor, grp: _Group) -> torch.Tensor:
