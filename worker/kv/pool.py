@@ -147,5 +147,5 @@ class HybridKVPool:
 
 def _rows_as(x: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
     """`x` as rows of `buf` (``[n, *buf.shape[1:]]``, its dtype)."""
-    x = x.view(-1, *buf.shape[1:]) if x.is_contiguous() else x.reshape(-1, *buf.shape[1:])
+    x = x.reshape(-1, *buf.shape[1:])  # a view when it can be
     return x if x.dtype == buf.dtype else x.to(buf.dtype)
