@@ -20,6 +20,7 @@ _GOLDEN = 0x9E3779B97F4A7C15
 _M1 = 0xBF58476D1CE4E5B9
 _M2 = 0x94D049BB133111EB
 _UNIFORM_BITS = 24  # float32 holds 24 bits exactly
+_BELOW_ONE = 1.0 - 2.0**-24  # float32's largest value below 1
 
 
 def _signed(x: int) -> int:
@@ -53,5 +54,9 @@ def exponential_noise(keys: list[int], steps: list[int], vocab: int, device: tor
     row = _mix(k ^ _mix(s + _signed(_GOLDEN)))
     col = torch.arange(vocab, dtype=torch.int64, device=device) * _signed(_GOLDEN)
     bits = _shr(_mix(row[:, None] + col[None, :]), 64 - _UNIFORM_BITS)
-    uniform = (bits.to(torch.float32) + 0.5) / float(1 << _UNIFORM_BITS)  # in (0, 1)
+    # NOTE: bits + 0.5 is not exact in float32 above 2**23: the top draw rounds up to 2**24, a
+    # uniform of exactly 1.0 and E = -0.0, and then p / E is NaN for every token of probability 0
+    # (masked by a grammar, dropped by top-k/top-p) and argmax picks the NaN. The clamp keeps
+    # every uniform strictly inside (0, 1), so E > 0 (docs/design.md §4.1).
+    uniform = ((bits.to(torch.float32) + 0.5) / float(1 << _UNIFORM_BITS)).clamp_(max=_BELOW_ONE)
     return -torch.log(uniform)

@@ -180,3 +180,41 @@ def test_bitmask_limits_choices_per_row() -> None:
     sampled = {Sampler().sample(logits[:1], [SampleRow(SamplingParams(), 5, t, masked=True)],
                                 bitmask[:1]).token_ids[0] for t in range(60)}  # fmt: skip
     assert sampled == {2, 4}
+
+
+def test_noise_is_positive_at_the_top_draw() -> None:
+    """Seed 3031's first draw for token 467 is the top 24-bit value, whose float32 uniform
+    rounded to exactly 1.0 (E = -0.0); every draw stays strictly positive and finite."""
+    from worker.runner.noise import _GOLDEN, _mix, _shr, _signed, exponential_noise
+
+    key = seed_key(3031)
+    row = _mix(torch.tensor([key]) ^ _mix(torch.tensor([0]) + _signed(_GOLDEN)))
+    bits = _shr(_mix(row + torch.tensor([467]) * _signed(_GOLDEN)), 40)  # as the column of token 467
+    assert int(bits) == 2**24 - 1  # the edge this test is about
+    noise = exponential_noise([key], [0], 512, torch.device("cpu"))
+    assert bool((noise > 0).all()) and bool(torch.isfinite(noise).all())
+
+
+def test_masked_and_filtered_rows_never_take_an_excluded_token_at_the_top_draw() -> None:
+    """At that draw token 467 has probability 0 (masked, or cut by top-k): 0 / E must not win."""
+    logits = torch.zeros(1, 512)
+    logits[0, 5] = 1.0
+    only_5 = torch.zeros(1, 16, dtype=torch.int32)
+    only_5[0, 0] = 1 << 5
+    params = SamplingParams(seed=3031)
+    masked = Sampler().sample(logits, [SampleRow(params, seed_key(3031), 0, masked=True)], only_5)
+    assert masked.token_ids == [5] and masked.unsampled == ()
+    top1 = Sampler().sample(logits, _rows([SamplingParams(seed=3031, top_k=1)]))
+    assert top1.token_ids == [5]
+
+
+def test_a_row_with_nothing_left_to_sample_is_reported() -> None:
+    """A row whose allowed tokens all have -inf logits (or NaN logits) yields no token; the
+    other rows sample as usual."""
+    logits = LOGITS[None].repeat(3, 1).clone()
+    logits[1, 2] = float("-inf")  # the only token row 1's mask allows
+    logits[2] = float("nan")
+    bitmask = torch.tensor([[-1], [0b100], [-1]], dtype=torch.int32)
+    rows = [SampleRow(SamplingParams(temperature=t), 7, 0, masked=True) for t in (0.0, 1.0, 0.0)]
+    out = Sampler().sample(logits, rows, bitmask)
+    assert out.unsampled == (1, 2) and out.token_ids[0] == 0
