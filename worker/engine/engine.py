@@ -195,7 +195,7 @@ class Engine:
         samplers = [w for w in work if w.samples]
         prompt_only = [w.req for w in work if w.reaches_end and not w.samples]
         rows = [sample_row(w.req, self.stopper.eos) for w in samplers]
-        masks = self.masks.start([w.req.grammar for w in samplers])  # fills during the forward
+        masks = self.masks.start([(w.req.grammar, w.req.generated) for w in samplers])
         index = sample_index(fwd, [w.samples for w in work])
         result, overlapped = self.forwarder.submit(
             self.runner, ForwardBatch(fwd), index, rows, masks, previous.result if previous else None
@@ -222,6 +222,7 @@ class Engine:
                 record_prompt_logprobs(w, rows)
         deltas = [self._prompt_only_done(r) for r in launched.prompt_only if r.state is not ReqState.FINISHED]
         sampled = res.sampled
+        unsampled = set(sampled.unsampled)
         for i, w in enumerate(launched.samplers):
             req = w.req
             req.pending -= 1
@@ -229,6 +230,9 @@ class Engine:
                 req.rollback = -1  # no later decode of it in flight
             if req.state is ReqState.FINISHED:
                 continue  # ended while this step ran (an abort, or its previous token stopped it)
+            if i in unsampled:
+                deltas.append(self._end_unsampled(req))
+                continue
             token, lp = sampled.token_ids[i], sampled.logprobs[i]
             top = sampled.top_logprobs[i] or ()
             logprob = None if lp is None else TokenLogprob(token, lp, tuple(top))
@@ -242,6 +246,17 @@ class Engine:
             self.scheduler.finish(req, "abort", error=f"structured output: {req.grammar.failed}")
         elif (reason := self.stopper.check(req)) is not None:
             self.scheduler.finish(req, reason)
+        return self._delta(req)
+
+    def _end_unsampled(self, req: Req) -> StreamDelta:
+        """No token was left to sample: the request ends alone, with an error that says why."""
+        if req.grammar is not None:
+            error = ("structured output: the grammar allows no token here that the request's "
+                     "logit_bias, min_tokens and stop_token_ids leave open")  # fmt: skip
+        else:
+            error = "sampling: the model gave no finite logit for any token the request allows"
+        logger.warning("request %s ends without a token: %s", req.rid, error)
+        self.scheduler.finish(req, "abort", error=error)
         return self._delta(req)
 
     def _prompt_only_done(self, req: Req) -> StreamDelta:

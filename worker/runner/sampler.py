@@ -48,6 +48,9 @@ class SampleOutput:
     token_ids: list[int]
     logprobs: list[float | None]  # chosen token's logprob, None where the request asked for none
     top_logprobs: list[list[tuple[int, float]] | None]  # top-n (token, logprob), best first
+    # Rows with no token to give: every token their controls allow (grammar, bans) has a
+    # non-finite logit, so `token_ids` holds a placeholder there that must not be used.
+    unsampled: tuple[int, ...] = ()
 
 
 def _column(values: Sequence[float], device: torch.device) -> torch.Tensor:
@@ -127,7 +130,10 @@ class Sampler:
         random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
         if random_rows:
             chosen[random_rows] = self._draw(work[random_rows], [rows[i] for i in random_rows])
-        return _with_logprobs(raw, chosen, [r.params for r in rows])
+        # NOTE: argmax over a row whose allowed tokens all have -inf (or NaN) logits still returns
+        # an index, one the controls forbid; such a row yields no token (one check per step).
+        finite = torch.isfinite(work.gather(1, chosen[:, None]))[:, 0]
+        return _with_logprobs(raw, chosen, finite, [r.params for r in rows])
 
     def _draw(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
         params = [r.params for r in rows]
@@ -144,12 +150,13 @@ class Sampler:
 
 
 def _with_logprobs(
-    logits: torch.Tensor, chosen: torch.Tensor, params: Sequence[SamplingParams]
+    logits: torch.Tensor, chosen: torch.Tensor, finite: torch.Tensor, params: Sequence[SamplingParams]
 ) -> SampleOutput:
-    ids = chosen.tolist()
+    ids, ok = torch.stack((chosen, finite.to(chosen.dtype))).tolist()  # one device->host copy
+    unsampled = tuple(i for i, good in enumerate(ok) if not good)
     wanted = [p.logprobs for p in params]
     if all(n is None for n in wanted):
-        return SampleOutput(ids, [None] * len(ids), [None] * len(ids))
+        return SampleOutput(ids, [None] * len(ids), [None] * len(ids), unsampled)
     logp = torch.log_softmax(logits, dim=-1)
     picked = logp.gather(1, chosen[:, None])[:, 0].tolist()
     n_max = max(n or 0 for n in wanted)
@@ -162,7 +169,7 @@ def _with_logprobs(
             tops.append(None if n is None else [])
             continue
         tops.append(list(zip(top_ids[row, :n].tolist(), top_vals[row, :n].tolist())))
-    return SampleOutput(ids, lps, tops)
+    return SampleOutput(ids, lps, tops, unsampled)
 
 
 def token_logprobs(logits: torch.Tensor, next_ids: Sequence[int], top_n: int) -> list[TokenLogprob]:

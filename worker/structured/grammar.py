@@ -34,16 +34,24 @@ class GrammarMatcher:
 
     def __init__(self, matcher: LLMatcher) -> None:
         self.matcher = matcher
+        self.consumed = 0  # tokens accepted: a mask is computed only when it equals the output's
         self.failed = ""  # set when a token was refused (the request then ends with an error)
 
     def accept(self, token: int) -> None:
+        self.consumed += 1
         if not self.failed and not self.matcher.consume_token(token):
-            self.failed = self.matcher.get_error() or f"the grammar refused token {token}"
+            self.failed = short_error(self.matcher.get_error()) or f"the grammar refused token {token}"
 
     @property
     def done(self) -> bool:
         """Nothing but EOS can follow: the output is complete."""
         return self.matcher.is_stopped()
+
+
+def short_error(message: str) -> str:
+    """llguidance's error without its tags (matchers are built with `verbose_errors` off, so
+    no parser state or grammar text reaches a client)."""
+    return message.split("\n<", 1)[0].strip()
 
 
 def grammar_source(g: Grammar) -> str:
@@ -93,14 +101,14 @@ class GrammarCompiler:
 
     def compile(self, g: Grammar) -> GrammarMatcher:
         """A fresh matcher for `g`. Raises ValueError (starting with "grammar") when invalid."""
-        from llguidance import LLMatcher
+        from llguidance import LLMatcher, LLParserLimits
 
         tokenizer = self._ll_tokenizer()
         source = grammar_source(g)
         is_error, messages = LLMatcher.validate_grammar_with_warnings(source, tokenizer)
         if is_error:
             raise ValueError(f"grammar ({g.kind}) is invalid: {messages[0].strip()}")
-        matcher = LLMatcher(tokenizer, source, log_level=0)
+        matcher = LLMatcher(tokenizer, source, log_level=0, limits=LLParserLimits(verbose_errors=False))
         if matcher.is_error():
-            raise ValueError(f"grammar ({g.kind}) is invalid: {matcher.get_error()}")
+            raise ValueError(f"grammar ({g.kind}) is invalid: {short_error(matcher.get_error())}")
         return GrammarMatcher(matcher)

@@ -7,11 +7,17 @@ model's forward and the grammar work overlap instead of adding up.
 
 from __future__ import annotations
 
+import logging
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
 from worker.structured.grammar import GrammarMatcher
+
+logger = logging.getLogger(__name__)
+
+
+Row = tuple[GrammarMatcher | None, int]  # a sampler's matcher (None: no grammar), its output length
 
 
 class MaskFiller:
@@ -20,25 +26,33 @@ class MaskFiller:
         self._pool: ThreadPoolExecutor | None = None
         self._executor: object | None = None  # llguidance.LLExecutor, created on first use
 
-    def start(self, matchers: list[GrammarMatcher | None]) -> Future[torch.Tensor] | None:
-        """Begin filling int32 ``[len(matchers), ceil(vocab / 32)]`` (rows without a matcher
-        allow everything); None when no row has a grammar."""
-        if all(m is None for m in matchers):
+    def start(self, rows: list[Row]) -> Future[torch.Tensor] | None:
+        """Begin filling int32 ``[len(rows), ceil(vocab / 32)]``; None when no row has a grammar.
+
+        A row is the grammar's mask only when its matcher has consumed exactly the request's
+        output so far; any other row (no grammar: the sampler does not read it; a matcher out of
+        step) allows nothing, so a request is never sampled from logits its grammar did not
+        constrain (the sampler then reports the row as unsampled and the engine ends it alone)."""
+        if all(m is None for m, _ in rows):
             return None
         if self._pool is None:
             from llguidance import LLExecutor
 
             self._executor = LLExecutor()
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="swaserve-grammar")
-        return self._pool.submit(self._fill, matchers)
+        return self._pool.submit(self._fill, rows)
 
-    def _fill(self, matchers: list[GrammarMatcher | None]) -> torch.Tensor:
+    def _fill(self, rows: list[Row]) -> torch.Tensor:
         from llguidance.torch import fill_next_token_bitmask_par
 
         words = (self.vocab_size + 31) // 32
-        bitmask = torch.full((len(matchers), words), -1, dtype=torch.int32)
-        rows = [(m.matcher, i) for i, m in enumerate(matchers) if m is not None]
-        fill_next_token_bitmask_par(self._executor, rows, bitmask)  # type: ignore[arg-type]
+        bitmask = torch.zeros((len(rows), words), dtype=torch.int32)
+        ready = [(m.matcher, i) for i, (m, n) in enumerate(rows) if m is not None and m.consumed == n]
+        for i, (m, n) in enumerate(rows):
+            if m is not None and m.consumed != n:
+                logger.error("grammar row %d: matcher at %d tokens, output at %d: row denied", i, m.consumed, n)
+        if ready:
+            fill_next_token_bitmask_par(self._executor, ready, bitmask)  # type: ignore[arg-type]
         return bitmask
 
     def close(self) -> None:

@@ -61,3 +61,27 @@ def test_invalid_grammar_is_refused_naming_it(engine: Engine, grammar: Grammar) 
     with pytest.raises(ValueError, match=r"^grammar"):
         engine.add_request([5, 6, 7], SamplingParams(grammar=grammar))
     assert not engine.has_work()
+
+
+def test_refused_token_error_carries_no_parser_internals(engine: Engine) -> None:
+    """A token the grammar refuses fails the matcher with a one-line reason: no parser state or
+    grammar text (llguidance's verbose errors) reaches a client."""
+    tok = load_tokenizer(engine.parts.model_dir)  # type: ignore[arg-type]
+    m = engine.grammars.compile(Grammar("regex", "[0-9]{3}-[a-c]"))
+    m.accept(tok("ew")["input_ids"][-1])
+    assert m.failed.startswith("Parser Error") and "<" not in m.failed and "\n" not in m.failed
+
+
+def test_a_matcher_out_of_step_with_the_output_denies_its_row(engine: Engine) -> None:
+    """The mask row of a matcher that has not consumed exactly the request's output allows
+    nothing (the sampler then reports the row unsampled); an in-step row is the grammar's."""
+    from worker.structured.masks import MaskFiller
+
+    grammar = Grammar("choice", choices=("yes", "no"))
+    fresh, behind = engine.grammars.compile(grammar), engine.grammars.compile(grammar)
+    filler = MaskFiller(engine.spec.vocab_size)
+    future = filler.start([(fresh, 0), (None, 3), (behind, 1)])
+    assert future is not None
+    bitmask = future.result()
+    filler.close()
+    assert int(bitmask[0].count_nonzero()) > 0 and int(bitmask[2].count_nonzero()) == 0
