@@ -192,7 +192,9 @@ def test_logprobs_match_transformers(oracle: Oracle) -> None:
     for i, (lp, lp0) in enumerate(zip(three.logprobs, zero.logprobs)):
         assert lp.token_id == lp0.token_id == greedy[i] and lp0.top == ()
         assert lp.logprob == pytest.approx(ref[i, greedy[i]].item(), abs=1e-4)
-        assert lp0.logprob == pytest.approx(lp.logprob, abs=1e-6)
+        # NOTE: the two requests share a batch but not a path (one reuses the other's cached
+        # prompt, so its prefill is one row): float32 rounding differs by a few ulps (AVX-512).
+        assert lp0.logprob == pytest.approx(lp.logprob, abs=1e-5)
         values, ids = ref[i].topk(3)
         assert [t for t, _ in lp.top] == ids.tolist() and lp.top[0][0] == greedy[i]
         assert [v for _, v in lp.top] == pytest.approx(values.tolist(), abs=1e-4)
