@@ -73,7 +73,7 @@ def _engine(model_dir: Path, mode: str, tokens: int) -> tuple[Any, float]:
 
 
 def _generate(engine: Any, prompts: list[list[int]], max_new: int) -> tuple[float, list[list[int]]]:
-    from worker.sampling_params import SamplingParams
+    from core.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=max_new, temperature=0.0, ignore_eos=True)
     t0 = time.perf_counter()

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 
 from cluster.index import ClusterIndex
 from cluster.messages import CacheSnapshot, PoolHeadroom, WorkerLoad, WorkerMeta, WorkerResync
+from core.events import PageState, page_hashes
 from router.core import Candidate, RouterCore
 from router.policies import make_policy
-from worker.cache.events import PageState, page_hashes
 
 
 @dataclass(frozen=True)

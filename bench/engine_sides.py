@@ -98,7 +98,7 @@ class EngineSide:
         self.engine = Engine(EngineConfig(**fields))  # type: ignore[arg-type]
 
     def generate(self, prompts: Sequence[Sequence[int]], max_new: int) -> Timed:
-        from worker.sampling_params import SamplingParams
+        from core.sampling_params import SamplingParams
 
         params = SamplingParams(max_tokens=max_new, temperature=0.0, ignore_eos=True)
         t0 = time.perf_counter()

@@ -183,7 +183,7 @@ def _prompts(n: int, length: int, vocab: int, seed: int = 1) -> list[list[int]]:
 
 
 def greedy_parity(path: Path, s: GpuCheckSettings) -> list[Row]:
-    from worker.sampling_params import SamplingParams
+    from core.sampling_params import SamplingParams
 
     prompts = _prompts(s.prompts, 200, s.vocab)
     params = SamplingParams(max_tokens=s.new_tokens, temperature=0.0, ignore_eos=True)
@@ -216,8 +216,8 @@ def _agree(a: list[int], b: list[int]) -> int:
 
 
 def graph_logits(path: Path, s: GpuCheckSettings) -> list[Row]:
+    from core.sampling_params import SamplingParams
     from worker.runner.forward_batch import ForwardBatch
-    from worker.sampling_params import SamplingParams
 
     engine = _engine(path, "flashinfer", "auto", s, s.prompts)
     runner = engine.runner
@@ -244,7 +244,7 @@ def graph_logits(path: Path, s: GpuCheckSettings) -> list[Row]:
 
 
 def bandwidth(path: Path, s: GpuCheckSettings) -> list[Row]:
-    from worker.sampling_params import SamplingParams
+    from core.sampling_params import SamplingParams
 
     rows = []
     for graphs in ("off", "auto"):

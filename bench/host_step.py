@@ -36,6 +36,7 @@ import torch
 
 from bench.harness import markdown_table
 from bench.machine import machine_info
+from core.sampling_params import SamplingParams
 from worker.config import EngineConfig
 from worker.engine.engine import Engine
 from worker.engine.setup import EngineParts
@@ -44,7 +45,6 @@ from worker.models.spec import ModelSpec
 from worker.runner.forward_batch import ForwardBatch
 from worker.runner.model_runner import DeviceTable, prepare_inputs
 from worker.runner.sampler import SampleOutput, SampleRow
-from worker.sampling_params import SamplingParams
 
 PATHS = ("paged", "flat")
 

@@ -25,10 +25,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench.harness import add_output_arguments, prepare_output_dir, progress, write_json, write_text
+from core.geometry import ceil_page
 from worker.errors import ConfigError
 from worker.kv.frontier import steady_swa_per_request
 from worker.kv.memory_plan import PoolPlan, plan_pools
-from worker.kv.pages import ceil_page
 from worker.models.spec import LayerKind, ModelSpec
 from worker.scheduler.budget import full_admission_charge
 

@@ -32,14 +32,14 @@ from bench.sim_runner import SimRunner, StepCost, build_sim_engine
 from cluster.index import ApplyOutcome, ClusterIndex
 from cluster.load import routing_stats
 from cluster.messages import CacheSnapshot, EventBatch, WorkerLoad, WorkerMeta, WorkerResync
+from core.events import EventKind
+from core.outputs import StreamDelta
+from core.sampling_params import SamplingParams
 from router.core import Candidate, RouterCore
 from router.policies import make_policy
-from worker.cache.events import EventKind
 from worker.config import EngineConfig, repairs_tombstones
 from worker.engine.engine import Engine
 from worker.models.spec import ModelSpec
-from worker.outputs import StreamDelta
-from worker.sampling_params import SamplingParams
 
 _STEP_END, _ARRIVAL, _TICK = 0, 1, 2  # tie order at equal times: finish steps, then route
 _TOMBSTONE_KINDS = (EventKind.SWA_REMOVED, EventKind.STORED_FULL_ONLY)

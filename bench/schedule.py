@@ -79,9 +79,9 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from bench.compare_model import ensure_compare_model
+    from core.sampling_params import SamplingParams
     from worker.config import EngineConfig
     from worker.engine.engine import Engine
-    from worker.sampling_params import SamplingParams
 
     torch.set_num_threads(1)
     model = ensure_compare_model()

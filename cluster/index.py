@@ -44,7 +44,7 @@ from cluster.messages import (
     WorkerResync,
 )
 from cluster.page_map import PageMap
-from worker.cache.events import CacheEvent, EventKind, PageState
+from core.events import CacheEvent, EventKind, PageState
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ signal the deployed router sees. The keys and their meaning: `cluster.messages`.
 from __future__ import annotations
 
 from cluster.messages import PoolHeadroom, make_routing_stats
-from worker.outputs import EngineStats, PoolStats
+from core.outputs import EngineStats, PoolStats
 
 
 def routing_stats(

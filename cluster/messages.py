@@ -13,7 +13,7 @@ Who sends what:
 | `StreamStart`, `WorkerInfo` | worker replica → ingress | who serves, or why refused; model facts |
 
 The cache events themselves (`CacheEvent`, `EventKind`, `PageState`, page hashes) are the
-worker's vocabulary and live in `worker.cache.events`.
+worker's vocabulary and live in `core.events`.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple
 
-from worker.cache.events import CacheEvent, PageState
-from worker.sampling_params import SamplingParams
+from core.events import CacheEvent, PageState
+from core.sampling_params import SamplingParams
 
 # ---- cache events between worker, index actor and routers ----------------------------------
 
@@ -61,7 +61,7 @@ class WorkerMeta:
     full_tokens: int
     swa_tokens: int
     hybrid: bool
-    # What the repair rule needs (worker/cache/reuse.py, docs/design.md §9.8):
+    # What the repair rule needs (core/reuse.py, docs/design.md §9.8):
     swa_layers: int = 0  # SWA layers of the model
     tombstone_repair: bool = False  # the worker repairs tombstoned prefixes
 

@@ -12,13 +12,14 @@ from typing import NamedTuple
 
 from cluster.index import ClusterIndex, WorkerEntry
 from cluster.messages import RankedWorker, RoutingDecision, WorkerLoad
+from core.geometry import Geometry
+from core.reuse import Reuse, live_after, plan_reuse
 from router.cost import WorkerView
 from router.hashing import PageHasher
 from router.inflight import InflightTracker
 from router.match import WorkerMatch, match_chain
 from router.pending import PendingPages
 from router.policies import Policy, RequestView
-from worker.cache.reuse import Reuse, live_after, plan_reuse
 
 
 class Candidate(NamedTuple):  # one per replica per request: a NamedTuple is cheap to build
@@ -116,7 +117,8 @@ class RouterCore:
         # a repair revives its tail (§9.8); the pages before keep their indexed states.
         page = entry.meta.page_size
         reuse = Reuse(view.valid_cached, view.repaired)
-        first_live = live_after(reuse, view.full_cached, entry.meta.window, page) // page
+        geometry = Geometry(page, entry.meta.window, entry.meta.swa_layers)
+        first_live = live_after(reuse, view.full_cached, geometry) // page
         chain = self.hasher.hashes(token_ids, page)
         self.pending.record(request_key, entry, chain[first_live:], now)
 
@@ -158,9 +160,8 @@ class RouterCore:
         page = meta.page_size
         reused, full, repaired = match.valid_pages * page, match.full_pages * page, 0
         if meta.tombstone_repair and meta.hybrid and full > reused:
-            # The worker's own rule (worker/cache/reuse.py): the prediction is its decision.
-            reused, repaired = plan_reuse(full, reused, window=meta.window,
-                                          swa_layers=meta.swa_layers, page_size=page, repair=True)  # fmt: skip
+            # The worker's own rule (core/reuse.py): the prediction is its decision.
+            reused, repaired = plan_reuse(full, reused, Geometry(page, meta.window, meta.swa_layers), repair=True)
         # Positional: WorkerView(worker_id, valid_cached, full_cached, load, extra_prefill_tokens,
         # extra_requests, window, page_size, hybrid, repaired); keywords cost a third more.
         return WorkerView(

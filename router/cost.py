@@ -63,7 +63,7 @@ class WorkerView(NamedTuple):
 
     worker_id: str
     # Tokens the worker will reuse: its window-valid match, or where its repair starts
-    # (worker/cache/reuse.py, docs/design.md §9.8); `repaired` tokens after it are recomputed.
+    # (core/reuse.py, docs/design.md §9.8); `repaired` tokens after it are recomputed.
     valid_cached: int
     full_cached: int  # tokens with full KV present (what SWA-unaware routers count)
     load: WorkerLoad | None  # None: the replica has not reported yet

@@ -1,6 +1,6 @@
 """Page-hash chains for routing, computed lazily and memoised.
 
-The values are exactly `worker.cache.events.page_hashes` (a test checks it on random input): same
+The values are exactly `core.events.page_hashes` (a test checks it on random input): same
 blake2b-8 over ``parent (u64 LE) || tokens (i64 LE)``, same 63-bit mask. Three things make it fast
 enough for a sub-millisecond decision on a 4k-token prompt:
 
@@ -16,7 +16,7 @@ import hashlib
 import struct
 from collections.abc import Iterator, Sequence
 
-from worker.cache.events import ROOT_HASH
+from core.events import ROOT_HASH
 
 _MASK_63 = 0x7FFF_FFFF_FFFF_FFFF
 _PACK_PARENT = struct.Struct("<Q").pack

@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import NamedTuple, Protocol
 
-from worker.cache.events import PageState
+from core.events import PageState
 
 
 class PageSource(Protocol):

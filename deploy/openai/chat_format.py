@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
+from core.sampling_params import Grammar
 from deploy.openai.prompts import PromptBuilder
 from deploy.openai.schema import ChatCompletionRequest
 from deploy.openai.tools import ChatParser, chat_parser, check_tools, tool_grammar
-from worker.sampling_params import Grammar
 
 
 class ChatFormat(Protocol):

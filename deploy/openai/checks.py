@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from core.sampling_params import MAX_LOGIT_BIAS, Grammar, SamplingParams
 from deploy.openai.schema import APIError, ChatCompletionRequest, CompletionRequest, bad_request
-from worker.sampling_params import MAX_LOGIT_BIAS, Grammar, SamplingParams
 
 
 def check_common(req: CompletionRequest | ChatCompletionRequest, model_name: str) -> None:

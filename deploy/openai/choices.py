@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from core.outputs import StreamDelta, TokenLogprob
 from deploy.openai.bodies import (
     ChatLogprobs,
     ChatTokenLogprob,
@@ -28,7 +29,6 @@ from deploy.openai.bodies import (
 )
 from deploy.openai.detokenize import IncrementalDetokenizer, StopTextStream, TextPiece
 from deploy.openai.tools import ChatParser
-from worker.outputs import StreamDelta, TokenLogprob
 
 
 @dataclass

@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from cluster.messages import RoutedRequest, StreamStart
-from worker.outputs import StreamDelta
+from core.outputs import StreamDelta
 
 _Item = tuple["PromptStream", StreamDelta | BaseException | None]
 

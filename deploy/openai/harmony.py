@@ -24,10 +24,10 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from core.sampling_params import Grammar
 from deploy.openai.bodies import ToolCallDelta
 from deploy.openai.schema import ChatCompletionRequest, ChatMessage, bad_request
 from deploy.openai.tools import ChatParser, ChatPiece, check_tools, tool_grammar
-from worker.sampling_params import Grammar
 
 if TYPE_CHECKING:
     from openai_harmony import HarmonyEncoding, Message, StreamableParser

@@ -13,6 +13,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from core.outputs import StreamDelta, TokenLogprob
 from deploy.openai.bodies import (
     ChatChoice,
     ChatChunkChoice,
@@ -35,7 +36,6 @@ from deploy.openai.choices import (
 )
 from deploy.openai.detokenize import IncrementalDetokenizer
 from deploy.openai.tools import ChatPiece
-from worker.outputs import StreamDelta, TokenLogprob
 
 
 @dataclass(frozen=True)

@@ -11,8 +11,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from core.sampling_params import Grammar
 from deploy.openai.schema import ChatCompletionRequest, CompletionRequest, bad_request
-from worker.sampling_params import Grammar
 
 ANY_OBJECT = '{"type": "object"}'
 

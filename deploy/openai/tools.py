@@ -20,9 +20,9 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from core.sampling_params import Grammar
 from deploy.openai.bodies import FunctionCallOut, ToolCallDelta, ToolCallOut
 from deploy.openai.schema import ChatCompletionRequest, NamedToolChoice, Tool, bad_request
-from worker.sampling_params import Grammar
 
 
 def new_call_id() -> str:

@@ -29,8 +29,8 @@ from typing import TYPE_CHECKING, Protocol
 
 from cluster.messages import RoutedRequest, StreamStart, WorkerInfo, WorkerUnavailableError
 from cluster.replica_stats import ReplicaSnapshot
+from core.outputs import StreamDelta
 from router.ingress_signal import placed_on
-from worker.outputs import StreamDelta
 
 if TYPE_CHECKING:
     from ray import ObjectRef

@@ -17,7 +17,7 @@ import uuid
 
 from cluster.messages import CacheSnapshot, EventBatch, StatsDict, WorkerMeta
 from cluster.transport import EventPublisher, get_or_create_index_actor, index_actor_name
-from worker.cache.events import CacheEvent, PageState
+from core.events import CacheEvent, PageState
 from worker.config import repairs_tombstones
 from worker.engine.protocols import EngineClient
 

@@ -33,12 +33,12 @@ from cluster.messages import (
     WorkerInfo,
     WorkerUnavailableError,
 )
+from core.outputs import StreamDelta
+from core.sampling_params import SamplingParams
 from deploy.metrics import flatten_stats
 from worker.config import EngineConfig
 from worker.engine.protocols import EngineClient
 from worker.errors import EngineGoneError
-from worker.outputs import StreamDelta
-from worker.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from ray.serve.context import ReplicaContext

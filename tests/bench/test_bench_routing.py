@@ -17,8 +17,8 @@ from bench.routing_figures import quantile
 from bench.routing_sim import SimCluster, Simulation
 from bench.routing_workloads import WorkloadSize, make_workload
 from bench.sim_runner import SIM_TOKEN, SimRunner, StepCost, build_sim_engine
+from core.sampling_params import SamplingParams
 from worker.runner.forward_batch import ForwardBatch, ForwardReq
-from worker.sampling_params import SamplingParams
 
 WORKERS, PER_WORKER = 4, 12  # small, but enough traffic for tombstones to change placements
 

@@ -56,9 +56,9 @@ def test_engine_greedy_equals_transformers_on_the_model(small_model: Path) -> No
     from transformers import AutoTokenizer
 
     from bench.compare_parity import comparable, parity_prompts, transformers_texts
+    from core.sampling_params import SamplingParams
     from worker.config import EngineConfig
     from worker.engine.engine import Engine
-    from worker.sampling_params import SamplingParams
 
     prompts = parity_prompts(small_model, (10, 40))
     assert all(len(p) == n for p, n in zip(prompts, (10, 40)))

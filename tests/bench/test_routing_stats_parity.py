@@ -8,10 +8,10 @@ import dataclasses
 from bench.routing_sim import SimCluster, Simulation
 from bench.routing_workloads import WorkloadSize, make_workload
 from cluster.messages import WorkerLoad
+from core.outputs import EngineStats
+from core.sampling_params import SamplingParams
 from deploy.replica.worker import WorkerDeployment, WorkerOptions
 from worker.engine.engine import Engine
-from worker.outputs import EngineStats
-from worker.sampling_params import SamplingParams
 
 
 class _HeldEngine:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from cluster.index import ApplyOutcome, ClusterIndex, IndexLimits
 from cluster.messages import CacheSnapshot, EventBatch, WorkerMeta, WorkerRemoved, WorkerResync
-from worker.cache.events import CacheEvent, EventKind, PageState
+from core.events import CacheEvent, EventKind, PageState
 
 K = EventKind
 

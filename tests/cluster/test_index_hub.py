@@ -5,7 +5,7 @@ from __future__ import annotations
 from cluster.index import ClusterIndex
 from cluster.index_hub import IndexHub, apply_delta
 from cluster.messages import CacheSnapshot, EventBatch, WorkerMeta, WorkerRemoved, WorkerResync
-from worker.cache.events import CacheEvent, EventKind
+from core.events import CacheEvent, EventKind
 
 
 def _meta(wid: str = "w", inc: str = "i") -> WorkerMeta:

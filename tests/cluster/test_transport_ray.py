@@ -40,9 +40,9 @@ from cluster.transport import (
     index_actor_name,
     kill_index_actor,
 )
+from core.events import CacheEvent, EventKind, PageState, page_hashes
 from router import ingress_signal
 from router.match import valid_match_reference
-from worker.cache.events import CacheEvent, EventKind, PageState, page_hashes
 
 pytestmark = pytest.mark.ray
 

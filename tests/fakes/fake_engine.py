@@ -13,10 +13,10 @@ import threading
 from collections.abc import AsyncGenerator, Sequence
 from pathlib import Path
 
-from worker.cache.events import CacheEvent, PageState
+from core.events import CacheEvent, PageState
+from core.outputs import EngineStats, PoolStats, StreamDelta, TokenLogprob
+from core.sampling_params import SamplingParams
 from worker.config import EngineConfig
-from worker.outputs import EngineStats, PoolStats, StreamDelta, TokenLogprob
-from worker.sampling_params import SamplingParams
 
 
 class FakeEngine:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from cluster.index import ClusterIndex
 from cluster.messages import CacheSnapshot, PoolHeadroom, WorkerLoad, WorkerMeta, WorkerResync
-from worker.cache.events import PageState, page_hashes
+from core.events import PageState, page_hashes
 
 PAGE = 4
 WINDOW = 8  # two LIVE pages must end a match that crosses a tombstone

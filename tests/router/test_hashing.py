@@ -1,12 +1,12 @@
-"""PageHasher reproduces worker.cache.events.page_hashes exactly, memoised or not."""
+"""PageHasher reproduces core.events.page_hashes exactly, memoised or not."""
 
 from __future__ import annotations
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from core.events import page_hashes
 from router.hashing import PageHasher
-from worker.cache.events import page_hashes
 
 
 @settings(max_examples=200, deadline=None)

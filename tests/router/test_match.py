@@ -6,8 +6,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cluster.page_map import PageMap
+from core.events import PageState
 from router.match import deepest_valid, match_chain, valid_match_reference
-from worker.cache.events import PageState
 
 L, T = PageState.LIVE, PageState.TOMBSTONE
 

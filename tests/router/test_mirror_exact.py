@@ -1,6 +1,6 @@
 """The router's mirror is exact: fed the real radix cache's events, its valid and full matches
 equal the cache's own `match_prefix` for every probe, after every insert, SWA free and eviction,
-and its (reused, repaired) prediction is the worker's own repair decision (worker/cache/reuse.py)."""
+and its (reused, repaired) prediction is the worker's own repair decision (core/reuse.py)."""
 
 from __future__ import annotations
 
@@ -13,10 +13,11 @@ from hypothesis import strategies as st
 
 from cluster.index import ClusterIndex
 from cluster.messages import CacheSnapshot, EventBatch, WorkerMeta, WorkerResync
+from core.geometry import Geometry
+from core.reuse import plan_reuse
 from router.core import Candidate, RouterCore
 from router.policies import make_policy
 from worker.cache.radix_cache import RadixCache
-from worker.cache.reuse import plan_reuse
 from worker.kv.hybrid_allocator import HybridAllocator
 
 PAGE = 2
@@ -67,8 +68,7 @@ class MirroredWorker:
 
     def actual(self, prompt: list[int]) -> tuple[int, int, int, int]:
         m = self.cache.match_prefix(prompt[:-1])
-        reuse = plan_reuse(m.full_length, m.length, window=self.cache.window,
-                           swa_layers=SWA_LAYERS, page_size=PAGE, repair=True)  # fmt: skip
+        reuse = plan_reuse(m.full_length, m.length, Geometry(PAGE, self.cache.window, SWA_LAYERS), repair=True)
         return m.length, m.full_length, reuse.reused, reuse.repaired
 
     def _alloc(self, n: int) -> torch.Tensor | None:

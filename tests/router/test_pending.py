@@ -7,11 +7,11 @@ from routing_builders import PAGE, WINDOW, index_with, load, prompt
 
 from cluster.index import ClusterIndex
 from cluster.messages import CacheSnapshot, EventBatch, WorkerMeta, WorkerRemoved, WorkerResync
+from core.events import CacheEvent, EventKind, page_hashes
 from router.core import Candidate, RouterCore
 from router.inflight import InflightTracker
 from router.pending import PendingPages
 from router.policies import make_policy
-from worker.cache.events import CacheEvent, EventKind, page_hashes
 
 
 def _core(index: ClusterIndex, ttl_s: float = 10.0) -> RouterCore:

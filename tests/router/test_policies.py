@@ -7,10 +7,10 @@ from routing_builders import PAGE, index_with, load, prompt
 
 from cluster.index import ClusterIndex
 from cluster.messages import EventBatch, WorkerRemoved
+from core.events import CacheEvent, EventKind, page_hashes
 from router.core import Candidate, RouterCore
 from router.cost import CostWeights
 from router.policies import POLICIES, make_policy
-from worker.cache.events import CacheEvent, EventKind, page_hashes
 
 
 def _core(index: ClusterIndex, policy: str = "swa_prefix", **weights: float) -> RouterCore:

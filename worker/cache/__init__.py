@@ -1,8 +1,5 @@
-"""Prefix caches over the hybrid allocator: the unified radix cache and the chunk cache.
-
-Importing this package imports no torch: `worker.cache.events` (the event vocabulary the router
-and the cluster index share) must stay light. The implementations load in `create_cache`.
-"""
+"""Prefix caches over the hybrid allocator: the unified radix cache and the chunk cache
+(`create_cache` picks one; the implementations load when asked for)."""
 
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from worker.cache.events import CacheEvent, PageState
+from core.events import CacheEvent, PageState
 
 if TYPE_CHECKING:
     from worker.cache.node import Node

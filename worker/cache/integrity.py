@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, NoReturn
 
 import torch
 
-from worker.cache.events import page_hashes
+from core.events import page_hashes
 
 if TYPE_CHECKING:
     from worker.cache.node import Node

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from worker.cache.events import ROOT_HASH
+from core.events import ROOT_HASH
 
 Key = tuple[int, ...]
 

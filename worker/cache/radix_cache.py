@@ -11,8 +11,9 @@ from collections.abc import Sequence
 
 import torch
 
+from core.events import CacheEvent, EventKind, EventLog, PageState
+from core.geometry import floor_page
 from worker.cache.base import EvictResult, LockReceipt, MatchResult, PrefixCache
-from worker.cache.events import CacheEvent, EventKind, EventLog, PageState
 from worker.cache.evict import evict as evict_tree
 from worker.cache.insert import InsertOutcome, insert
 from worker.cache.integrity import check_tree
@@ -24,7 +25,6 @@ from worker.cache.tree import AllocOps, RadixTree
 from worker.config import SWA_EVICTION_POLICIES
 from worker.kv.frontier import free_out_of_window
 from worker.kv.hybrid_allocator import HybridAllocator
-from worker.kv.pages import floor_page
 
 _I64 = torch.int64
 

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from worker.kv.pages import ceil_page
+from core.geometry import ceil_page
 
 if TYPE_CHECKING:
     from worker.cache.base import LockReceipt

@@ -16,12 +16,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from core.events import EventKind, EventLog, page_hashes
+from core.geometry import ceil_page, floor_page
 from worker.cache.base import LockReceipt
-from worker.cache.events import EventKind, EventLog, page_hashes
 from worker.cache.lru import LeafHeap, LRUList
 from worker.cache.node import Key, Node, split_off_head
 from worker.cache.retention import TailRetention
-from worker.kv.pages import ceil_page, floor_page
 
 
 @dataclass(slots=True)

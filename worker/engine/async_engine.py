@@ -17,13 +17,13 @@ from collections.abc import AsyncGenerator, Callable, Sequence
 from pathlib import Path
 from typing import TypeVar
 
-from worker.cache.events import CacheEvent, PageState
+from core.events import CacheEvent, PageState
+from core.outputs import EngineStats, StreamDelta
+from core.sampling_params import SamplingParams
 from worker.config import EngineConfig
 from worker.engine.engine import Engine
 from worker.engine.protocols import RankLauncher
 from worker.engine.setup import EngineParts
-from worker.outputs import EngineStats, StreamDelta
-from worker.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -21,7 +21,10 @@ import queue
 import time
 from collections.abc import Callable, Sequence
 
-from worker.cache.events import CacheEvent, PageState
+from core.events import CacheEvent, PageState
+from core.geometry import ceil_page
+from core.outputs import EngineStats, Output, StreamDelta, TokenLogprob
+from core.sampling_params import SamplingParams
 from worker.config import (
     EngineConfig,
     check_scheduling,
@@ -35,11 +38,8 @@ from worker.engine.setup import EngineParts, build_engine_parts
 from worker.engine.stats import EngineCounters, PoolPeaks, snapshot
 from worker.engine.step_io import prompt_logits, record_prompt_logprobs, sample_row
 from worker.engine.stopping import StopChecker
-from worker.kv.pages import ceil_page
-from worker.outputs import EngineStats, Output, StreamDelta, TokenLogprob
 from worker.runner.forward_batch import ForwardBatch
 from worker.runner.noise import seed_key
-from worker.sampling_params import SamplingParams
 from worker.scheduler.plan import SchedulerLimits, StepWork
 from worker.scheduler.request import Req, ReqState
 from worker.scheduler.scheduler import Scheduler

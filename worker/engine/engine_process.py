@@ -56,11 +56,11 @@ from multiprocessing.connection import Client, Connection, Listener
 from pathlib import Path
 from typing import cast
 
-from worker.cache.events import CacheEvent, PageState
+from core.events import CacheEvent, PageState
+from core.outputs import EngineStats, StreamDelta
+from core.sampling_params import SamplingParams
 from worker.config import EngineConfig
 from worker.errors import EngineGoneError
-from worker.outputs import EngineStats, StreamDelta
-from worker.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 

@@ -15,13 +15,13 @@ from typing import Protocol
 
 import torch
 
-from worker.cache.events import CacheEvent, PageState
+from core.events import CacheEvent, PageState
+from core.outputs import EngineStats, StreamDelta
+from core.sampling_params import SamplingParams
 from worker.config import EngineConfig
-from worker.outputs import EngineStats, StreamDelta
 from worker.parallel.group import TPAddress
 from worker.runner.forward_batch import ForwardBatch
 from worker.runner.sampler import SampleOutput, SampleRow
-from worker.sampling_params import SamplingParams
 
 
 class Runner(Protocol):

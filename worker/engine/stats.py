@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from core.outputs import EngineStats, PoolStats
 from worker.cache.base import PrefixCache
 from worker.kv.hybrid_allocator import HybridAllocator
-from worker.outputs import EngineStats, PoolStats
 from worker.scheduler.scheduler import Scheduler
 
 

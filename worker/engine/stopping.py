@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from core.outputs import FinishReason
 from worker.models.model_dir import Tokenizer
-from worker.outputs import FinishReason
 from worker.scheduler.request import Req
 
 

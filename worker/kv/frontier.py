@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from core.geometry import ceil_page, floor_page
 from worker.kv.allocator import check_page_size
-from worker.kv.pages import ceil_page, floor_page
 
 if TYPE_CHECKING:
     from worker.kv.hybrid_allocator import HybridAllocator

@@ -21,9 +21,9 @@ import logging
 import math
 from dataclasses import dataclass
 
+from core.geometry import ceil_page, floor_page
 from worker.errors import ConfigError
 from worker.kv.frontier import steady_swa_per_request
-from worker.kv.pages import ceil_page, floor_page
 from worker.models.spec import LayerKind, ModelSpec
 
 logger = logging.getLogger(__name__)

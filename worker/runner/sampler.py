@@ -19,7 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from worker.outputs import TokenLogprob
+from core.outputs import TokenLogprob
+from core.sampling_params import SamplingParams
 from worker.runner.logit_controls import (
     apply_banned,
     apply_bitmask,
@@ -27,7 +28,6 @@ from worker.runner.logit_controls import (
     apply_penalties,
 )
 from worker.runner.noise import exponential_noise
-from worker.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from worker.kv.pages import ceil_page, floor_page
+from core.geometry import ceil_page, floor_page
 
 if TYPE_CHECKING:
     from worker.cache.base import PrefixCache

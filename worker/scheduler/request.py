@@ -18,9 +18,9 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from core.outputs import FinishReason, TokenLogprob
+from core.sampling_params import SamplingParams
 from worker.cache.req_kv import ReqKV
-from worker.outputs import FinishReason, TokenLogprob
-from worker.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from worker.structured.grammar import GrammarMatcher

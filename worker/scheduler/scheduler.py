@@ -10,7 +10,7 @@ take the decode tokens even after evicting the tree and freeing everything out o
 the most recently admitted requests are retracted); then prefilling requests get their next
 chunk and waiting requests are admitted FIFO while the step's prefill budget lasts, within both
 pools' budgets (`worker.scheduler.budget`), through a tombstone repair when the shared rule
-says so (`worker.cache.reuse`, docs/design.md §9.8).
+says so (`core.reuse`, docs/design.md §9.8).
 """
 
 from __future__ import annotations
@@ -19,12 +19,12 @@ from collections import deque
 
 import torch
 
+from core.geometry import Geometry, ceil_page
+from core.outputs import FinishReason, TokenLogprob
+from core.reuse import Reuse, plan_reuse
 from worker.cache.base import MatchResult, PrefixCache
 from worker.cache.req_kv import ReqKV
-from worker.cache.reuse import Reuse, plan_reuse
 from worker.kv.hybrid_allocator import HybridAllocator
-from worker.kv.pages import ceil_page
-from worker.outputs import FinishReason, TokenLogprob
 from worker.scheduler.budget import (
     continuing_chunk_len,
     first_chunk_len,
@@ -254,10 +254,8 @@ class Scheduler:
         tokens = req.all_tokens()
         match = self.cache.match_prefix(tokens[: req.reusable])
         lim = self.limits
-        reuse = plan_reuse(
-            match.full_length, match.length, window=lim.window, swa_layers=lim.swa_layers,
-            page_size=lim.page_size, repair=lim.tombstone_repair and lim.radix,
-        )  # fmt: skip
+        geometry = Geometry(lim.page_size, lim.window, lim.swa_layers)
+        reuse = plan_reuse(match.full_length, match.length, geometry, repair=lim.tombstone_repair and lim.radix)
         if reuse.repaired:
             admitted, item = self._admit_repair(req, tokens, reuse, budget)
             if admitted:

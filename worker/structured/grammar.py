@@ -1,4 +1,4 @@
-"""A request's grammar: `Grammar` (worker.sampling_params) → llguidance matcher (docs/design.md §4.1).
+"""A request's grammar: `Grammar` (core.sampling_params) → llguidance matcher (docs/design.md §4.1).
 
 `GrammarCompiler` owns the llguidance tokenizer (built once from the model's HF tokenizer, sized
 to the model's vocabulary so masks cover every logit) and turns a `Grammar` into a
@@ -16,7 +16,7 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from worker.sampling_params import Grammar
+from core.sampling_params import Grammar
 
 if TYPE_CHECKING:
     from llguidance import LLMatcher, LLTokenizer

@@ -12,10 +12,10 @@ import pytest
 from ray.exceptions import ActorUnavailableError
 
 from cluster.messages import RoutedRequest, StreamStart, WorkerUnavailableError
+from core.outputs import StreamDelta
 from deploy.openai.service import PLAIN_RESTARTS
 from tests.deploy.openai.openai_harness import MODEL, expected_greedy, make_harness, sse_events
 from tests.fakes.tokenizer import make_tokenizer_dir
-from worker.outputs import StreamDelta
 
 
 @pytest.fixture(scope="module")

@@ -12,9 +12,9 @@ import httpx
 import openai
 import pytest
 
+from core.sampling_params import Grammar
 from tests.deploy.openai.openai_harness import MODEL, Harness, expected_greedy, make_harness
 from tests.fakes.tokenizer import make_tokenizer_dir
-from worker.sampling_params import Grammar
 
 
 @pytest.fixture(scope="module")
@@ -376,8 +376,8 @@ def test_streamed_echo_starts_with_the_prompt(tokenizer: Any) -> None:
 
 def test_best_of_ranks_by_cumulative_logprob() -> None:
     """best_of keeps, per prompt, the choices with the highest summed logprob, reindexed."""
+    from core.outputs import TokenLogprob
     from deploy.openai.choices import ChoiceState, best_of
-    from worker.outputs import TokenLogprob
 
     def choice(index: int, prompt: int, lps: list[float]) -> ChoiceState:
         c = ChoiceState(index, prompt, f"r{index}", None)  # type: ignore[arg-type]

@@ -91,9 +91,9 @@ def test_openai_client_completions_and_chat(server: Server) -> None:
 
 def test_greedy_matches_offline_engine(server: Server) -> None:
     """A greedy HTTP request returns the text of the offline engine's tokens for the same config."""
+    from core.sampling_params import SamplingParams
     from deploy.config import ServeConfig
     from worker.engine.engine import Engine
-    from worker.sampling_params import SamplingParams
 
     prompt = [5, 17, 42, 99, 7, 3, 250, 11, 64, 8]
     engine = Engine(ServeConfig(model=MODEL).to_engine_config())

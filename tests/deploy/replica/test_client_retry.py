@@ -11,9 +11,9 @@ import pytest
 from ray.exceptions import ActorDiedError, ActorUnavailableError
 
 from cluster.messages import RoutedRequest, StreamStart, WorkerUnavailableError
+from core.outputs import StreamDelta
 from deploy.replica.client import RETRIES, ServeWorkerClient
 from router import ingress_signal
-from worker.outputs import StreamDelta
 
 
 class _Handle:

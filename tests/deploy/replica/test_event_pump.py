@@ -9,8 +9,8 @@ import time
 from typing import Any, cast
 
 from cluster.messages import EventBatch
+from core.events import CacheEvent, EventKind
 from deploy.replica.events import CacheEventPump
-from worker.cache.events import CacheEvent, EventKind
 from worker.engine.protocols import EngineClient
 
 

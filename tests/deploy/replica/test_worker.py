@@ -8,10 +8,10 @@ from typing import Any
 import pytest
 
 from cluster.messages import RoutedRequest, StreamStart, WorkerUnavailableError
+from core.sampling_params import SamplingParams
 from deploy.replica.worker import WorkerDeployment, WorkerOptions
 from tests.fakes.fake_engine import FakeEngine
 from worker.config import EngineConfig
-from worker.sampling_params import SamplingParams
 
 
 def _worker(**kw: Any) -> tuple[WorkerDeployment, FakeEngine]:

@@ -6,8 +6,8 @@ import pytest
 import torch
 from cache_helpers import make_cache, node_at, put
 
+from core.events import EventKind, page_hashes
 from worker.cache.base import EvictResult
-from worker.cache.events import EventKind, page_hashes
 
 SWA_CONFIGS = [(1, 4), (4, 4), (4, 2), (16, 16), (64, 64), (128, 128), (128, 4), (1, 128)]
 

@@ -27,8 +27,8 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
+from core.events import EventKind, PageState, page_hashes, replay
 from worker.cache.base import LockReceipt
-from worker.cache.events import EventKind, PageState, page_hashes, replay
 from worker.cache.match import match_path
 from worker.cache.req_kv import ReqKV
 

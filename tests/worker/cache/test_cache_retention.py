@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from cache_helpers import _alloc, make_cache, node_at, put
 
-from worker.cache.events import EventKind, page_hashes
+from core.events import EventKind, page_hashes
 from worker.cache.radix_cache import RadixCache
 from worker.cache.req_kv import ReqKV
 

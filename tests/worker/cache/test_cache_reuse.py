@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from worker.cache.reuse import Reuse, plan_reuse, repair_rows
+from core.geometry import Geometry
+from core.reuse import Reuse, plan_reuse, repair_rows
 
 
 @pytest.mark.parametrize(
@@ -19,26 +20,26 @@ from worker.cache.reuse import Reuse, plan_reuse, repair_rows
 )
 def test_repair_rows(window: int, swa_layers: int, page: int, rows: int) -> None:
     """R = ceil_P(ceil_P(W) + (n_swa - 1) W), and never more than a page over ceil_P(n_swa W)."""
-    assert repair_rows(window, swa_layers, page) == rows
+    assert repair_rows(Geometry(page, window, swa_layers)) == rows
     plain = -(-swa_layers * window // page) * page
     assert plain <= rows <= plain + page
 
 
 def test_repair_only_when_it_costs_at_most_half_of_what_it_saves() -> None:
     """R <= (p_full - p_valid) / 2, else the valid match; off, no window or no gap: valid."""
-    kw = dict(window=16, swa_layers=2, page_size=4)  # R = 32
-    assert plan_reuse(200, 100, repair=True, **kw) == Reuse(168, 32)
-    assert plan_reuse(164, 100, repair=True, **kw) == Reuse(132, 32)  # gap 64 = 2R
-    assert plan_reuse(160, 100, repair=True, **kw) == Reuse(100)  # gap 60 < 2R
-    assert plan_reuse(200, 100, repair=False, **kw) == Reuse(100)
-    assert plan_reuse(200, 200, repair=True, **kw) == Reuse(200)
-    assert plan_reuse(200, 0, window=None, swa_layers=2, page_size=4, repair=True) == Reuse(0)
-    assert plan_reuse(200, 0, window=16, swa_layers=0, page_size=4, repair=True) == Reuse(0)
+    g = Geometry(page_size=4, window=16, swa_layers=2)  # R = 32
+    assert plan_reuse(200, 100, g, repair=True) == Reuse(168, 32)
+    assert plan_reuse(164, 100, g, repair=True) == Reuse(132, 32)  # gap 64 = 2R
+    assert plan_reuse(160, 100, g, repair=True) == Reuse(100)  # gap 60 < 2R
+    assert plan_reuse(200, 100, g, repair=False) == Reuse(100)
+    assert plan_reuse(200, 200, g, repair=True) == Reuse(200)
+    assert plan_reuse(200, 0, Geometry(4, None, 2), repair=True) == Reuse(0)
+    assert plan_reuse(200, 0, Geometry(4, 16, 0), repair=True) == Reuse(0)
 
 
 def test_reuse_never_starts_before_the_valid_match() -> None:
     """Whenever it repairs, the forward starts past p_valid and ends the repair at p_full."""
     for p_full in range(0, 400, 4):
         for p_valid in range(0, p_full + 1, 4):
-            r = plan_reuse(p_full, p_valid, window=16, swa_layers=3, page_size=4, repair=True)
+            r = plan_reuse(p_full, p_valid, Geometry(4, 16, 3), repair=True)
             assert r.reused >= p_valid and r.reused + r.repaired in (p_valid, p_full)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from cache_helpers import decode, make_cache, move_frontier, node_at, put, start_req
 
+from core.events import EventKind, PageState, page_hashes, replay
 from worker.cache import create_cache
 from worker.cache.chunk_cache import ChunkCache
-from worker.cache.events import EventKind, PageState, page_hashes, replay
 from worker.cache.req_kv import ReqKV
 from worker.kv.frontier import free_out_of_window
 from worker.kv.hybrid_allocator import HybridAllocator

@@ -8,10 +8,10 @@ from dataclasses import dataclass, field
 
 import pytest
 
+from core.outputs import StreamDelta
+from core.sampling_params import SamplingParams
 from tests.worker.engine.conftest import Oracle, assert_all_free, run_checked, tokens
 from worker.engine.engine import Engine
-from worker.outputs import StreamDelta
-from worker.sampling_params import SamplingParams
 from worker.scheduler.request import Req, ReqState
 
 pytestmark = pytest.mark.usefixtures("overlap")  # every test with overlap off and on

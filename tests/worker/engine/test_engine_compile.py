@@ -7,13 +7,13 @@ from __future__ import annotations
 import pytest
 from torch import nn
 
+from core.sampling_params import SamplingParams
 from tests.worker.engine.conftest import Oracle, tokens
 from worker.config import EngineConfig
 from worker.engine.engine import Engine
 from worker.models import packed as packing
 from worker.models.packed import PackedLinear
 from worker.runner.model_runner import ModelRunner
-from worker.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 

@@ -8,9 +8,9 @@ from collections.abc import Iterator
 
 import pytest
 
+from core.sampling_params import SamplingParams
 from worker.config import EngineConfig
 from worker.engine.engine import Engine
-from worker.sampling_params import SamplingParams
 
 PROMPT = [17, 230, 45, 99, 512, 8, 77]
 

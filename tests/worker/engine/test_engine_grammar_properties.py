@@ -19,12 +19,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from core.outputs import StreamDelta
+from core.sampling_params import Grammar, SamplingParams
 from tests.worker.engine.conftest import assert_all_free, run_checked
 from worker.config import EngineConfig
 from worker.engine.engine import Engine
 from worker.models.model_dir import load_tokenizer
-from worker.outputs import StreamDelta
-from worker.sampling_params import Grammar, SamplingParams
 from worker.structured.grammar import GrammarCompiler
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer", "maximum": 99}, "b": {"type": "boolean"}},

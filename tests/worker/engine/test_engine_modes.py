@@ -10,11 +10,11 @@ from typing import Any
 import pytest
 import torch
 
+from core.sampling_params import SamplingParams
 from tests.worker.engine.conftest import Oracle, assert_all_free, run_checked, tokens
 from tests.worker.models.hf_tiny import CONFIGS, hf_greedy, randomize
 from worker.config import EngineConfig
 from worker.engine.engine import Engine
-from worker.sampling_params import SamplingParams
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 Greedy = Callable[[list[int], int], list[int]]

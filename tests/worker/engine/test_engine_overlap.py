@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import pytest
 
+from core.outputs import StreamDelta
+from core.sampling_params import Grammar, SamplingParams
 from tests.worker.engine.conftest import Oracle, assert_all_free, run_checked, tokens
 from worker.config import EngineConfig
 from worker.engine.engine import Engine
-from worker.outputs import StreamDelta
-from worker.sampling_params import Grammar, SamplingParams
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 

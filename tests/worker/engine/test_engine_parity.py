@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from core.sampling_params import SamplingParams
 from tests.worker.engine.conftest import WINDOW, Oracle, run_checked, tokens
-from worker.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.usefixtures("overlap")  # every test with overlap off and on
 
@@ -83,7 +83,7 @@ def test_shared_prefix_reports_the_valid_match(oracle: Oracle) -> None:
 def _valid_match_from_snapshot(engine, prompt: list[int]) -> int:
     """The window rule applied page by page to the cache's published state (independent of
     the tree's own match code)."""
-    from worker.cache.events import PageState, page_hashes
+    from core.events import PageState, page_hashes
 
     P, window = engine.config.page_size, engine.spec.window
     pages = engine.cache_snapshot()

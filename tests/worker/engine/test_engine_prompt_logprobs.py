@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from core.sampling_params import SamplingParams
 from tests.worker.engine.conftest import Oracle, assert_all_free, run_checked, tokens
-from worker.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.usefixtures("overlap")  # every test with overlap off and on
 

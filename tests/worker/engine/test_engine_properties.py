@@ -10,9 +10,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from core.outputs import StreamDelta
+from core.sampling_params import SamplingParams
 from tests.worker.engine.conftest import Oracle, assert_all_free, run_checked, tokens
-from worker.outputs import StreamDelta
-from worker.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.usefixtures("overlap")  # every test with overlap off and on
 

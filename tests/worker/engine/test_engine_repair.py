@@ -11,13 +11,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from core.geometry import Geometry
+from core.reuse import plan_reuse, repair_rows
+from core.sampling_params import SamplingParams
 from tests.worker.engine.conftest import Oracle, assert_all_free, run_checked, tokens
 from tests.worker.models.hf_tiny import ARCHS, TinyHF, hf_greedy, make_tiny
-from worker.cache.reuse import plan_reuse, repair_rows
 from worker.config import EngineConfig
 from worker.engine.engine import Engine
 from worker.runner.forward_batch import ForwardBatch
-from worker.sampling_params import SamplingParams
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 MAX_NEW = 8
@@ -91,14 +92,13 @@ def test_repaired_prefix_matches_transformers_and_a_cold_run(
     spec = engine.spec
     assert spec.window is not None
     n_swa = len(spec.swa_layer_ids)
-    rows = repair_rows(spec.window, n_swa, page)
+    rows = repair_rows(Geometry(page, spec.window, n_swa))
     shared = tokens(4 * rows + 2 * page, seed=11)
     run(engine, [shared + tokens(5, seed=12)])
     engine.cache.evict(0, engine.cache.swa_evictable)  # every SWA page goes; full KV stays
     b, other, c = shared + tokens(9, seed=13), tokens(3 * page + 5, seed=14), shared + [5]
     m = engine.cache.match_prefix(b[:-1])
-    want = plan_reuse(m.full_length, m.length, window=spec.window, swa_layers=n_swa,
-                      page_size=page, repair=True)  # fmt: skip
+    want = plan_reuse(m.full_length, m.length, Geometry(page, spec.window, n_swa), repair=True)
     assert want.repaired == rows > 0 and want.reused + rows == len(shared)
     rid_b, rid_other = run(engine, [b, other])
     stats = engine.stats()
@@ -128,8 +128,7 @@ def test_repair_outputs_report_cached_and_repaired_tokens(oracle: Oracle) -> Non
     second = first[:160] + tokens(7, seed=22)
     m = engine.cache.match_prefix(second[:-1])
     spec = engine.spec
-    want = plan_reuse(m.full_length, m.length, window=spec.window,
-                      swa_layers=len(spec.swa_layer_ids), page_size=4, repair=True)  # fmt: skip
+    want = plan_reuse(m.full_length, m.length, Geometry(4, spec.window, len(spec.swa_layer_ids)), repair=True)
     out = engine.generate([second], SamplingParams(max_tokens=8, **GREEDY))[0]
     assert (out.cached_tokens, out.repaired_tokens) == (want.reused, want.repaired)
     assert want.repaired > 0 and out.token_ids == oracle.greedy(second, 8)

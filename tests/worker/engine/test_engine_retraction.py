@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
+from core.sampling_params import SamplingParams
 from tests.worker.engine.conftest import WINDOW, Oracle, assert_all_free, run_checked, tokens
 from worker.engine.engine import Engine
-from worker.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.usefixtures("overlap")  # every test with overlap off and on
 

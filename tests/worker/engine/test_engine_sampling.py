@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from core.sampling_params import SamplingParams
 from tests.worker.engine.conftest import Oracle, assert_all_free, run_checked, tokens
 from tests.worker.models.hf_tiny import hf_greedy
 from worker.engine.engine import Engine
-from worker.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.usefixtures("overlap")  # every test with overlap off and on
 

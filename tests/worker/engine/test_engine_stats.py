@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from core.sampling_params import SamplingParams
 from tests.worker.engine.conftest import Oracle, assert_all_free, run_checked, tokens
-from worker.sampling_params import SamplingParams
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 

@@ -11,13 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from core.outputs import StreamDelta
+from core.sampling_params import SamplingParams
 from tests.worker.models.hf_tiny import ARCHS, make_tiny
 from worker.config import EngineConfig
 from worker.engine.engine import Engine
 from worker.engine.rank_processes import ProcessRanks
 from worker.errors import ConfigError
-from worker.outputs import StreamDelta
-from worker.sampling_params import SamplingParams
 
 # SWA pool of 64 tokens: request A alone (40 + 24 tokens) only fits because decode frees the
 # SWA KV that left the window (every window here is 8..16 keys).

@@ -63,8 +63,8 @@ def test_graph_replay_matches_eager_greedy(tmp_path: Path) -> None:
     graph wrappers may split keys differently, so a late bf16 near-tie may flip)."""
     pytest.importorskip("flashinfer")
     from bench.gpu_check import GpuCheckSettings, dense_model_dir
+    from core.sampling_params import SamplingParams
     from worker.engine.engine import Engine
-    from worker.sampling_params import SamplingParams
 
     # head dim 128 (FlashInfer's kernels), 5 sliding : 1 full layers, random weights
     path = dense_model_dir(tmp_path, GpuCheckSettings(hidden=256, layers=6, vocab=512))

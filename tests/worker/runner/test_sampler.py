@@ -8,9 +8,9 @@ from collections.abc import Sequence
 import pytest
 import torch
 
+from core.sampling_params import SamplingParams
 from worker.runner.noise import seed_key
 from worker.runner.sampler import Sampler, SampleRow
-from worker.sampling_params import SamplingParams
 
 # probabilities 0.5, 0.25, 0.125, 0.0625, 0.0625
 PROBS = torch.tensor([0.5, 0.25, 0.125, 0.0625, 0.0625])

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from core.geometry import ceil_page, floor_page
 from worker.kv.frontier import steady_swa_per_request
-from worker.kv.pages import ceil_page, floor_page
 from worker.scheduler.budget import (
     chunk_cap,
     continuing_chunk_len,

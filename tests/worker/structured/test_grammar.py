@@ -9,10 +9,10 @@ from collections.abc import Iterator
 
 import pytest
 
+from core.sampling_params import Grammar, SamplingParams
 from worker.config import EngineConfig
 from worker.engine.engine import Engine
 from worker.models.model_dir import load_tokenizer
-from worker.sampling_params import Grammar, SamplingParams
 
 SCHEMA = {
     "type": "object",

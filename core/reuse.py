@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from worker.kv.pages import ceil_page
+from core.geometry import Geometry
 
 
 class Reuse(NamedTuple):
@@ -47,39 +47,31 @@ class Reuse(NamedTuple):
         return self.reused
 
 
-def repair_rows(window: int, swa_layers: int, page_size: int) -> int:
+def repair_rows(g: Geometry) -> int:
     """R = ceil_P(ceil_P(W) + (n_swa − 1)·W): tokens recomputed before `p_full` (see above)."""
-    if window < 1 or swa_layers < 1:
-        raise ValueError(f"repair needs window >= 1 and >= 1 SWA layer, got {window}, {swa_layers}")
-    return ceil_page(ceil_page(window, page_size) + (swa_layers - 1) * window, page_size)
+    if g.window is None or g.window < 1 or g.swa_layers < 1:
+        raise ValueError(f"repair needs window >= 1 and >= 1 SWA layer, got {g.window}, {g.swa_layers}")
+    return g.ceil(g.ceil(g.window) + (g.swa_layers - 1) * g.window)
 
 
-def plan_reuse(
-    p_full: int,
-    p_valid: int,
-    *,
-    window: int | None,
-    swa_layers: int,
-    page_size: int,
-    repair: bool,
-) -> Reuse:
+def plan_reuse(p_full: int, p_valid: int, g: Geometry, *, repair: bool) -> Reuse:
     """(reused, repaired) for one prompt on one worker (both page-aligned).
 
     Repair when it is enabled, the worker has SWA layers with a window, the full match runs past
     the valid one, and `R ≤ (p_full − p_valid) / 2`; otherwise reuse the valid match.
     """
-    if not repair or window is None or swa_layers < 1 or p_full <= p_valid:
+    if not repair or not g.slides or p_full <= p_valid:
         return Reuse(p_valid)
-    rows = repair_rows(window, swa_layers, page_size)
+    rows = repair_rows(g)
     if 2 * rows > p_full - p_valid:
         return Reuse(p_valid)
     return Reuse(p_full - rows, rows)
 
 
-def live_after(reuse: Reuse, p_full: int, window: int | None, page_size: int) -> int:
+def live_after(reuse: Reuse, p_full: int, g: Geometry) -> int:
     """Where the pages a request leaves LIVE begin once it has run: a repair revives only the
     tail `[p_full − ceil_P(W), p_full)` (the tombstones before it stay), everything else from
     the compute start on is (re)computed and inserted live."""
-    if not reuse.repaired or window is None:
+    if not reuse.repaired or g.window is None:
         return reuse.compute_start
-    return p_full - ceil_page(window, page_size)
+    return p_full - g.ceil(g.window)

@@ -1,6 +1,6 @@
 """Cache events out of the tree (docs/design.md §4.3): a buffer the engine drains.
 
-Events name pages by chained page hash (`worker.cache.events.page_hashes`); each node keeps its
+Events name pages by chained page hash (`core.events.page_hashes`); each node keeps its
 pages' hashes, so the tree emits an event per node state change:
 
 | tree change                              | event              | page state after |
