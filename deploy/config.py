@@ -2,9 +2,11 @@
 
 Everything a user sets — in a bare YAML mapping, in the `args` of a Ray Serve config file, in the
 Helm chart's `serve.config` values or through the CLI — lands here, is validated once, and is
-converted once: `to_engine_config()` for the worker engine, `worker_deployment_options()` for the
-Ray Serve options of the worker deployment. Ray Serve calls our builder as
-`deploy.app:build_app(args)` with `args` = the fields below.
+converted once: `engine` for the worker engine, `worker_deployment_options()` for the Ray Serve
+options of the worker deployment. Ray Serve calls our builder as `deploy.app:build_app(args)` with
+`args` = the fields of this model, flat: the engine knobs (`EngineConfig`'s fields, declared with
+their defaults, descriptions and bounds in `worker/config.py`; made into pydantic fields here)
+beside placement, scaling, routing and HTTP.
 
     applications:
       - name: swaserve
