@@ -75,7 +75,7 @@ def build_app_from_config(
         ray_actor_options={"num_cpus": ingress.num_cpus},
     )(IngressDeployment)
     options = WorkerOptions(engine_process=cfg.engine_process, engine_niceness=cfg.engine_niceness)
-    workers = worker.bind(cfg.to_engine_config(), options, engine_factory)
+    workers = worker.bind(cfg.engine, options, engine_factory)
     app: Application = front.bind(workers, ingress_options(cfg, ingress))
     return app
 
@@ -89,13 +89,13 @@ def worker_options(cfg: ServeConfig) -> dict[str, Any]:
 
 def ingress_options(cfg: ServeConfig, ingress: IngressSettings) -> IngressOptions:
     service = ServiceOptions(
-        model_name=cfg.served_model_name or cfg.model,
+        model_name=cfg.served_model_name or cfg.engine.model,
         max_inflight=ingress.max_inflight,
         retry_after_s=ingress.retry_after_s,
     )
     api_key = cfg.api_key.get_secret_value() if cfg.api_key is not None else None
     return IngressOptions(
-        service=service, api_key=api_key or None, max_request_bytes=cfg.max_request_bytes, model=cfg.model
+        service=service, api_key=api_key or None, max_request_bytes=cfg.max_request_bytes, model=cfg.engine.model
     )
 
 

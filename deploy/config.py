@@ -2,9 +2,11 @@
 
 Everything a user sets — in a bare YAML mapping, in the `args` of a Ray Serve config file, in the
 Helm chart's `serve.config` values or through the CLI — lands here, is validated once, and is
-converted once: `to_engine_config()` for the worker engine, `worker_deployment_options()` for the
-Ray Serve options of the worker deployment. Ray Serve calls our builder as
-`deploy.app:build_app(args)` with `args` = the fields below.
+converted once: `engine` for the worker engine, `worker_deployment_options()` for the Ray Serve
+options of the worker deployment. Ray Serve calls our builder as `deploy.app:build_app(args)` with
+`args` = the fields of this model, flat: the engine knobs (`EngineConfig`'s fields, declared with
+their defaults, descriptions and bounds in `worker/config.py`; made into pydantic fields here)
+beside placement, scaling, routing and HTTP.
 
     applications:
       - name: swaserve
@@ -19,22 +21,21 @@ the RayService object on Kubernetes.
 
 from __future__ import annotations
 
-import dataclasses
 import os
-from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    SecretStr,
+    create_model,
+    model_validator,
+)
 
 from router.policies import DEFAULT_POLICY, POLICY_NAMES
-from worker.config import (
-    COMPILE_MODES,
-    CUDA_GRAPH_MODES,
-    OVERLAP_SCHEDULE_MODES,
-    SWA_EVICTION_POLICIES,
-    TOMBSTONE_REPAIR_MODES,
-    EngineConfig,
-)
+from worker.config import KNOBS, EngineConfig
 
 # Names the Serve config files, the Helm chart and `deploy.app` share.
 APP_NAME = "swaserve"
@@ -46,14 +47,7 @@ API_KEY_ENV = "SWASERVE_API_KEY"
 DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024  # a 128k-token prompt is ~0.5 MB of JSON text
 
 RoutingPolicy = Literal[POLICY_NAMES]  # type: ignore[valid-type]  # router.policies names them
-Dtype = Literal["float32", "bfloat16", "float16"]
-AttentionBackend = Literal["torch", "flashinfer"]
 PlacementStrategy = Literal["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"]
-SwaEvictionPolicy = Literal[SWA_EVICTION_POLICIES]  # type: ignore[valid-type]
-TombstoneRepair = Literal[TOMBSTONE_REPAIR_MODES]  # type: ignore[valid-type]
-CudaGraphs = Literal[CUDA_GRAPH_MODES]  # type: ignore[valid-type]
-OverlapSchedule = Literal[OVERLAP_SCHEDULE_MODES]  # type: ignore[valid-type]
-CompileMode = Literal[COMPILE_MODES]  # type: ignore[valid-type]
 
 
 def _api_key_from_env() -> SecretStr | None:
@@ -104,134 +98,39 @@ class AutoscalingSettings(BaseModel):
         return self
 
 
-class ServeConfig(BaseModel):
+def _engine_fields_model() -> type[BaseModel]:
+    """A frozen model with one field per `EngineConfig` field: its name, type, default,
+    description and bounds; a field with choices takes exactly those (`Literal`)."""
+    defaults = EngineConfig()
+    fields: dict[str, Any] = {}
+    for name, (kind, knob) in KNOBS.items():
+        if knob.choices is not None:
+            kind = Literal[knob.choices]
+        field = Field(getattr(defaults, name), description=knob.description, **knob.bounds())
+        fields[name] = (kind, field)
+    config = ConfigDict(extra="forbid", frozen=True)
+    return create_model("EngineFields", __config__=config, __module__=__name__, **fields)
+
+
+# NOTE: the engine fields are made at import from `EngineConfig` (declared once, there), so type
+# checkers cannot see them on `ServeConfig`: deploy code reads engine values from `cfg.engine`.
+if TYPE_CHECKING:
+    EngineFields = BaseModel
+else:
+    EngineFields = _engine_fields_model()
+
+
+class ServeConfig(EngineFields):
     """A swaserve application: model, engine, worker placement, scaling, routing, HTTP limits."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    # -- model and engine (-> EngineConfig) -------------------------------------------------
-    model: str = Field(
-        "tiny",
-        min_length=1,
-        description="'tiny' (the built-in test model) or a local Hugging Face model directory.",
-    )
+    # -- beside the engine fields (EngineFields): the served name, how the engine runs -------
     served_model_name: str | None = Field(
         None,
         min_length=1,
         description="The model id clients send and /v1/models lists; unset: the `model` value.",
     )
-    device: str = Field(
-        "cpu", pattern=r"^(cpu|cuda(:\d+)?)$", description="Engine device: cpu, cuda or cuda:N."
-    )
-    dtype: Dtype = Field("float32", description="Weights and KV dtype.")
-    attention_backend: AttentionBackend = Field(
-        "torch", description="torch (CPU and GPU reference) or flashinfer (GPU only)."
-    )
-    page_size: int = Field(
-        16,
-        ge=1,
-        description="Tokens per KV page (power of two); the unit of allocation, cache events and routing.",
-    )
-    kv_cache_bytes: int | None = Field(
-        None,
-        gt=0,
-        description="KV byte budget of one worker; unset: derived from max_total_tokens or the engine default.",
-    )
-    max_total_tokens: int | None = Field(
-        None, gt=0, description="Full-pool tokens of one worker (exclusive with kv_cache_bytes)."
-    )
-    swa_full_tokens_ratio: float = Field(
-        0.8, gt=0, le=1, description="SWA pool tokens = ratio x full pool tokens, in (0, 1]."
-    )
-    disable_hybrid_swa_memory: bool = Field(
-        False, description="One pool for all layers: SWA layers keep all their KV (no SWA freeing)."
-    )
-    enable_radix_cache: bool = Field(
-        True, description="Prefix (radix) cache; off: chunk cache only."
-    )
-    max_num_batched_tokens: int = Field(
-        1024,
-        ge=1,
-        description=(
-            "Tokens one engine step feeds, decodes included (vLLM's knob): every decode first, "
-            "prefill chunks fill the rest (>= max_running_requests; GPUs want 8192)."
-        ),
-    )
-    chunked_prefill_size: int | None = Field(
-        None,
-        ge=1,
-        description="Most prompt tokens prefilled per step; unset: what max_num_batched_tokens leaves after the decodes.",
-    )
-    max_running_requests: int = Field(
-        64, ge=1, description="Most requests decoding together in one worker."
-    )
-    swa_eviction_interval: int = Field(
-        128,
-        ge=1,
-        description="Decode frees out-of-window SWA KV once this many tokens left the window.",
-    )
-    eager_swa_free: bool = Field(
-        False,
-        description="Free SWA KV of unfinished chunked prefills at once (saves memory, costs branch reuse).",
-    )
-    swa_eviction_policy: SwaEvictionPolicy = Field(
-        "tail_first",
-        description=(
-            "Which SWA KV the prefix cache gives up first under SWA pool pressure: tail_first "
-            "(SWA no future match reads, then the window tails, least recently used first; full "
-            "KV is kept) or lru (SGLang's plain SWA LRU)."
-        ),
-    )
-    tombstone_repair: TombstoneRepair = Field(
-        "auto",
-        description=(
-            "auto: a prefix whose SWA KV was freed is reused by recomputing the few tokens that "
-            "rebuild its tail window from the cached full KV, when that is at most half of what "
-            "it saves; off: reuse only the window-valid prefix."
-        ),
-    )
-    overlap_schedule: OverlapSchedule = Field(
-        "auto",
-        description=(
-            "on: schedule the next step while the current forward runs, its tokens processed one "
-            "step late; off: one step at a time; auto: on for CUDA devices, off on CPU (there the "
-            "host work it hides is a few percent of a step)."
-        ),
-    )
-    max_model_len: int | None = Field(
-        None,
-        gt=0,
-        description="Longest prompt + completion; unset: the model's max_position_embeddings.",
-    )
-    seed: int = Field(0, ge=0, description="Sampling seed of each engine.")
-    tensor_parallel_size: int = Field(
-        1, ge=1,
-        description="Devices one worker replica splits the model over (one rank each; KV budgets and worker_num_gpus are per rank); > 1: a placement group of that many bundles, the other ranks as actors in it.",
-    )  # fmt: skip
-    cuda_graphs: CudaGraphs = Field(
-        "auto",
-        description=(
-            "auto: capture the decode forward as CUDA graphs on CUDA with the flashinfer backend "
-            "(dense models, one rank); off: always eager."
-        ),
-    )
-    cuda_graph_batch_sizes: tuple[int, ...] | None = Field(
-        None,
-        description="Decode batch sizes to capture; unset: 1, 2, 4, 8, 16, 24, 32, 48, 64, ... up to max_running_requests.",
-    )
-
-    compile: CompileMode = Field(
-        "auto",
-        description=(
-            "auto: prepare the model once at load — on CPU the linear weights are packed for "
-            "oneDNN (faster small-batch matmuls) and, for models of 20 M parameters or more, the "
-            "code between them is compiled with torch.compile (needs a C++ compiler; without one "
-            "the packed model runs eagerly); on GPU the dense parts are compiled; attention stays "
-            "an opaque op, and the compile happens in a warm-up before the replica reports "
-            "healthy; off: plain eager PyTorch."
-        ),
-    )
-
     engine_process: bool = Field(
         True,
         description=(
@@ -304,31 +203,22 @@ class ServeConfig(BaseModel):
         description="Largest HTTP request body accepted (larger: 413).",
     )
 
-    # -- validators ---------------------------------------------------------------------------
-
-    @field_validator("page_size")
-    @classmethod
-    def _power_of_two(cls, v: int) -> int:
-        if v & (v - 1):
-            raise ValueError(
-                f"page_size must be a power of two (got {v}); try {1 << (v.bit_length() - 1)}"
-            )
-        return v
+    _engine: EngineConfig = PrivateAttr()
 
     @model_validator(mode="after")
     def _consistent(self) -> ServeConfig:
-        problems = _problems(self)
+        # NOTE: EngineConfig checks the engine fields (ConfigError, a ValueError: pydantic reports
+        # it as this model's error); placement is checked here, once the engine is valid.
+        self._engine = EngineConfig(**{name: getattr(self, name) for name in KNOBS})
+        problems = _placement_problems(self, self._engine)
         if problems:
             raise ValueError("; ".join(problems))
         return self
 
-    # -- conversions --------------------------------------------------------------------------
-
-    def to_engine_config(self) -> EngineConfig:
-        """The worker's frozen `EngineConfig` (every EngineConfig field has a same-named field here)."""
-        return EngineConfig(
-            **{f.name: getattr(self, f.name) for f in dataclasses.fields(EngineConfig)}
-        )
+    @property
+    def engine(self) -> EngineConfig:
+        """The worker's frozen `EngineConfig`, made once when this config was validated."""
+        return self._engine
 
     def worker_deployment_options(self) -> dict[str, Any]:
         """Ray Serve options of the worker deployment: `@serve.deployment(**this)` / YAML `deployments`.
@@ -350,7 +240,7 @@ class ServeConfig(BaseModel):
             options["autoscaling_config"] = self.autoscaling.model_dump()
         if self.max_queued_requests is not None:
             options["max_queued_requests"] = self.max_queued_requests
-        if self.tensor_parallel_size > 1:
+        if self.engine.tensor_parallel_size > 1:
             options["placement_group_bundles"] = self.placement_group_bundles()
             options["placement_group_strategy"] = self.placement_group_strategy
         return options
@@ -363,63 +253,14 @@ class ServeConfig(BaseModel):
             b = {"CPU": cpus, "GPU": self.worker_num_gpus}
             return {k: v for k, v in b.items() if v > 0}  # Ray refuses zero-sized resources
 
-        ranks = [bundle(self.rank_num_cpus) for _ in range(self.tensor_parallel_size - 1)]
+        ranks = [bundle(self.rank_num_cpus) for _ in range(self.engine.tensor_parallel_size - 1)]
         return [bundle(self.worker_num_cpus), *ranks]
 
-    def to_args(self) -> dict[str, Any]:
-        """Plain JSON-able `args` for `build_app` (the API key in clear text when set).
 
-        `workers` is left out when autoscaling is set: the two are exclusive in a config.
-        """
-        exclude = {"api_key"} | ({"workers"} if self.autoscaling is not None else set())
-        args = self.model_dump(mode="json", exclude=exclude)
-        if self.api_key is not None:
-            args["api_key"] = self.api_key.get_secret_value()
-        return args
-
-    @classmethod
-    def from_yaml(cls, path: str | Path) -> ServeConfig:
-        """Load a bare ServeConfig mapping, or a Ray Serve config file (our application's `args`).
-
-        A Ray Serve file is also checked against Ray's schema, strictly (unknown keys are errors),
-        and its worker `deployments` entry must agree with the args.
-        """
-        from deploy.serve_file import load_serve_config  # lazy: imports ray.serve
-
-        return load_serve_config(path)
-
-
-def _problems(cfg: ServeConfig) -> list[str]:
-    """Cross-field rules, each message naming the fields to change."""
-    problems = []
-    on_cuda = cfg.device.startswith("cuda")
-    if on_cuda and cfg.worker_num_gpus <= 0:
-        problems.append(
-            f"device={cfg.device!r} needs worker_num_gpus > 0 so Ray gives each worker a GPU; "
-            "set worker_num_gpus: 1"
-        )
-    if not on_cuda and cfg.worker_num_gpus > 0:
-        problems.append(
-            f"device='cpu' with worker_num_gpus={cfg.worker_num_gpus} reserves GPUs the engine never "
-            "uses; set device: cuda or worker_num_gpus: 0"
-        )
-    if cfg.attention_backend == "flashinfer" and not on_cuda:
-        problems.append(
-            "attention_backend='flashinfer' runs on GPUs only; set device: cuda or attention_backend: torch"
-        )
-    problems += _tp_problems(cfg, on_cuda)
-    if cfg.kv_cache_bytes is not None and cfg.max_total_tokens is not None:
-        problems.append("set one of kv_cache_bytes or max_total_tokens, not both")
-    if cfg.max_total_tokens is not None and cfg.max_total_tokens < cfg.page_size:
-        problems.append(
-            f"max_total_tokens ({cfg.max_total_tokens}) is less than one page (page_size={cfg.page_size})"
-        )
-    if cfg.max_num_batched_tokens < cfg.max_running_requests:
-        problems.append(
-            f"max_num_batched_tokens ({cfg.max_num_batched_tokens}) is below max_running_requests "
-            f"({cfg.max_running_requests}): every running request decodes one token per step; "
-            "raise max_num_batched_tokens or lower max_running_requests"
-        )
+def _placement_problems(cfg: ServeConfig, engine: EngineConfig) -> list[str]:
+    """Rules between the engine and the resources Ray gives it, and between the scaling fields;
+    each message names the fields to change."""
+    problems = _gpu_problems(cfg, engine) + _tp_problems(cfg, engine)
     if cfg.autoscaling is not None and "workers" in cfg.model_fields_set:
         problems.append("set either workers (a fixed count) or autoscaling (bounds), not both")
     target = cfg.autoscaling.target_ongoing_requests if cfg.autoscaling else None
@@ -432,20 +273,31 @@ def _problems(cfg: ServeConfig) -> list[str]:
     return problems
 
 
-def _tp_problems(cfg: ServeConfig, on_cuda: bool) -> list[str]:
-    n = cfg.tensor_parallel_size
+def _gpu_problems(cfg: ServeConfig, engine: EngineConfig) -> list[str]:
+    on_cuda = engine.device.startswith("cuda")
+    if on_cuda and cfg.worker_num_gpus <= 0:
+        return [
+            f"device={engine.device!r} needs worker_num_gpus > 0 so Ray gives each worker a GPU; "
+            "set worker_num_gpus: 1"
+        ]
+    if not on_cuda and cfg.worker_num_gpus > 0:
+        return [
+            f"device='cpu' with worker_num_gpus={cfg.worker_num_gpus} reserves GPUs the engine never "
+            "uses; set device: cuda or worker_num_gpus: 0"
+        ]
+    return []
+
+
+def _tp_problems(cfg: ServeConfig, engine: EngineConfig) -> list[str]:
+    n = engine.tensor_parallel_size
     if n == 1:
         return []
-    problems = []
+    on_cuda = engine.device.startswith("cuda")
     if on_cuda and cfg.worker_num_gpus != 1:
-        problems.append(
+        return [
             f"tensor_parallel_size={n} runs one rank per GPU: set worker_num_gpus: 1 (the worker "
             f"pod then requests {n} GPUs), not {cfg.worker_num_gpus:g}"
-        )
-    if cfg.device.startswith("cuda:"):
-        problems.append(
-            f"device={cfg.device!r} names one GPU but tensor_parallel_size={n} needs {n}: set device: cuda"
-        )
+        ]
     if not on_cuda and cfg.worker_num_cpus <= 0:
-        problems.append(f"tensor_parallel_size={n} on CPU reserves CPU bundles: set worker_num_cpus > 0")
-    return problems
+        return [f"tensor_parallel_size={n} on CPU reserves CPU bundles: set worker_num_cpus > 0"]
+    return []

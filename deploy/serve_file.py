@@ -75,6 +75,7 @@ def load_serve_file(path: str | Path) -> ServeFile:
 
 
 def load_serve_config(path: str | Path) -> ServeConfig:
+    """The `ServeConfig` of a file of either shape (see `load_serve_file`)."""
     return load_serve_file(path).config
 
 

@@ -111,8 +111,8 @@ def _fit_cpus(cfg: ServeConfig, args: dict[str, Any], num_cpus: int) -> ServeCon
     machine unless the config chose one."""
     replicas_max = cfg.autoscaling.max_replicas if cfg.autoscaling else cfg.workers
     replicas_min = cfg.autoscaling.min_replicas if cfg.autoscaling else cfg.workers
-    ranks = cfg.tensor_parallel_size
-    if cfg.device == "cpu" and "worker_num_cpus" not in args:
+    ranks = cfg.engine.tensor_parallel_size
+    if cfg.engine.device == "cpu" and "worker_num_cpus" not in args:
         share = max(0.05, min(1.0, (num_cpus - INGRESS_CPUS) / max(1, replicas_max * ranks)))
         fitted = {"worker_num_cpus": round(share - 0.005, 2)}
         if ranks > 1 and "rank_num_cpus" not in args:
@@ -136,11 +136,12 @@ def _check_gpus(cfg: ServeConfig) -> None:
 
     have = torch.cuda.device_count()
     replicas = cfg.autoscaling.min_replicas if cfg.autoscaling else cfg.workers
-    need = replicas * cfg.worker_num_gpus * cfg.tensor_parallel_size
+    ranks = cfg.engine.tensor_parallel_size
+    need = replicas * cfg.worker_num_gpus * ranks
     if need > have:
         raise ValueError(
             f"{replicas} worker(s) x worker_num_gpus={cfg.worker_num_gpus} x tensor_parallel_size="
-            f"{cfg.tensor_parallel_size} need {need:g} GPUs but this machine has {have}; lower "
+            f"{ranks} need {need:g} GPUs but this machine has {have}; lower "
             "--workers or use --device cpu"
         )
 
@@ -176,7 +177,7 @@ def serve_foreground(req: ServeRequest, out: TextIO = sys.stdout) -> int:
     try:
         p = plan(req)
         check_port_free(p.host, p.port)
-        prepare_model(p.config.model, progress)
+        prepare_model(p.config.engine.model, progress)
     except (ValueError, OSError) as e:
         print(f"swaserve serve: {e}", file=sys.stderr)
         return 2
@@ -191,7 +192,7 @@ def serve_foreground(req: ServeRequest, out: TextIO = sys.stdout) -> int:
     try:
         _deploy(p, progress, req.startup_timeout_s)
         url = f"http://{p.host}:{p.port}"
-        print(f"swaserve is ready: {url}/v1  (model '{p.config.model}', {_workers(p.config)}, "
+        print(f"swaserve is ready: {url}/v1  (model '{p.config.engine.model}', {_workers(p.config)}, "
               f"routing {p.config.routing}); Ctrl-C stops it", file=out, flush=True)  # fmt: skip
         while True:
             time.sleep(3600)

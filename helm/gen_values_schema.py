@@ -1,7 +1,8 @@
 """Keep the chart's `values.schema.json` section for `serve.config` equal to `ServeConfig`.
 
 `serve.config` is passed verbatim as the `args` of `deploy.app:build_app`, so its schema is
-generated from the pydantic model (descriptions included), with three chart-only rules:
+generated from the pydantic model (descriptions included; the engine fields' come from
+`EngineConfig`'s declarations), with three chart-only rules:
 
 - `api_key` is not allowed: the RayService object is readable by anyone who can read the
   namespace, so the key travels as a Secret in env `SWASERVE_API_KEY` (values `apiKey`);

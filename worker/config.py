@@ -1,52 +1,238 @@
-"""`EngineConfig`: the one frozen config the worker receives (docs/design.md §4.1).
+"""`EngineConfig`: the one declaration of every engine knob and the frozen config the worker
+receives (docs/design.md §4.1).
 
-The edges (`deploy/`) validate user input with pydantic and convert once into this dataclass.
+Each field declares its type, its default and a `Knob`: the description users read (YAML, Helm
+values) and the values it may take. `deploy/config.py` makes its pydantic fields from these
+declarations and converts user input once into this dataclass. Construction checks every knob
+and the rules between them, so a bad value fails with a `ConfigError` naming the field and what
+to change, whether it came from a YAML file or from Python.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field, fields
+from typing import Any, TypeVar, get_type_hints
 
 from worker.errors import ConfigError
 
+DTYPES = ("float32", "bfloat16", "float16")
+ATTENTION_BACKENDS = ("torch", "flashinfer")
 SWA_EVICTION_POLICIES = ("tail_first", "lru")  # docs/design.md §9.5
 OVERLAP_SCHEDULE_MODES = ("auto", "on", "off")  # docs/design.md §11.8
 TOMBSTONE_REPAIR_MODES = ("auto", "off")  # docs/design.md §9.8
 CUDA_GRAPH_MODES = ("auto", "off")  # docs/design.md §18.2
 COMPILE_MODES = ("auto", "off")  # docs/design.md §19
+DEVICE_PATTERN = r"^(cpu|cuda(:\d+)?)$"
+
+
+@dataclass(frozen=True)
+class Knob:
+    """What an `EngineConfig` field declares besides its type and default. The bounds are named
+    as pydantic's `Field` names them, so the edge passes them on unchanged (`bounds()`)."""
+
+    description: str
+    choices: tuple[str, ...] | None = None
+    pattern: str | None = None
+    min_length: int | None = None
+    ge: float | None = None
+    gt: float | None = None
+    le: float | None = None
+
+    def bounds(self) -> dict[str, Any]:
+        """The set constraints besides `choices`, by their pydantic `Field` names."""
+        named: dict[str, Any] = {"pattern": self.pattern, "min_length": self.min_length}
+        named |= {"ge": self.ge, "gt": self.gt, "le": self.le}
+        return {k: v for k, v in named.items() if v is not None}
+
+    def problem(self, name: str, value: Any) -> str | None:
+        """Why `value` cannot be field `name`, or None. None values pass: they mean unset."""
+        if value is None:
+            return None
+        if self.choices is not None and value not in self.choices:
+            return f"{name} {value!r} is not one of {list(self.choices)}"
+        if self.pattern is not None and not re.fullmatch(self.pattern, value):
+            return f"{name} {value!r} does not match {self.pattern}"
+        if self.min_length is not None and len(value) < self.min_length:
+            return f"{name} must have at least {self.min_length} character(s), got {value!r}"
+        if self.ge is not None and value < self.ge:
+            return f"{name} must be >= {self.ge:g}, got {value}"
+        if self.gt is not None and value <= self.gt:
+            return f"{name} must be > {self.gt:g}, got {value}"
+        if self.le is not None and value > self.le:
+            return f"{name} must be <= {self.le:g}, got {value}"
+        return None
+
+
+T = TypeVar("T")
+_KNOB = "knob"  # the key of a field's `Knob` in its dataclass metadata
+
+
+def knob(default: T, description: str, **limits: Any) -> T:
+    """An `EngineConfig` field: its default and its `Knob` (`limits`: the `Knob` fields)."""
+    return field(default=default, metadata={_KNOB: Knob(description, **limits)})
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    model: str = "tiny"  # built-in name or a local HF directory
-    dtype: str = "float32"  # float32 | bfloat16 | float16
-    device: str = "cpu"  # cpu | cuda | cuda:N
-    attention_backend: str = "torch"  # torch | flashinfer
-    page_size: int = 16
-    kv_cache_bytes: int | None = None  # KV byte budget; None: derived from max_total_tokens or a default
-    max_total_tokens: int | None = None  # full-pool tokens; overrides kv_cache_bytes
-    swa_full_tokens_ratio: float = 0.8  # SWA pool tokens = ratio x full pool tokens, in (0, 1]
-    disable_hybrid_swa_memory: bool = False  # one pool for all layers (SWA layers keep their KV)
-    enable_radix_cache: bool = True
-    # Tokens one step feeds, decodes included (vLLM's max_num_batched_tokens): decodes first,
-    # prefill chunks fill the rest. 1024 on CPU measured best (docs/design.md §11.7).
-    max_num_batched_tokens: int = 1024
-    chunked_prefill_size: int | None = None  # most prompt tokens per step; None: the budget's rest
-    max_running_requests: int = 64
-    swa_eviction_interval: int = 128  # decode frees out-of-window SWA once this many tokens left it
-    eager_swa_free: bool = False  # free SWA of unfinished prefills at once (docs/design.md §10.1)
-    swa_eviction_policy: str = "tail_first"  # tail_first | lru (docs/design.md §9.5)
-    tombstone_repair: str = "auto"  # auto | off: rebuild tombstoned SWA from full KV (§9.8)
-    max_model_len: int | None = None  # None: the model's max_position_embeddings
-    seed: int = 0
-    tensor_parallel_size: int = 1  # ranks splitting the model, one device each (docs/design.md §17)
-    cuda_graphs: str = "auto"  # auto | off: decode as captured CUDA graphs where possible (§18.2)
-    cuda_graph_batch_sizes: tuple[int, ...] | None = None  # None: the defaults up to max_running
-    # on: schedule step N+1 while step N's forward runs, its sampled tokens processed one step
-    # late (single-rank runners); off: one step at a time; auto: on for CUDA devices, off on CPU
-    # (measured: the host work it hides is a few % of a CPU step; docs/design.md §11.8)
-    overlap_schedule: str = "auto"
-    compile: str = "auto"  # auto | off: packed CPU linears / torch.compile on GPU (§19)
+    """Every knob of one engine (one replica, all its tensor-parallel ranks); checked on
+    construction (`ConfigError`)."""
+
+    model: str = knob(
+        "tiny",
+        "'tiny' (the built-in test model) or a local Hugging Face model directory.",
+        min_length=1,
+    )
+    dtype: str = knob("float32", "Weights and KV dtype.", choices=DTYPES)
+    device: str = knob("cpu", "Engine device: cpu, cuda or cuda:N.", pattern=DEVICE_PATTERN)
+    attention_backend: str = knob(
+        "torch", "torch (CPU and GPU reference) or flashinfer (GPU only).", choices=ATTENTION_BACKENDS,
+    )
+    page_size: int = knob(
+        16,
+        "Tokens per KV page (power of two); the unit of allocation, cache events and routing.",
+        ge=1,
+    )
+    kv_cache_bytes: int | None = knob(
+        None,
+        "KV byte budget of one worker; unset: derived from max_total_tokens or the engine default.",
+        gt=0,
+    )
+    max_total_tokens: int | None = knob(
+        None, "Full-pool tokens of one worker (exclusive with kv_cache_bytes).", gt=0,
+    )
+    swa_full_tokens_ratio: float = knob(
+        0.8, "SWA pool tokens = ratio x full pool tokens, in (0, 1].", gt=0, le=1,
+    )
+    disable_hybrid_swa_memory: bool = knob(
+        False, "One pool for all layers: SWA layers keep all their KV (no SWA freeing).",
+    )
+    enable_radix_cache: bool = knob(True, "Prefix (radix) cache; off: chunk cache only.")
+    # 1024 on CPU measured best (docs/design.md §11.7).
+    max_num_batched_tokens: int = knob(
+        1024,
+        "Tokens one engine step feeds, decodes included (vLLM's knob): every decode first, "
+        "prefill chunks fill the rest (>= max_running_requests; GPUs want 8192).",
+        ge=1,
+    )
+    chunked_prefill_size: int | None = knob(
+        None,
+        "Most prompt tokens prefilled per step; unset: what max_num_batched_tokens leaves after "
+        "the decodes.",
+        ge=1,
+    )
+    max_running_requests: int = knob(64, "Most requests decoding together in one worker.", ge=1)
+    swa_eviction_interval: int = knob(
+        128, "Decode frees out-of-window SWA KV once this many tokens left the window.", ge=1,
+    )
+    # docs/design.md §10.1
+    eager_swa_free: bool = knob(
+        False, "Free SWA KV of unfinished chunked prefills at once (saves memory, costs branch reuse).",
+    )
+    swa_eviction_policy: str = knob(
+        "tail_first",
+        "Which SWA KV the prefix cache gives up first under SWA pool pressure: tail_first "
+        "(SWA no future match reads, then the window tails, least recently used first; full "
+        "KV is kept) or lru (SGLang's plain SWA LRU).",
+        choices=SWA_EVICTION_POLICIES,
+    )
+    tombstone_repair: str = knob(
+        "auto",
+        "auto: a prefix whose SWA KV was freed is reused by recomputing the few tokens that "
+        "rebuild its tail window from the cached full KV, when that is at most half of what "
+        "it saves; off: reuse only the window-valid prefix.",
+        choices=TOMBSTONE_REPAIR_MODES,
+    )
+    max_model_len: int | None = knob(
+        None, "Longest prompt + completion; unset: the model's max_position_embeddings.", gt=0,
+    )
+    seed: int = knob(0, "Sampling seed of each engine.", ge=0)
+    # docs/design.md §17
+    tensor_parallel_size: int = knob(
+        1,
+        "Devices one worker replica splits the model over (one rank each; KV budgets and "
+        "worker_num_gpus are per rank); > 1: a placement group of that many bundles, the other "
+        "ranks as actors in it.",
+        ge=1,
+    )
+    # docs/design.md §18.2
+    cuda_graphs: str = knob(
+        "auto",
+        "auto: capture the decode forward as CUDA graphs on CUDA with the flashinfer backend "
+        "(dense models, one rank); off: always eager.",
+        choices=CUDA_GRAPH_MODES,
+    )
+    cuda_graph_batch_sizes: tuple[int, ...] | None = knob(
+        None,
+        "Decode batch sizes to capture; unset: 1, 2, 4, 8, 16, 24, 32, 48, 64, ... up to "
+        "max_running_requests.",
+    )
+    # auto is off on CPU: measured, the host work it hides is a few % of a CPU step (§11.8).
+    overlap_schedule: str = knob(
+        "auto",
+        "on: schedule the next step while the current forward runs, its tokens processed one "
+        "step late; off: one step at a time; auto: on for CUDA devices, off on CPU (there the "
+        "host work it hides is a few percent of a step).",
+        choices=OVERLAP_SCHEDULE_MODES,
+    )
+    # docs/design.md §19
+    compile: str = knob(
+        "auto",
+        "auto: prepare the model once at load — on CPU the linear weights are packed for "
+        "oneDNN (faster small-batch matmuls) and, for models of 20 M parameters or more, the "
+        "code between them is compiled with torch.compile (needs a C++ compiler; without one "
+        "the packed model runs eagerly); on GPU the dense parts are compiled; attention stays "
+        "an opaque op, and the compile happens in a warm-up before the replica reports "
+        "healthy; off: plain eager PyTorch.",
+        choices=COMPILE_MODES,
+    )
+
+    def __post_init__(self) -> None:
+        problems = [
+            p for name, (_, spec) in KNOBS.items() if (p := spec.problem(name, getattr(self, name)))
+        ]
+        if not problems:  # the rules between fields assume each field is valid
+            problems = _rule_problems(self)
+        if problems:
+            raise ConfigError("; ".join(problems))
+
+
+def _knobs() -> dict[str, tuple[Any, Knob]]:
+    hints = get_type_hints(EngineConfig)
+    return {f.name: (hints[f.name], f.metadata[_KNOB]) for f in fields(EngineConfig)}
+
+
+# Field name -> (type, `Knob`) in declaration order: what the edges make their fields from.
+KNOBS = _knobs()
+
+
+def _rule_problems(config: EngineConfig) -> list[str]:
+    """The rules between fields, each message naming the fields to change."""
+    problems = []
+    page, on_cuda = config.page_size, config.device.startswith("cuda")
+    if page & (page - 1):
+        problems.append(f"page_size must be a power of two (got {page}); try {1 << (page.bit_length() - 1)}")
+    if config.attention_backend == "flashinfer" and not on_cuda:
+        problems.append(
+            "attention_backend='flashinfer' runs on GPUs only; set device: cuda or attention_backend: torch"
+        )
+    n = config.tensor_parallel_size
+    if n > 1 and config.device.startswith("cuda:"):
+        problems.append(
+            f"device={config.device!r} names one GPU but tensor_parallel_size={n} needs {n}: set "
+            "device: cuda (rank r uses the r-th GPU it sees)"
+        )
+    if config.kv_cache_bytes is not None and config.max_total_tokens is not None:
+        problems.append("set one of kv_cache_bytes or max_total_tokens, not both")
+    if config.max_total_tokens is not None and config.max_total_tokens < page:
+        problems.append(f"max_total_tokens ({config.max_total_tokens}) is less than one page (page_size={page})")
+    if config.max_num_batched_tokens < config.max_running_requests:
+        problems.append(
+            f"max_num_batched_tokens ({config.max_num_batched_tokens}) is below max_running_requests "
+            f"({config.max_running_requests}): every running request decodes one token per step; "
+            "raise max_num_batched_tokens or lower max_running_requests"
+        )
+    return problems
 
 
 def repairs_tombstones(config: EngineConfig) -> bool:
@@ -65,23 +251,3 @@ def overlaps(config: EngineConfig) -> bool:
     """Whether an engine with this config schedules with overlap (docs/design.md §11.8)."""
     mode = config.overlap_schedule
     return mode == "on" or (mode == "auto" and config.device.startswith("cuda"))
-
-
-def check_scheduling(config: EngineConfig) -> None:
-    """Raise ConfigError for a step budget the scheduler cannot work with."""
-    if config.overlap_schedule not in OVERLAP_SCHEDULE_MODES:
-        raise ConfigError(
-            f"overlap_schedule must be one of {OVERLAP_SCHEDULE_MODES}, got {config.overlap_schedule!r}"
-        )
-    chunk = config.chunked_prefill_size
-    if config.max_num_batched_tokens < 1 or (chunk is not None and chunk < 1):
-        raise ConfigError(
-            f"max_num_batched_tokens ({config.max_num_batched_tokens}) and chunked_prefill_size "
-            f"({chunk}) must be >= 1"
-        )
-    if config.max_num_batched_tokens < config.max_running_requests:
-        raise ConfigError(
-            f"max_num_batched_tokens ({config.max_num_batched_tokens}) is below "
-            f"max_running_requests ({config.max_running_requests}): every running request "
-            "decodes one token per step; raise the budget or lower max_running_requests"
-        )

@@ -20,6 +20,7 @@ from cluster.ray_local import LocalRayConfig, start_local_ray, stop_local_ray
 from cluster.transport import INDEX_NAMESPACE, index_actor_name, kill_index_actor
 from deploy.config import APP_IMPORT_PATH, WORKER_DEPLOYMENT, ServeConfig
 from tests.deploy.chaos_load import Load, counts
+from tests.deploy.serve_args import serve_args
 
 pytestmark = [
     pytest.mark.ray,
@@ -81,7 +82,7 @@ def served() -> Iterator[Served]:
         cfg = ServeConfig(model="tiny", autoscaling=SCALING, worker_num_cpus=0.8)
         worker = {"name": WORKER_DEPLOYMENT, **cfg.worker_deployment_options()}
         worker["autoscaling_config"] = {**SCALING, "look_back_period_s": LOOK_BACK_S}
-        app = {"name": APP, "route_prefix": "/", "import_path": APP_IMPORT_PATH, "args": cfg.to_args(),
+        app = {"name": APP, "route_prefix": "/", "import_path": APP_IMPORT_PATH, "args": serve_args(cfg),
                "deployments": [worker]}  # fmt: skip
         http = {"host": "127.0.0.1", "port": port}
         ray_private.deploy_config_file({"http_options": http, "proxy_location": "HeadOnly", "applications": [app]})

@@ -10,7 +10,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from deploy.config import API_KEY_ENV, AutoscalingSettings, ServeConfig
-from worker.config import EngineConfig
+from deploy.serve_file import load_serve_config
+from tests.deploy.serve_args import serve_args
+from worker.config import KNOBS, EngineConfig
+from worker.errors import ConfigError
 
 
 @pytest.fixture(autouse=True)
@@ -28,17 +31,34 @@ def _error(**fields: object) -> str:
 
 
 def test_every_engine_field_has_a_serve_field() -> None:
-    """A new EngineConfig field must be added to ServeConfig (same name) to be settable."""
+    """Every EngineConfig field is settable in a config, under its own name."""
     missing = {f.name for f in dataclasses.fields(EngineConfig)} - set(ServeConfig.model_fields)
     assert not missing, f"ServeConfig lacks EngineConfig fields {sorted(missing)}"
 
 
 def test_defaults_equal_engine_defaults() -> None:
     """ServeConfig's defaults are EngineConfig's: one place decides them."""
-    assert ServeConfig().to_engine_config() == EngineConfig()
+    assert ServeConfig().engine == EngineConfig()
 
 
-def test_to_engine_config_carries_every_value() -> None:
+def test_engine_fields_are_declared_by_engine_config() -> None:
+    """Each engine field's default, description and choices are EngineConfig's declaration."""
+    defaults = EngineConfig()
+    for name, (_, knob) in KNOBS.items():
+        field = ServeConfig.model_fields[name]
+        assert (field.default, field.description) == (getattr(defaults, name), knob.description)
+    schema = ServeConfig.model_json_schema()["properties"]
+    assert schema["compile"]["enum"] == ["auto", "off"] and schema["page_size"]["minimum"] == 1
+
+
+def test_engine_errors_are_engine_config_errors() -> None:
+    """A bad engine value in a config fails with the message EngineConfig itself gives."""
+    with pytest.raises(ConfigError) as info:
+        EngineConfig(attention_backend="flashinfer")
+    assert str(info.value) in _error(attention_backend="flashinfer")
+
+
+def test_engine_carries_every_value() -> None:
     """Each non-default value reaches the engine config unchanged."""
     cfg = ServeConfig(
         model="/models/m", device="cuda:1", dtype="bfloat16", attention_backend="flashinfer",
@@ -47,7 +67,7 @@ def test_to_engine_config_carries_every_value() -> None:
         max_running_requests=7, swa_eviction_interval=8, eager_swa_free=True, max_model_len=2048,
         seed=3, worker_num_gpus=1,
     )  # fmt: skip
-    engine = cfg.to_engine_config()
+    engine = cfg.engine
     for f in dataclasses.fields(EngineConfig):
         assert getattr(engine, f.name) == getattr(cfg, f.name), f.name
     assert engine.page_size == 4 and engine.device == "cuda:1" and engine.eager_swa_free
@@ -110,7 +130,7 @@ def test_invalid_configs_say_what_to_change(fields: dict, needle: str) -> None:
 def test_valid_gpu_config() -> None:
     """A consistent GPU config passes and keeps its values."""
     cfg = ServeConfig(device="cuda", worker_num_gpus=1, attention_backend="flashinfer")
-    assert cfg.to_engine_config().attention_backend == "flashinfer"
+    assert cfg.engine.attention_backend == "flashinfer"
 
 
 # -- Serve options ---------------------------------------------------------------------------
@@ -164,31 +184,31 @@ def test_empty_env_means_no_auth(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_api_key_is_not_printed_but_reaches_args() -> None:
-    """repr hides the key; `to_args` (what build_app receives) carries it in clear text."""
+    """repr hides the key; `serve_args` (what build_app receives) carries it in clear text."""
     cfg = ServeConfig(api_key="s3cret")
     assert "s3cret" not in repr(cfg) and "s3cret" not in str(cfg.model_dump())
-    args = cfg.to_args()
+    args = serve_args(cfg)
     assert args["api_key"] == "s3cret"
     assert ServeConfig.model_validate(args) == cfg
 
 
-# -- from_yaml (bare mapping) -----------------------------------------------------------------
+# -- a bare mapping file ------------------------------------------------------------------------
 
 
-def test_from_yaml_bare_mapping(tmp_path) -> None:
+def test_bare_mapping_file(tmp_path) -> None:
     """A plain mapping of ServeConfig fields loads as is."""
     path = tmp_path / "c.yaml"
     path.write_text("model: tiny\npage_size: 32\nautoscaling: {min_replicas: 1, max_replicas: 2}\n")
-    cfg = ServeConfig.from_yaml(path)
+    cfg = load_serve_config(path)
     assert cfg.page_size == 32 and cfg.autoscaling.max_replicas == 2
 
 
-def test_from_yaml_names_the_file(tmp_path) -> None:
+def test_bad_bare_file_names_the_file(tmp_path) -> None:
     """A bad bare file fails with its path and the field in the message."""
     path = tmp_path / "bad.yaml"
     path.write_text("page_size: 12\n")
     with pytest.raises(ValueError, match=r"bad\.yaml.*\n(.|\n)*page_size"):
-        ServeConfig.from_yaml(path)
+        load_serve_config(path)
 
 
 # -- properties --------------------------------------------------------------------------------
@@ -210,13 +230,13 @@ _autoscaling = st.builds(
 def test_valid_configs_round_trip(
     page_shift: int, ratio: float, autoscaling, max_ongoing: int
 ) -> None:
-    """Any valid config survives to_args -> validate, and its options satisfy Ray's autoscaler."""
+    """Any valid config survives serve_args -> validate, and its options satisfy Ray's autoscaler."""
     from ray.serve.config import AutoscalingConfig
 
     cfg = ServeConfig(page_size=1 << page_shift, swa_full_tokens_ratio=ratio,
                       autoscaling=autoscaling, max_ongoing_requests=max_ongoing)  # fmt: skip
-    assert ServeConfig.model_validate(cfg.to_args()) == cfg
-    assert cfg.to_engine_config().page_size == 1 << page_shift
+    assert ServeConfig.model_validate(serve_args(cfg)) == cfg
+    assert cfg.engine.page_size == 1 << page_shift
     opts = cfg.worker_deployment_options()
     if autoscaling is not None:
         ray_cfg = AutoscalingConfig(**opts["autoscaling_config"])
@@ -242,4 +262,4 @@ def test_tensor_parallel_reserves_one_bundle_per_rank() -> None:
     cpu = ServeConfig(tensor_parallel_size=2, worker_num_cpus=0.25, rank_num_cpus=0.25)
     assert cpu.worker_deployment_options()["placement_group_bundles"] == [{"CPU": 0.25}] * 2
     assert "placement_group_bundles" not in ServeConfig().worker_deployment_options()
-    assert cpu.to_engine_config().tensor_parallel_size == 2
+    assert cpu.engine.tensor_parallel_size == 2

@@ -30,6 +30,8 @@ from deploy.config import (
     WORKER_DEPLOYMENT,
     ServeConfig,
 )
+from deploy.serve_file import load_serve_config
+from tests.deploy.serve_args import serve_args
 from tests.deploy.serve_wait import wait_running
 
 pytestmark = pytest.mark.ray
@@ -44,7 +46,7 @@ def _builder() -> Any:
 
 
 def _built(cfg: ServeConfig) -> dict[str, Any]:
-    app = _builder()(cfg.to_args())
+    app = _builder()(serve_args(cfg))
     return {d.name: d for d in ray_private.build_app(app, name=APP_NAME).deployments}
 
 
@@ -59,7 +61,7 @@ def test_import_path_resolves(path: Path) -> None:
 def test_builder_applies_the_worker_options(monkeypatch: pytest.MonkeyPatch) -> None:
     """build_app(args) has the Ingress and Worker deployments; the Worker options come from args."""
     monkeypatch.delenv(API_KEY_ENV, raising=False)
-    cfg = ServeConfig.from_yaml(LOCAL)
+    cfg = load_serve_config(LOCAL)
     deployments = _built(cfg)
     assert {INGRESS_DEPLOYMENT, WORKER_DEPLOYMENT} <= set(deployments)
     worker = deployments[WORKER_DEPLOYMENT]
@@ -152,7 +154,7 @@ def served_local() -> Iterator[tuple[str, ServeConfig]]:
         base = f"http://127.0.0.1:{port}"
         wait_running(APP_NAME, 300)
         _wait_for_routes(base)
-        yield base, ServeConfig.from_yaml(LOCAL)
+        yield base, load_serve_config(LOCAL)
     finally:
         serve.shutdown()
         stop_local_ray(cluster)

@@ -26,6 +26,7 @@ import yaml
 
 from deploy.config import APP_IMPORT_PATH, WORKER_DEPLOYMENT, ServeConfig
 from deploy.serve_file import config_from_document
+from worker.config import KNOBS, EngineConfig
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "helm" / "swaserve"
@@ -174,7 +175,15 @@ def test_serve_config_validates_with_ray(name: str) -> None:
     (app,) = doc["applications"]
     assert app["import_path"] == APP_IMPORT_PATH
     assert "api_key" not in app["args"], "the API key must come from a Secret, not the CR"
-    assert cfg.to_engine_config().page_size == cfg.page_size
+    assert cfg.engine.page_size == cfg.page_size
+
+
+@pytest.mark.parametrize("name", VALUE_SETS)
+def test_rendered_config_builds_its_engine_config(name: str) -> None:
+    """The engine keys of the rendered serve config's flat args build the workers' EngineConfig."""
+    (app,) = _serve_doc(name)["applications"]
+    engine_keys = {k: v for k, v in app["args"].items() if k in KNOBS}
+    assert _serve_config(name).engine == EngineConfig(**engine_keys)
 
 
 def test_values_reach_the_serve_config() -> None:

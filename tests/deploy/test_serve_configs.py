@@ -12,8 +12,14 @@ from pathlib import Path
 import pytest
 import yaml
 
-from deploy.config import APP_IMPORT_PATH, WORKER_DEPLOYMENT, AutoscalingSettings, ServeConfig
-from deploy.serve_file import check_serve_document, config_from_document, load_serve_file
+from deploy.config import APP_IMPORT_PATH, WORKER_DEPLOYMENT, AutoscalingSettings
+from deploy.serve_file import (
+    check_serve_document,
+    config_from_document,
+    load_serve_config,
+    load_serve_file,
+)
+from worker.config import KNOBS, EngineConfig
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "deploy" / "configs"
 CONFIGS = sorted(CONFIG_DIR.glob("*.yaml"))
@@ -48,14 +54,23 @@ def test_config_validates_with_ray_strictly(path: Path) -> None:
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
 def test_config_loads_and_worker_scales(path: Path) -> None:
-    """from_yaml gives the args' ServeConfig; the worker autoscales with every owned key set."""
-    cfg = ServeConfig.from_yaml(path)
+    """load_serve_config gives the args' ServeConfig; the worker autoscales with every owned key set."""
+    cfg = load_serve_config(path)
     entry = _worker_entry(yaml.safe_load(path.read_text()))
     assert cfg.autoscaling is not None
     assert set(AutoscalingSettings.model_fields) <= set(entry["autoscaling_config"])
     assert entry["max_ongoing_requests"] == cfg.max_ongoing_requests
     assert entry["ray_actor_options"]["num_gpus"] == cfg.worker_num_gpus
     assert cfg.autoscaling.max_replicas >= cfg.autoscaling.min_replicas
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_config_builds_its_engine_config(path: Path) -> None:
+    """The engine keys of the file's flat args build the EngineConfig the workers get."""
+    (app,) = yaml.safe_load(path.read_text())["applications"]
+    engine_keys = {k: v for k, v in app["args"].items() if k in KNOBS}
+    assert engine_keys, "a shipped config sets engine knobs"
+    assert load_serve_config(path).engine == EngineConfig(**engine_keys)
 
 
 def test_local_config_fits_this_machine() -> None:
@@ -69,7 +84,7 @@ def test_local_config_fits_this_machine() -> None:
 
 def test_gpu_config_reserves_gpus() -> None:
     """gpu.yaml: each worker gets a GPU and runs bf16 with FlashInfer."""
-    cfg = ServeConfig.from_yaml(CONFIG_DIR / "gpu.yaml")
+    cfg = load_serve_config(CONFIG_DIR / "gpu.yaml")
     assert cfg.device == "cuda" and cfg.worker_num_gpus >= 1
     assert (cfg.dtype, cfg.attention_backend) == ("bfloat16", "flashinfer")
     assert cfg.max_ongoing_requests >= cfg.max_running_requests
@@ -80,7 +95,7 @@ def test_ray_file_equals_bare_args(tmp_path: Path) -> None:
     doc = _doc("gpu.yaml")
     bare = tmp_path / "bare.yaml"
     bare.write_text(yaml.safe_dump(doc["applications"][0]["args"]))
-    assert ServeConfig.from_yaml(bare) == ServeConfig.from_yaml(CONFIG_DIR / "gpu.yaml")
+    assert load_serve_config(bare) == load_serve_config(CONFIG_DIR / "gpu.yaml")
 
 
 def test_autoscaling_decision_is_documented() -> None:
@@ -169,4 +184,4 @@ def test_not_a_mapping(tmp_path: Path) -> None:
     path = tmp_path / "list.yaml"
     path.write_text("- a\n- b\n")
     with pytest.raises(ValueError, match="expected a YAML mapping"):
-        ServeConfig.from_yaml(path)
+        load_serve_config(path)

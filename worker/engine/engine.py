@@ -27,7 +27,6 @@ from core.outputs import EngineStats, Output, StreamDelta, TokenLogprob
 from core.sampling_params import SamplingParams
 from worker.config import (
     EngineConfig,
-    check_scheduling,
     overlaps,
     prefill_budget,
     repairs_tombstones,
@@ -59,7 +58,6 @@ class Engine:
         parts: EngineParts | None = None,
         launcher: RankLauncher | None = None,  # tensor parallelism: who starts ranks 1..N-1
     ) -> None:
-        check_scheduling(config)
         self.config = config
         self.parts = parts or build_engine_parts(config, launcher)
         p = self.parts

@@ -33,7 +33,6 @@ from worker.engine.setup import (
     plan_for,
     torch_dtype,
 )
-from worker.errors import ConfigError
 from worker.kv.hybrid_allocator import HybridAllocator
 from worker.kv.memory_plan import PoolPlan
 from worker.models.causal_lm import CausalLM
@@ -87,15 +86,7 @@ class _Shard:
 
 def check_tp_config(config: EngineConfig, spec: ModelSpec) -> None:
     """Raise ConfigError before any rank starts when the model cannot be split this way."""
-    size = config.tensor_parallel_size
-    if size < 1:
-        raise ConfigError(f"tensor_parallel_size must be >= 1, got {size}")
-    if torch.device(config.device).index is not None and size > 1:
-        raise ConfigError(
-            f"device={config.device!r} names one GPU; with tensor_parallel_size={size} set "
-            "device: cuda (rank r uses the r-th GPU it sees)"
-        )
-    shard_spec(spec, size)
+    shard_spec(spec, config.tensor_parallel_size)  # the config itself checked size and device
 
 
 def _load_shard(

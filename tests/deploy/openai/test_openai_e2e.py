@@ -96,7 +96,7 @@ def test_greedy_matches_offline_engine(server: Server) -> None:
     from worker.engine.engine import Engine
 
     prompt = [5, 17, 42, 99, 7, 3, 250, 11, 64, 8]
-    engine = Engine(ServeConfig(model=MODEL).to_engine_config())
+    engine = Engine(ServeConfig(model=MODEL).engine)
     try:
         want = engine.generate([prompt], SamplingParams(max_tokens=16, temperature=0.0))[0]
     finally:
