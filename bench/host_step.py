@@ -37,9 +37,9 @@ import torch
 from bench.harness import markdown_table
 from bench.machine import machine_info
 from core.sampling_params import SamplingParams
+from worker.assembly.parts import EngineParts
 from worker.config import EngineConfig
 from worker.engine.engine import Engine
-from worker.engine.setup import EngineParts
 from worker.kv.hybrid_allocator import HybridAllocator
 from worker.models.spec import ModelSpec
 from worker.runner.forward_batch import ForwardBatch

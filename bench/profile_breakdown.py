@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 REPO_PREFIX = str(Path(__file__).resolve().parents[1]) + "/"  # this checkout, as py-spy prints it
-ENGINE_THREAD = "swaserve-engine"  # worker.engine.async_engine's step thread
+ENGINE_THREAD = "swaserve-engine"  # worker.hosts.async_engine's step thread
 # (part, substring of a frame) in the order a frame is tested
 ENGINE_PARTS = (
     ("linear", "torch/nn/modules/linear.py"),

@@ -21,9 +21,9 @@ from dataclasses import dataclass
 
 import torch
 
+from worker.assembly.parts import EngineParts
 from worker.config import EngineConfig
 from worker.engine.engine import Engine
-from worker.engine.setup import EngineParts
 from worker.models.spec import KindShape, LayerKind, ModelSpec
 from worker.runner.forward_batch import ForwardBatch
 from worker.runner.sampler import SampleOutput, SampleRow

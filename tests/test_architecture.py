@@ -43,6 +43,7 @@ def test_import_contracts_hold() -> None:
         ("cluster/messages.py", "import torch", "import no torch"),
         ("core/geometry.py", "import torch", "import no torch"),
         ("router/core.py", "import worker.config", "import no torch"),
+        ("worker/assembly/builder.py", "import worker.engine.engine", "never upward"),
     ],
 )
 def test_import_contracts_catch_a_violation(

@@ -9,8 +9,8 @@ from __future__ import annotations
 from core.outputs import EngineStats, Output, StreamDelta
 from core.sampling_params import SamplingParams
 from worker.config import EngineConfig
-from worker.engine.async_engine import AsyncEngine
 from worker.engine.engine import Engine
+from worker.hosts.async_engine import AsyncEngine
 
 __all__ = [
     "AsyncEngine",

@@ -17,8 +17,8 @@ from ray.actor import ActorHandle
 from ray.util import get_current_placement_group, placement_group_table
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from worker.assembly.rank import run_rank
 from worker.config import EngineConfig
-from worker.engine.tp_setup import run_rank
 from worker.parallel.group import LOOPBACK, TPAddress
 
 _STRICT = "STRICT_PACK"

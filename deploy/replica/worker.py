@@ -68,14 +68,14 @@ def _default_engine(
     the replica's process (tensor parallelism: the ranks are Ray actors the replica starts)."""
     if config.tensor_parallel_size > 1 and _replica_context() is not None:
         from deploy.replica.ranks import RayRankLauncher  # ranks in the replica's placement group
-        from worker.engine.async_engine import AsyncEngine
+        from worker.hosts.async_engine import AsyncEngine
 
         return AsyncEngine(config, launcher=RayRankLauncher(current_replica_id()))
     if own_process and config.tensor_parallel_size == 1:
-        from worker.engine.engine_process import EngineProcess
+        from worker.hosts.engine_process import EngineProcess
 
         return EngineProcess(config, niceness=niceness)
-    from worker.engine.async_engine import AsyncEngine  # heavy (torch); only inside the replica
+    from worker.hosts.async_engine import AsyncEngine  # heavy (torch); only inside the replica
 
     return AsyncEngine(config)
 

@@ -7,7 +7,7 @@ from bench.profile_breakdown import REPO_PREFIX, by_file, engine_part, parse_raw
 W = REPO_PREFIX
 SITE = "/venv/lib/python3.11/site-packages/"
 STD = "/usr/lib/python3.11/"
-ROOT = f"Thread._bootstrap ({STD}threading.py:1002);AsyncEngine._loop ({W}worker/engine/async_engine.py:120)"
+ROOT = f"Thread._bootstrap ({STD}threading.py:1002);AsyncEngine._loop ({W}worker/hosts/async_engine.py:120)"
 STEP = f"{ROOT};Engine.step ({W}worker/engine/engine.py:200)"
 RAW = "\n".join([
     f"thread (1): swaserve-engine;{STEP};ModelRunner.forward ({W}worker/runner/model_runner.py:90);"

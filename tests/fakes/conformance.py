@@ -9,10 +9,12 @@ from __future__ import annotations
 from bench.sim_runner import SimRunner
 from deploy.replica.ranks import RayRankLauncher, RayRanks
 from tests.fakes.fake_engine import FakeEngine
-from worker.engine.async_engine import AsyncEngine
-from worker.engine.protocols import EngineClient, RankLauncher, Ranks, Runner
-from worker.engine.rank_processes import ProcessLauncher, ProcessRanks
+from worker.assembly.rank_processes import ProcessLauncher, ProcessRanks
+from worker.assembly.ranks import RankLauncher, Ranks
+from worker.engine.protocols import EngineClient
+from worker.hosts.async_engine import AsyncEngine
 from worker.parallel.runner import TPRunner
+from worker.runner.base import Runner
 from worker.runner.model_runner import ModelRunner
 
 

@@ -1,4 +1,4 @@
-"""A small stand-in for `worker.engine.async_engine.AsyncEngine` (same public interface), for tests only.
+"""A small stand-in for `worker.hosts.async_engine.AsyncEngine` (same public interface), for tests only.
 
 It "generates" deterministic tokens (greedy: a function of the previous token; sampled: a seeded
 RNG), keeps a token-granular KV budget per request so tests can watch KV being freed on abort,

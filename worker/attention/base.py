@@ -81,10 +81,6 @@ class KVView:
         return cls(None, None, kv_starts, kv_lens, table, rows, row_ids, starts_dev, lens_dev)
 
     @property
-    def is_paged(self) -> bool:
-        return self.table is not None
-
-    @property
     def device(self) -> torch.device:
         t = self.table if self.table is not None else self.indices
         assert t is not None, "a KVView holds a table or indices"

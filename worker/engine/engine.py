@@ -7,7 +7,7 @@ One step is three moves, with no call back from the scheduler into the engine:
     scheduler.commit / append_token / finish  every state change, by the scheduler
 
 Driven two ways with the same code: `generate()` steps it in the caller's thread until the given
-prompts finish (offline); `worker.engine.async_engine.AsyncEngine` steps it on a background
+prompts finish (offline); `worker.hosts.async_engine.AsyncEngine` steps it on a background
 thread and streams `StreamDelta`s. `add_request` and `abort` are thread-safe (they go through an
 inbox the step drains); `stats()` returns the snapshot the last step published; everything else
 runs on the stepping thread.
@@ -25,6 +25,9 @@ from core.events import CacheEvent, PageState
 from core.geometry import ceil_page
 from core.outputs import EngineStats, Output, StreamDelta, TokenLogprob
 from core.sampling_params import SamplingParams
+from worker.assembly.builder import build_engine_parts
+from worker.assembly.parts import EngineParts
+from worker.assembly.ranks import RankLauncher
 from worker.config import (
     EngineConfig,
     overlaps,
@@ -32,8 +35,6 @@ from worker.config import (
     repairs_tombstones,
 )
 from worker.engine.overlap import Forwarder, Launched, forward_reqs, sample_index
-from worker.engine.protocols import RankLauncher
-from worker.engine.setup import EngineParts, build_engine_parts
 from worker.engine.stats import EngineCounters, PoolPeaks, snapshot
 from worker.engine.step_io import prompt_logits, record_prompt_logprobs, sample_row
 from worker.engine.stopping import StopChecker

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from worker.engine.protocols import Runner
+from worker.runner.base import Runner
 from worker.runner.forward_batch import ForwardBatch, ForwardReq
 from worker.runner.sampler import SampleOutput, SampleRow
 from worker.scheduler.plan import StepWork

@@ -1,6 +1,8 @@
-"""The typed seams of the engine: what it needs of a model runner, and what a serving replica
-needs of an engine. Implementations are checked against them by the type checker
-(`tests/test_typing.py` runs mypy on the packages and on `tests/fakes`).
+"""`EngineClient`: what a serving replica needs of an engine, the seam between the step loop and
+its hosts (`worker/hosts/`). The engine's other seams sit below it, with the parts it is built
+from: `Runner` (`worker/runner/base.py`) and `RankLauncher`/`Ranks` (`worker/assembly/ranks.py`).
+The type checker holds every implementation to its protocol (`tests/test_typing.py` runs mypy on
+the packages and on `tests/fakes`).
 
     WorkerDeployment ──EngineClient──▶ EngineProcess, AsyncEngine (tests: FakeEngine)
     Engine ──────────────Runner──────▶ ModelRunner (bench: SimRunner; TP: TPRunner)
@@ -13,56 +15,10 @@ from collections.abc import AsyncGenerator, Sequence
 from pathlib import Path
 from typing import Protocol
 
-import torch
-
 from core.events import CacheEvent, PageState
 from core.outputs import EngineStats, StreamDelta
 from core.sampling_params import SamplingParams
 from worker.config import EngineConfig
-from worker.parallel.group import TPAddress
-from worker.runner.forward_batch import ForwardBatch
-from worker.runner.sampler import SampleOutput, SampleRow
-
-
-class Runner(Protocol):
-    """Runs one step. The engine allocates the slots; the runner writes KV and computes."""
-
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """Logits ``[batch.num_logits, vocab]`` (float32), in batch order (forward_batch.py)."""
-        ...
-
-    def sample(
-        self, logits: torch.Tensor, rows: Sequence[SampleRow], bitmask: torch.Tensor | None = None
-    ) -> SampleOutput:
-        """One token per logits row, for the requests whose rows are given, in order; `bitmask`
-        (int32 ``[len(rows), ceil(vocab / 32)]``) holds the grammar's allowed tokens for rows
-        marked `masked`."""
-        ...
-
-
-class Ranks(Protocol):
-    """Ranks 1..N-1 of a tensor-parallel engine, as rank 0 sees them (docs/design.md §17.4)."""
-
-    def failure(self) -> str | None:
-        """Why a rank is gone (exited, died, unreachable), or None while all of them run. Cheap:
-        called on every request and health check."""
-        ...
-
-    def stop(self, timeout_s: float) -> None:
-        """Wait up to `timeout_s` for the ranks to exit (after the stop message), then end them."""
-        ...
-
-
-class RankLauncher(Protocol):
-    """Starts ranks 1..N-1 of an engine, each running `worker.engine.tp_setup.run_rank`."""
-
-    def rendezvous_host(self) -> str:
-        """The address the ranks reach rank 0 at (loopback when they share its host)."""
-        ...
-
-    def start(self, config: EngineConfig, address: TPAddress) -> Ranks:
-        """Start them and return at once; they join rank 0's store at `address`."""
-        ...
 
 
 class EngineClient(Protocol):

@@ -21,7 +21,7 @@ from worker.models.spec import HFConfig, LayerKind, ModelSpec
 
 if TYPE_CHECKING:
     from worker.models.compiled import CompiledForward
-    from worker.runner.forward_batch import ForwardContext
+    from worker.models.context import ForwardContext
 
 
 class DecoderModel(nn.Module):

@@ -17,7 +17,7 @@ from worker.models.self_attention import AttnOptions, SelfAttention
 from worker.models.spec import HFConfig, LayerKind, ModelSpec
 
 if TYPE_CHECKING:
-    from worker.runner.forward_batch import ForwardContext
+    from worker.models.context import ForwardContext
 
 
 class Cohere2DecoderLayer(nn.Module):

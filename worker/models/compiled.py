@@ -32,7 +32,7 @@ from worker.models.packed import PackedLinear, pack_linears
 
 if TYPE_CHECKING:
     from worker.models.causal_lm import CausalLM
-    from worker.runner.forward_batch import ForwardContext
+    from worker.models.context import ForwardContext
 
 logger = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from torch import nn
 from worker.attention.base import AttentionLayer
 
 if TYPE_CHECKING:
-    from worker.runner.forward_batch import ForwardContext
+    from worker.models.context import ForwardContext
 
 NormStyle = Literal["llama", "gpt_oss", "gemma"]
 

@@ -25,7 +25,7 @@ from worker.models.self_attention import AttnOptions, SelfAttention
 from worker.models.spec import HFConfig, LayerKind, ModelSpec
 
 if TYPE_CHECKING:
-    from worker.runner.forward_batch import ForwardContext
+    from worker.models.context import ForwardContext
 
 _HF_LAYER_TYPE = {LayerKind.FULL: "full_attention", LayerKind.SWA: "sliding_attention"}
 

@@ -19,7 +19,7 @@ from worker.models.self_attention import AttnOptions, SelfAttention
 from worker.models.spec import HFConfig, LayerKind, ModelSpec
 
 if TYPE_CHECKING:
-    from worker.runner.forward_batch import ForwardContext
+    from worker.models.context import ForwardContext
 
 
 def _head_dim(config: HFConfig) -> int:

@@ -131,10 +131,6 @@ class Rotary:
         self.layout = layout
         self._per_device: dict[torch.device, torch.Tensor] = {}
 
-    @property
-    def rotary_dim(self) -> int:
-        return 2 * self.inv_freq.numel()
-
     def __call__(self, positions: torch.Tensor, dtype: torch.dtype) -> CosSin:
         dev = positions.device
         if dev not in self._per_device:

@@ -19,7 +19,7 @@ from worker.models.layers import NormStyle, PagedAttention, RMSNorm
 from worker.models.rope import CosSin, apply_rope
 
 if TYPE_CHECKING:
-    from worker.runner.forward_batch import ForwardContext
+    from worker.models.context import ForwardContext
 
 
 @dataclass(frozen=True)

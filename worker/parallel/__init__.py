@@ -2,7 +2,7 @@
 
 `group` (the process groups), `layers` (column/row/vocab-parallel), `shard` (a model and its
 spec cut into one rank's part), `runner` (`TPRunner`: rank 0 prepares, every rank executes).
-The engine side that starts and stops the ranks is `worker/engine/tp_setup.py`.
+Every rank is built by `worker/assembly/rank.py`; rank 0 starts and stops the others.
 """
 
 from worker.parallel.group import TPAddress, TPGroup

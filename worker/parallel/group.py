@@ -61,14 +61,26 @@ def connect_store(address: TPAddress) -> dist.TCPStore:
 
 
 class TPGroup:
-    """Rank `rank` of `size`; `device` is where this rank's weights and KV pools live.
+    """Rank `rank` of `size`; `device` is where this rank's weights and KV pools live. A single
+    device is rank 0 of 1: no store, no process groups, every collective the identity.
 
-    Built before the weights (sharding needs only rank and size); `join` connects it once this
-    rank's shard is loaded, so a slow load never counts against a collective's timeout.
+    Built before the weights (sharding needs only rank and size) with the rendezvous `store`
+    (rank 0's) and, on rank 0, `peers_failure` (why another rank is gone, or None); `join`
+    connects it once this rank's shard is loaded, so a slow load never counts against a
+    collective's timeout.
     """
 
-    def __init__(self, rank: int, size: int, device: torch.device) -> None:
+    def __init__(
+        self,
+        rank: int,
+        size: int,
+        device: torch.device,
+        store: dist.Store | None = None,
+        peers_failure: Callable[[], str | None] | None = None,
+    ) -> None:
+        assert size == 1 or store is not None, "ranks meet through a store"
         self.rank, self.size, self.device = rank, size, device
+        self._store, self._peers_failure = store, peers_failure
         self._device_group: dist.ProcessGroup | None = None
         self._control_group: dist.ProcessGroup | None = None
 
@@ -76,16 +88,17 @@ class TPGroup:
     def is_first(self) -> bool:
         return self.rank == 0
 
-    def join(self, store: dist.Store, peers_failure: Callable[[], str | None]) -> None:
+    def join(self) -> None:
         """Connect to the other ranks. Rank 0 first waits for every rank to announce itself,
         raising as soon as `peers_failure()` names one that is gone."""
-        if self.size == 1:
+        store = self._store
+        if store is None:  # one rank: nothing to join
             return
         if dist.is_initialized():
             raise RuntimeError("this process is already in a process group: one TP engine each")
         store.set(f"loaded/{self.rank}", "1")
         if self.is_first:
-            _wait_loaded(store, self.size, peers_failure)
+            _wait_loaded(store, self.size, self._peers_failure or (lambda: None))
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         backend = "nccl" if self.device.type == "cuda" else "gloo"
@@ -159,14 +172,15 @@ def _wait_loaded(store: dist.Store, size: int, peers_failure: Callable[[], str |
         time.sleep(POLL_S)
 
 
-def rank_device(device: str, rank: int) -> torch.device:
-    """The device of `rank`: the CPU, or one CUDA device per rank.
+def rank_device(device: str, rank: int, size: int) -> torch.device:
+    """The device of `rank` of `size`: the configured one for a single rank or the CPU, else
+    one CUDA device per rank.
 
     A rank sees either every GPU of the host (processes started here: rank r takes cuda:r) or
     only its own (a Ray actor with one GPU: cuda:0).
     """
     dev = torch.device(device)
-    if dev.type != "cuda":
+    if dev.type != "cuda" or size == 1:
         return dev
     return torch.device("cuda", rank % max(1, torch.cuda.device_count()))
 

@@ -31,8 +31,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from worker.attention.base import AttentionLayer, AttnBatch, KVView
+from worker.models.context import ForwardContext
 from worker.models.spec import LayerKind
-from worker.runner.forward_batch import ForwardContext
 
 if TYPE_CHECKING:
     from worker.attention.base import AttentionBackend

@@ -1,5 +1,4 @@
-"""`ForwardBatch`: what the engine hands the model runner for one step, and the per-step context
-the model passes to its attention layers.
+"""`ForwardBatch`: what the engine hands the model runner for one step.
 
 Contract (the engine codes against this)
 ----------------------------------------
@@ -55,13 +54,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
 
 import torch
-
-if TYPE_CHECKING:
-    from worker.attention.base import AttentionBackend
-    from worker.kv.pool import HybridKVPool
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,14 +137,3 @@ class ForwardBatch:
     @property
     def num_logits(self) -> int:
         return sum(r.logit_rows for r in self.reqs)
-
-
-@dataclass(frozen=True)
-class ForwardContext:
-    """What attention layers need during one forward (passed explicitly, never global)."""
-
-    pool: HybridKVPool
-    backend: AttentionBackend
-    attn_metadata: Any  # what backend.plan returned for this batch
-    out_loc: torch.Tensor  # int64 [T]: full slots of the new tokens, model device
-    swa_out_loc: torch.Tensor | None  # int64 [T]: their SWA slots (translated once), or None

@@ -29,8 +29,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from worker.attention.base import AttentionBackend, AttnBatch, KVView
+from worker.models.context import ForwardContext
 from worker.models.spec import LayerKind, ModelSpec
-from worker.runner.forward_batch import ForwardBatch, ForwardContext, ForwardReq
+from worker.runner.forward_batch import ForwardBatch, ForwardReq
 from worker.runner.sampler import SampleOutput, Sampler, SampleRow
 
 if TYPE_CHECKING:

@@ -6,7 +6,7 @@ import time
 from core.sampling_params import SamplingParams
 from tests.worker.engine.conftest import Oracle, tokens
 from worker.config import EngineConfig
-from worker.engine.async_engine import AsyncEngine
+from worker.hosts.async_engine import AsyncEngine
 
 
 def test_streams_match_offline_and_cancel_frees_kv(oracle: Oracle) -> None:

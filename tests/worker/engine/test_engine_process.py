@@ -21,9 +21,9 @@ from core.outputs import StreamDelta
 from core.sampling_params import SamplingParams
 from tests.worker.engine.conftest import Oracle, tokens
 from worker.config import EngineConfig
-from worker.engine import engine_process
-from worker.engine.engine_process import EngineProcess
 from worker.errors import EngineGoneError
+from worker.hosts import engine_process
+from worker.hosts.engine_process import EngineProcess
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 # above this process's niceness: raising it needs no privilege (lowering it would)

@@ -14,9 +14,9 @@ import torch
 from core.outputs import StreamDelta
 from core.sampling_params import SamplingParams
 from tests.worker.models.hf_tiny import ARCHS, make_tiny
+from worker.assembly.rank_processes import ProcessRanks
 from worker.config import EngineConfig
 from worker.engine.engine import Engine
-from worker.engine.rank_processes import ProcessRanks
 from worker.errors import ConfigError
 
 # SWA pool of 64 tokens: request A alone (40 + 24 tokens) only fits because decode frees the

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from worker.assembly.rank import decode_graphs
 from worker.config import EngineConfig
-from worker.engine.setup import decode_graphs
 from worker.errors import ConfigError
 from worker.runner.cuda_graphs import DEFAULT_BATCH_SIZES, capturable, graph_batch_sizes
 

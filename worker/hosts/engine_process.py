@@ -13,7 +13,7 @@ request's cache (which must reach the router before the client hears back) waits
 fetching them with a call instead waited for the step in flight, and with many requests ending
 at once those waits queued one behind another (seconds at concurrency 32).
 
-    replica process                           child (python -m worker.engine.engine_process)
+    replica process                           child (python -m worker.hosts.engine_process)
     generate/abort/validate/calls ──send──▶   control thread: adds, aborts → engine inbox,
     reader thread ◀──recv── (step: deltas, stats,     validate answered at once, calls queued
       events → buffer, deltas → each            cache events)   step thread: calls, step, send
@@ -60,6 +60,7 @@ from core.events import CacheEvent, PageState
 from core.outputs import EngineStats, StreamDelta
 from core.sampling_params import SamplingParams
 from worker.config import EngineConfig
+from worker.engine.engine import Engine
 from worker.errors import EngineGoneError
 
 logger = logging.getLogger(__name__)
@@ -149,7 +150,7 @@ class EngineProcess:
         listener = Listener(address, family="AF_UNIX", authkey=key)
         env = {**os.environ, AUTHKEY_ENV: key.hex()}
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "worker.engine.engine_process", address],
+            [sys.executable, "-m", "worker.hosts.engine_process", address],
             env=env, stdin=subprocess.DEVNULL,
         )  # fmt: skip
         try:
@@ -372,8 +373,6 @@ class _Child:
     """The engine and its two threads: control (this connection's reader) and step."""
 
     def __init__(self, conn: Connection[object, object], config: EngineConfig) -> None:
-        from worker.engine.engine import Engine
-
         self.conn = conn
         self.engine = Engine(config)
         self.send_lock = threading.Lock()
@@ -541,7 +540,7 @@ def _serve(address: str) -> int:
 
 if __name__ == "__main__":
     # NOTE: through the module's own name, so what crosses the connection unpickles in the replica
-    from worker.engine import engine_process
+    from worker.hosts import engine_process
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s engine %(levelname)s %(message)s")
     sys.exit(engine_process._serve(sys.argv[1]))

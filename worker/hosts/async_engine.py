@@ -20,10 +20,10 @@ from typing import TypeVar
 from core.events import CacheEvent, PageState
 from core.outputs import EngineStats, StreamDelta
 from core.sampling_params import SamplingParams
+from worker.assembly.parts import EngineParts
+from worker.assembly.ranks import RankLauncher
 from worker.config import EngineConfig
 from worker.engine.engine import Engine
-from worker.engine.protocols import RankLauncher
-from worker.engine.setup import EngineParts
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")

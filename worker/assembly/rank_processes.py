@@ -1,6 +1,6 @@
 """`ProcessLauncher`: ranks 1..N-1 of a tensor-parallel engine as local processes (offline
 `Engine(EngineConfig(tensor_parallel_size=N))`, tests). Ray replicas use rank actors instead
-(`deploy/replica/ranks.py`); both run `worker.engine.tp_setup.run_rank`.
+(`deploy/replica/ranks.py`); both run `worker.assembly.rank.run_rank`.
 
 The processes come from a fork server that imported the engine once, so a rank starts in well
 under a second after the first; they are daemons (they end with the engine's process), and a rank
@@ -15,10 +15,11 @@ from multiprocessing.process import BaseProcess
 
 import torch
 
+from worker.assembly.rank import run_rank
 from worker.config import EngineConfig
 from worker.parallel.group import LOOPBACK, TPAddress
 
-_PRELOAD = ["worker.engine.tp_setup", "transformers.models.auto.configuration_auto"]
+_PRELOAD = ["worker.assembly.rank", "transformers.models.auto.configuration_auto"]
 
 
 class ProcessRanks:
@@ -48,8 +49,6 @@ class ProcessLauncher:
         return LOOPBACK
 
     def start(self, config: EngineConfig, address: TPAddress) -> ProcessRanks:
-        from worker.engine.tp_setup import run_rank
-
         ctx = mp.get_context("forkserver")
         ctx.set_forkserver_preload(_PRELOAD)
         threads = torch.get_num_threads()

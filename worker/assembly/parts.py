@@ -1,0 +1,36 @@
+"""`EngineParts`: everything an `Engine` is built from. `build_engine_parts`
+(`worker/assembly/builder.py`) makes them from a config; tests and benchmarks build them by hand
+around a fake or compute-free runner."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from worker.assembly.ranks import TensorParallel
+from worker.cache.base import PrefixCache
+from worker.kv.hybrid_allocator import HybridAllocator
+from worker.kv.memory_plan import PoolPlan
+from worker.models.model_dir import Tokenizer
+from worker.models.spec import ModelSpec
+from worker.runner.base import Runner
+
+
+@dataclass
+class EngineParts:
+    spec: ModelSpec
+    allocator: HybridAllocator
+    cache: PrefixCache
+    runner: Runner  # a ModelRunner, or a compute-free stand-in (bench.sim_runner.SimRunner)
+    max_model_len: int
+    eos_token_ids: tuple[int, ...] = ()
+    tokenizer_loader: Callable[[], Tokenizer] | None = None
+    model_dir: Path | None = None
+    plan: PoolPlan | None = None  # with tensor parallelism: one rank's pools
+    tp: TensorParallel | None = None  # the other ranks (tensor_parallel_size > 1)
+
+    @property
+    def cache_window(self) -> int | None:
+        """The window the cache and scheduler budget with: None without a separate SWA pool."""
+        return self.spec.window if self.allocator.hybrid else None
