@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from core.geometry import Geometry
 from worker.cache import create_cache
 from worker.cache.base import PrefixCache
 from worker.config import CUDA_GRAPH_MODES, EngineConfig
@@ -90,7 +91,7 @@ def build_engine_parts(config: EngineConfig, launcher: RankLauncher | None = Non
     pool = HybridKVPool(spec, full_size, swa_size, config.page_size, dtype, device, hybrid=hybrid)
     cache = create_cache(
         allocator,
-        spec.window if hybrid else None,
+        Geometry(config.page_size, spec.window if hybrid else None, len(spec.swa_layer_ids)),
         enable_radix_cache=config.enable_radix_cache,
         eager_swa_free=config.eager_swa_free,
         swa_eviction_policy=config.swa_eviction_policy,

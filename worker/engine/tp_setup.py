@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from core.geometry import Geometry
 from worker.cache import create_cache
 from worker.config import EngineConfig
 from worker.engine.protocols import RankLauncher, Ranks
@@ -163,9 +164,10 @@ def build_tp_engine_parts(config: EngineConfig, launcher: RankLauncher | None) -
         ranks.stop(0.0)
         group.close()
         raise
+    window = spec.window if shard.plan.hybrid else None
     cache = create_cache(
         allocator,
-        spec.window if shard.plan.hybrid else None,
+        Geometry(config.page_size, window, len(spec.swa_layer_ids)),
         enable_radix_cache=config.enable_radix_cache,
         eager_swa_free=config.eager_swa_free,
         swa_eviction_policy=config.swa_eviction_policy,

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import heapq
 
-from worker.cache.req_kv import ReqKV
-
 
 class PageRows:
     def __init__(self) -> None:
@@ -19,11 +17,8 @@ class PageRows:
         self._next += 1
         return self._next - 1
 
-    def drop(self, kv: ReqKV) -> None:
-        """Give `kv`'s row back (idempotent); its next owner starts unsynced."""
-        if kv.row >= 0:
-            heapq.heappush(self._free, kv.row)
-            kv.row, kv.synced_len = -1, 0
+    def give(self, row: int) -> None:
+        heapq.heappush(self._free, row)
 
     def check(self, held: list[int]) -> None:
         """`held` (the running requests' rows) and the free rows are every row handed out, once."""
