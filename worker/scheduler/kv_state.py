@@ -8,17 +8,20 @@ are `worker.scheduler.scheduler`'s): with it, the one writer of request state.
   since its last free (`force`: at once, before retracting anyone), and drops the SWA part of its
   prefix lock once the next query no longer reads the cached prefix; a chunk-cache request
   (radix disabled) frees everything out of the window before each chunk;
-- `drop_row`: the device page-table row given back.
+- `PageRows` and `drop_row`: the rows of the runner's device page table (docs/design.md §18.1),
+  one per live `ReqKV`, given back when it is dropped and reused (lowest first) by the next
+  admission.
 """
 
 from __future__ import annotations
+
+import heapq
 
 from worker.cache.base import KVUpdate, PrefixCache
 from worker.cache.req_kv import ReqKV
 from worker.kv.frontier import free_out_of_window
 from worker.kv.hybrid_allocator import HybridAllocator
 from worker.scheduler.plan import SchedulerLimits
-from worker.scheduler.rows import PageRows
 
 
 def record(kv: ReqKV, update: KVUpdate) -> None:
@@ -32,13 +35,6 @@ def record(kv: ReqKV, update: KVUpdate) -> None:
     kv.swa_evicted_seqlen = update.swa_evicted_seqlen
     if update.repair_done:
         kv.repair_slots = None
-
-
-def drop_row(kv: ReqKV, rows: PageRows) -> None:
-    """Give `kv`'s page-table row back (idempotent); its next owner starts unsynced."""
-    if kv.row >= 0:
-        rows.give(kv.row)
-        kv.row, kv.synced_len = -1, 0
 
 
 def free_decode_window(
@@ -88,3 +84,33 @@ def free_before_chunk(kv: ReqKV, allocator: HybridAllocator, limits: SchedulerLi
         chunk_cache=True,
         floor=kv.swa_evict_floor,
     )
+
+
+class PageRows:
+    def __init__(self) -> None:
+        self._free: list[int] = []
+        self._next = 0
+
+    def take(self) -> int:
+        if self._free:
+            return heapq.heappop(self._free)
+        self._next += 1
+        return self._next - 1
+
+    def give(self, row: int) -> None:
+        heapq.heappush(self._free, row)
+
+    def check(self, held: list[int]) -> None:
+        """`held` (the running requests' rows) and the free rows are every row handed out, once."""
+        if sorted(held + self._free) != list(range(self._next)) or min(held, default=0) < 0:
+            raise AssertionError(
+                f"page-table rows: running requests hold {sorted(held)}, free {sorted(self._free)}, "
+                f"{self._next} handed out (a row leaked or is shared)"
+            )
+
+
+def drop_row(kv: ReqKV, rows: PageRows) -> None:
+    """Give `kv`'s page-table row back (idempotent); its next owner starts unsynced."""
+    if kv.row >= 0:
+        rows.give(kv.row)
+        kv.row, kv.synced_len = -1, 0

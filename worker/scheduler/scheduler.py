@@ -37,10 +37,15 @@ from worker.scheduler.budget import (
     repair_swa_charge,
     swa_budget,
 )
-from worker.scheduler.kv_state import drop_row, free_before_chunk, free_decode_window, record
+from worker.scheduler.kv_state import (
+    PageRows,
+    drop_row,
+    free_before_chunk,
+    free_decode_window,
+    record,
+)
 from worker.scheduler.plan import SchedulerCounters, SchedulerLimits, StepWork
 from worker.scheduler.request import Req, ReqState
-from worker.scheduler.rows import PageRows
 from worker.scheduler.stall import StallGuard, stall_error
 
 # Decode tokens a running request is assumed to still need, at most (SGLang clips the same way):
