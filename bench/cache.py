@@ -29,6 +29,7 @@ from bench.harness import (
     write_json,
     write_text,
 )
+from core.geometry import Geometry
 from worker.cache.radix_cache import RadixCache
 from worker.kv.hybrid_allocator import HybridAllocator
 
@@ -107,7 +108,7 @@ def measure(s: CacheBenchSettings, target_pages: int) -> list[OpRate]:
     n_seqs = max(1, (target_pages - s.groups * s.shared_pages) // unique)
     n_timed = min(s.ops, max(1, n_seqs // 2))  # the timed inserts complete the tree
     size = (target_pages + 64 * s.seq_pages) * P
-    cache = RadixCache(HybridAllocator(size, size, P), s.window)
+    cache = RadixCache(HybridAllocator(size, size, P), Geometry(P, s.window))
     seqs = _sequences(s, n_seqs, rng, 0)
     _insert_all(cache, _prompts(s))  # so every timed insert shares (and frees) a cached prompt
     _insert_all(cache, seqs[: n_seqs - n_timed])

@@ -108,6 +108,7 @@ def build_engine(
     spec: ModelSpec, batch: int, context: int, s: HostStepSettings, path: str
 ) -> tuple[Engine, HostStepRunner]:
     """The real engine over pools that hold `batch` requests of `context + steps` tokens."""
+    from core.geometry import Geometry
     from worker.cache import create_cache
     from worker.kv.memory_plan import plan_pools
 
@@ -128,7 +129,7 @@ def build_engine(
         max_total_tokens=full,
     )  # fmt: skip
     allocator = HybridAllocator(plan.full_tokens, plan.swa_tokens, P, plan.hybrid)
-    cache = create_cache(allocator, spec.window if plan.hybrid else None)
+    cache = create_cache(allocator, Geometry(P, spec.window if plan.hybrid else None, len(spec.swa_layer_ids)))
     runner = HostStepRunner(spec, allocator, path, max_len)
     parts = EngineParts(spec, allocator, cache, runner, max_len, plan=plan)
     return Engine(config, parts), runner

@@ -112,6 +112,7 @@ def build_sim_engine(
     `spec` (a real model's layer plan, e.g. a `bench.routing_presets` preset) replaces the
     default 1 full : 3 SWA shape with `window`.
     """
+    from core.geometry import Geometry
     from worker.cache import create_cache
     from worker.kv.hybrid_allocator import HybridAllocator
     from worker.kv.memory_plan import plan_pools
@@ -126,9 +127,10 @@ def build_sim_engine(
         disable_hybrid_swa_memory=config.disable_hybrid_swa_memory,
     )
     allocator = HybridAllocator(plan.full_tokens, plan.swa_tokens, config.page_size, plan.hybrid)
+    cache_window = spec.window if plan.hybrid else None
     cache = create_cache(
         allocator,
-        spec.window if plan.hybrid else None,
+        Geometry(config.page_size, cache_window, len(spec.swa_layer_ids)),
         enable_radix_cache=config.enable_radix_cache,
         eager_swa_free=config.eager_swa_free,
         swa_eviction_policy=config.swa_eviction_policy,

@@ -301,3 +301,146 @@ def test_ray_internals_check_catches_a_planted_use(
     found = ray_internals_outside_home(tmp_path)
     assert found and all(f.startswith(f"{module}:") for f in found), found
     assert any(f.endswith(hit) for f in found), found
+
+
+# ---- one writer per request field -----------------------------------------------------------
+
+# `Req` and `ReqKV` change only under the scheduler's verbs: `scheduler.py` writes `Req` and
+# allocates and commits `ReqKV`; `kv_state.py` records what the cache hooks return, the window
+# frees and the page-table row. Everyone else (engine, cache, runner, bench) only reads them.
+STATE_CLASSES = {
+    Path("worker/scheduler/request.py"): "Req",
+    Path("worker/cache/req_kv.py"): "ReqKV",
+}
+STATE_WRITERS = {Path("worker/scheduler/scheduler.py"), Path("worker/scheduler/kv_state.py")}
+# A module that holds a Req or a ReqKV imports from where they live or are handed out; checking
+# only those keeps same-named attributes of other objects (a tree node's `key`, a choice's
+# `tokens`, a bench track's `output`) out of the report.
+STATE_PACKAGES = ("worker.scheduler", "worker.cache")
+LIST_MUTATORS = {"append", "extend", "insert", "pop", "remove", "clear", "sort", "reverse"}
+
+
+def state_fields(root: Path) -> set[str]:
+    """The field names of `Req` and `ReqKV`, read from their class bodies."""
+    fields: set[str] = set()
+    for rel, name in STATE_CLASSES.items():
+        tree = ast.parse((root / rel).read_text())
+        cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == name)
+        fields |= {
+            n.target.id
+            for n in cls.body
+            if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)
+        }
+    return fields
+
+
+def _imports_from(tree: ast.Module, packages: tuple[str, ...]) -> bool:
+    for node in ast.walk(tree):
+        mods = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+        if isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            mods = [node.module]
+        if any(m == p or m.startswith(p + ".") for m in mods for p in packages):
+            return True
+    return False
+
+
+def _attribute_writes(node: ast.AST) -> Iterator[tuple[ast.expr, str]]:
+    """(object, attribute) for each attribute `node` writes: a target of =, augmented or
+    annotated assignment (tuples and starred targets unpacked, an item stored into the
+    attribute), `setattr` with a literal name, an in-place list method called on it."""
+    targets: list[ast.expr] = []
+    if isinstance(node, ast.Assign):
+        targets = list(node.targets)
+    elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+        targets = [node.target]
+    elif isinstance(node, ast.Call):
+        func, args = node.func, node.args
+        if isinstance(func, ast.Name) and func.id == "setattr" and len(args) > 1:
+            if isinstance(args[1], ast.Constant) and isinstance(args[1].value, str):
+                yield args[0], args[1].value
+        elif isinstance(func, ast.Attribute) and func.attr in LIST_MUTATORS:
+            if isinstance(func.value, ast.Attribute):
+                yield func.value.value, func.value.attr
+    while targets:
+        target = targets.pop()
+        if isinstance(target, (ast.Tuple, ast.List)):
+            targets.extend(target.elts)
+        elif isinstance(target, (ast.Starred, ast.Subscript)):
+            targets.append(target.value)
+        elif isinstance(target, ast.Attribute):
+            yield target.value, target.attr
+
+
+def request_state_writes(root: Path) -> list[str]:
+    """`path:line: obj.field` for every write of a `Req` / `ReqKV` field outside the scheduler's
+    writers. A write through `self` is the writing class's own attribute (inside `Req` or `ReqKV`
+    themselves, their own methods) and does not count."""
+    fields = state_fields(root)
+    found = []
+    for pkg in PACKAGES:
+        for path in sorted((root / pkg).rglob("*.py")):
+            rel = path.relative_to(root)
+            tree = ast.parse(path.read_text(), str(rel))
+            if rel in STATE_WRITERS or not _imports_from(tree, STATE_PACKAGES):
+                continue
+            for node in ast.walk(tree):
+                for obj, attr in _attribute_writes(node):
+                    if attr in fields and not (isinstance(obj, ast.Name) and obj.id == "self"):
+                        found.append(f"{rel}:{node.lineno}: {ast.unparse(obj)}.{attr}")
+    return found
+
+
+def test_only_the_scheduler_writes_request_state() -> None:
+    """No module but the scheduler's writers assigns a field of `Req` or `ReqKV`."""
+    assert request_state_writes(REPO) == []
+
+
+PLANTED_WRITES = {
+    "augmented": ("worker/engine/engine.py", "req.pending += 1", ["req.pending"]),
+    "annotated": (
+        "worker/scheduler/budget.py",
+        "req.cached_tokens: int = 0",
+        ["req.cached_tokens"],
+    ),
+    "tuple and starred": (
+        "worker/cache/radix_cache.py",
+        "kv.row, (first, *kv.tokens) = -1, (0, 1)",
+        ["kv.row", "kv.tokens"],
+    ),
+    "item store": ("worker/cache/chunk_cache.py", "kv.table[0] = 1", ["kv.table"]),
+    "setattr": ("worker/engine/step_io.py", "setattr(req, 'follows', None)", ["req.follows"]),
+    "in-place method": ("worker/engine/overlap.py", "w.req.output.append(1)", ["w.req.output"]),
+}
+
+
+def _tree_copy_with(tmp_path: Path, planted: dict[str, str]) -> Path:
+    for pkg in PACKAGES:
+        shutil.copytree(REPO / pkg, tmp_path / pkg, ignore=shutil.ignore_patterns("__pycache__"))
+    for module, body in planted.items():
+        target = tmp_path / module
+        target.write_text(target.read_text() + f"\n\ndef _planted(req, kv, w):\n    {body}\n")
+    return tmp_path
+
+
+@pytest.mark.parametrize("kind", sorted(PLANTED_WRITES))
+def test_request_state_check_catches_a_planted_write(tmp_path: Path, kind: str) -> None:
+    """A copy of the tree with one write of a request field outside the scheduler is reported."""
+    module, body, hits = PLANTED_WRITES[kind]
+    found = request_state_writes(_tree_copy_with(tmp_path, {module: body}))
+    assert sorted(f.split(": ", 1)[1] for f in found) == hits, found
+    assert all(f.startswith(f"{module}:") for f in found), found
+
+
+def test_request_state_check_ignores_owners_and_other_objects(tmp_path: Path) -> None:
+    """Writes by the scheduler, through `self`, of other attributes, or in a module that
+    cannot hold a request are not reported."""
+    root = _tree_copy_with(tmp_path, {
+        "worker/scheduler/scheduler.py": "req.pending += 1",
+        "worker/engine/engine.py": "w.cursor.emitted, w.node.parent = 1, None",
+        "worker/kv/allocator.py": "w.key = req.output = []",
+    })  # fmt: skip
+    (root / "worker/engine/engine.py").write_text(
+        (root / "worker/engine/engine.py").read_text()
+        + "\n\nclass _Planted:\n    def __init__(self):\n        self.pending = 0\n"
+    )
+    assert request_state_writes(root) == []

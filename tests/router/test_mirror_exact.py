@@ -28,7 +28,7 @@ class MirroredWorker:
     """A real radix cache whose drained events feed a ClusterIndex, as the transport would."""
 
     def __init__(self, window: int) -> None:
-        self.cache = RadixCache(HybridAllocator(256, 96, PAGE, True), window)
+        self.cache = RadixCache(HybridAllocator(256, 96, PAGE, True), Geometry(PAGE, window))
         self.index = ClusterIndex()
         meta = WorkerMeta("w", "i", PAGE, window, full_tokens=256, swa_tokens=96, hybrid=True,
                           swa_layers=SWA_LAYERS, tombstone_repair=True)  # fmt: skip

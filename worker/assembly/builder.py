@@ -10,7 +10,7 @@ import dataclasses
 import json
 from pathlib import Path
 
-from worker.assembly.parts import EngineParts
+from worker.assembly.parts import EngineParts, cache_geometry
 from worker.assembly.rank import build_rank, max_model_len
 from worker.assembly.rank_processes import ProcessLauncher
 from worker.assembly.ranks import RankLauncher, Ranks, TensorParallel
@@ -48,7 +48,7 @@ def build_engine_parts(config: EngineConfig, launcher: RankLauncher | None = Non
         runner = tp.runner
     cache = create_cache(
         allocator,
-        spec.window if built.plan.hybrid else None,
+        cache_geometry(spec, allocator),
         enable_radix_cache=config.enable_radix_cache,
         eager_swa_free=config.eager_swa_free,
         swa_eviction_policy=config.swa_eviction_policy,

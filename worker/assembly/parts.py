@@ -8,6 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from core.geometry import Geometry
 from worker.assembly.ranks import TensorParallel
 from worker.cache.base import PrefixCache
 from worker.kv.hybrid_allocator import HybridAllocator
@@ -34,3 +35,15 @@ class EngineParts:
     def cache_window(self) -> int | None:
         """The window the cache and scheduler budget with: None without a separate SWA pool."""
         return self.spec.window if self.allocator.hybrid else None
+
+    @property
+    def geometry(self) -> Geometry:
+        """What the cache and the scheduler's reuse rules see of the pools (`cache_geometry`)."""
+        return cache_geometry(self.spec, self.allocator)
+
+
+def cache_geometry(spec: ModelSpec, allocator: HybridAllocator) -> Geometry:
+    """Page size, the window (None without a separate SWA pool: nothing is ever tombstoned)
+    and the model's SWA layer count."""
+    window = spec.window if allocator.hybrid else None
+    return Geometry(allocator.page_size, window, len(spec.swa_layer_ids))

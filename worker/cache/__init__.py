@@ -6,31 +6,33 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from core.geometry import Geometry
     from worker.cache.base import PrefixCache
     from worker.kv.hybrid_allocator import HybridAllocator
 
 
 def create_cache(
     allocator: HybridAllocator,
-    window: int | None,
+    geometry: Geometry,
     *,
     enable_radix_cache: bool = True,
     eager_swa_free: bool = False,
     swa_eviction_policy: str = "tail_first",
 ) -> PrefixCache:
-    """The cache the engine config asks for (implementations import lazily)."""
+    """The cache the engine config asks for over `allocator` (implementations import lazily);
+    `geometry`: page size, the window the cache applies (None without a separate SWA pool)."""
     if enable_radix_cache:
         from worker.cache.radix_cache import RadixCache
 
         return RadixCache(
             allocator,
-            window,
+            geometry,
             eager_swa_free=eager_swa_free,
             swa_eviction_policy=swa_eviction_policy,
         )
     from worker.cache.chunk_cache import ChunkCache
 
-    return ChunkCache(allocator, window)
+    return ChunkCache(allocator, geometry)
 
 
 __all__ = ["create_cache"]

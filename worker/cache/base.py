@@ -5,7 +5,8 @@ component (FULL / SWA view of a node), tombstone (a node whose SWA KV was freed,
 handle (a locked match, here a `LockReceipt`), frontier (`ReqKV.swa_evicted_seqlen`).
 
 Two implementations: `RadixCache` (radix_cache.py) and `ChunkCache` (chunk_cache.py, radix
-disabled). Both free KV only through the allocator they were given.
+disabled). Both free KV only through the allocator they were given, and read a request's
+`ReqKV` without writing it: a request hook returns a `KVUpdate` the scheduler records.
 """
 
 from __future__ import annotations
@@ -56,6 +57,24 @@ class LockReceipt:
 
 
 @dataclass(frozen=True)
+class KVUpdate:
+    """What a request hook decided about the request's KV, every field as it is from now on; the
+    scheduler writes it into the request's `ReqKV` (the one writer of request state).
+
+    `tree_slots`: the tree's full slots for ``[previous cache_protected_len, cache_protected_len)``
+    (int64, CPU), where the request's table re-points (None: the protected prefix did not grow).
+    `repair_done`: the repair's scratch slots are gone (into the tree or back to the pool).
+    """
+
+    lock: LockReceipt | None
+    swa_lock_released: bool
+    cache_protected_len: int
+    swa_evicted_seqlen: int
+    tree_slots: torch.Tensor | None = None
+    repair_done: bool = False
+
+
+@dataclass(frozen=True)
 class EvictResult:
     """Tokens actually freed per pool (may exceed the request: node granularity)."""
 
@@ -91,16 +110,17 @@ class PrefixCache(abc.ABC):
         whose returned receipt already says so). Never frees KV."""
 
     @abc.abstractmethod
-    def cache_unfinished_req(self, req: ReqKV) -> None:
-        """Chunked prefill: insert the page-aligned filled part `[0, floor_P(kv_committed_len))`,
-        point `req.table` at the tree's slots for it, move the lock to the new end node and
-        advance `req.cache_protected_len`. Frees the request's duplicate slots."""
+    def cache_unfinished_req(self, req: ReqKV) -> KVUpdate:
+        """Chunked prefill: insert the page-aligned filled part `[0, floor_P(kv_committed_len))`
+        and lock the new end node (the old lock released). Frees the request's duplicate slots.
+        Returns: the tree's slots for the newly protected part (the table re-points there), the
+        new lock and `cache_protected_len`, the frontier (eager SWA freeing may move it)."""
 
     @abc.abstractmethod
-    def cache_finished_req(self, req: ReqKV, insert: bool = True) -> None:
+    def cache_finished_req(self, req: ReqKV, insert: bool = True) -> KVUpdate:
         """Finish: insert (or not) the page-aligned committed part, free every slot of the
-        request the tree did not take (unaligned tail and over-allocation included), unlock.
-        Afterwards the request owns nothing."""
+        request the tree did not take (unaligned tail, over-allocation and repair scratch
+        included), unlock. Returns an update with no lock: the request owns nothing now."""
 
     @abc.abstractmethod
     def release_window_lock(self, receipt: LockReceipt) -> LockReceipt:
@@ -141,8 +161,8 @@ class PrefixCache(abc.ABC):
         """The full-KV match (tombstones included), ending at a node: what a repair locks."""
         return self.match_prefix(tokens)
 
-    def finish_repair(self, req: ReqKV) -> None:
+    def finish_repair(self, req: ReqKV) -> KVUpdate:
         """A repair's rows are computed (docs/design.md §9.8): revive the tombstoned pages of
         the tail window before `cache_protected_len` with the request's private SWA slots, free
-        the rest of them, and move the lock so it SWA-protects that tail."""
+        the rest of them, and move the lock so it SWA-protects that tail (the update's)."""
         raise NotImplementedError(f"{type(self).__name__} has no tombstones to repair")

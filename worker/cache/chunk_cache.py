@@ -11,7 +11,8 @@ from collections.abc import Sequence
 
 import torch
 
-from worker.cache.base import EvictResult, LockReceipt, MatchResult, PrefixCache
+from core.geometry import Geometry
+from worker.cache.base import EvictResult, KVUpdate, LockReceipt, MatchResult, PrefixCache
 from worker.cache.node import Node
 from worker.cache.req_kv import ReqKV
 from worker.kv.hybrid_allocator import HybridAllocator
@@ -20,10 +21,13 @@ from worker.kv.hybrid_allocator import HybridAllocator
 class ChunkCache(PrefixCache):
     """Same hooks as `RadixCache`; matches are always empty and nothing is evictable."""
 
-    def __init__(self, allocator: HybridAllocator, window: int | None) -> None:
+    def __init__(self, allocator: HybridAllocator, geometry: Geometry) -> None:
+        if geometry.page_size != allocator.page_size:
+            raise ValueError(
+                f"page_size {geometry.page_size} != the allocator's {allocator.page_size}"
+            )
         self.allocator = allocator
-        self.page_size = allocator.page_size
-        self.window = window
+        self.geometry = geometry
         self._root = Node.make_root()
 
     def match_prefix(self, tokens: Sequence[int]) -> MatchResult:
@@ -38,17 +42,18 @@ class ChunkCache(PrefixCache):
     def release_window_lock(self, receipt: LockReceipt) -> LockReceipt:
         return receipt
 
-    def cache_unfinished_req(self, req: ReqKV) -> None:
+    def cache_unfinished_req(self, req: ReqKV) -> KVUpdate:
         # The filled part stays the request's own: nothing to insert, nothing to re-point.
         assert req.cache_protected_len == 0, "a chunk-cache request owns its whole table"
+        return KVUpdate(req.lock, req.swa_lock_released, 0, req.swa_evicted_seqlen)
 
-    def cache_finished_req(self, req: ReqKV, insert: bool = True) -> None:
+    def cache_finished_req(self, req: ReqKV, insert: bool = True) -> KVUpdate:
         end = max(req.kv_committed_len, req.kv_allocated_len)
         if end > 0:
             # NOTE: [0, swa_evicted_seqlen) has no SWA any more; free() finds its mapping
             # zeroed and frees only the full slots there.
             self.allocator.free(req.table[:end])
-        req.lock, req.swa_lock_released = None, False
+        return KVUpdate(None, False, 0, req.swa_evicted_seqlen)
 
     def evict(self, full_tokens: int, swa_tokens: int) -> EvictResult:
         return EvictResult(0, 0)
@@ -58,7 +63,7 @@ class ChunkCache(PrefixCache):
         a.check_integrity()
         if not running_reqs:
             return
-        P = self.page_size
+        P = self.geometry.page_size
         full = a.full_available_size() + sum(r.owned_full_tokens(P) for r in running_reqs)
         assert full == a.full_size, f"chunk cache: full pool free + owned {full} != {a.full_size}"
         if a.hybrid:

@@ -8,12 +8,13 @@ applies the allocator work they return, and implements the request hooks. With `
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 import torch
 
 from core.events import CacheEvent, EventKind, EventLog, PageState
-from core.geometry import floor_page
-from worker.cache.base import EvictResult, LockReceipt, MatchResult, PrefixCache
+from core.geometry import Geometry, floor_page
+from worker.cache.base import EvictResult, KVUpdate, LockReceipt, MatchResult, PrefixCache
 from worker.cache.evict import evict as evict_tree
 from worker.cache.insert import InsertOutcome, insert
 from worker.cache.integrity import check_tree
@@ -33,8 +34,10 @@ class RadixCache(PrefixCache):
     """Unified radix cache with a FULL and an SWA component per node.
 
     Args:
-        allocator: the hybrid allocator whose slots the tree holds.
-        window: keys to the left (docs/design.md §1); None when the model has no SWA layer.
+        allocator: the hybrid allocator whose slots the tree holds (its page size is the
+            geometry's).
+        geometry: page size and window (keys to the left, docs/design.md §1; None when the model
+            has no SWA layer).
         eager_swa_free: free out-of-window SWA of unfinished chunked prefills before inserting
             them (an SGLang option). Saves SWA pool, costs reuse of branches inside that span.
         swa_eviction_policy: "tail_first" (interior SWA first, tails last, tails tombstoned
@@ -45,27 +48,35 @@ class RadixCache(PrefixCache):
     def __init__(
         self,
         allocator: HybridAllocator,
-        window: int | None,
+        geometry: Geometry,
         *,
         eager_swa_free: bool = False,
         swa_eviction_policy: str = "tail_first",
         emit_events: bool = True,
     ) -> None:
-        if window is not None and window < 0:
-            raise ValueError(f"window must be >= 0 keys to the left, got {window}")
+        if geometry.page_size != allocator.page_size:
+            raise ValueError(f"page_size {geometry.page_size} != the allocator's {allocator.page_size}")
         if swa_eviction_policy not in SWA_EVICTION_POLICIES:
             raise ValueError(
                 f"swa_eviction_policy must be one of {SWA_EVICTION_POLICIES}, "
                 f"got {swa_eviction_policy!r}"
             )
         self.allocator = allocator
-        self.page_size = allocator.page_size
         # NOTE: with one shared pool the SWA layers keep all their KV, so no window rule applies.
-        self.window = window if allocator.hybrid else None
+        self.geometry = geometry if allocator.hybrid else replace(geometry, window=None)
         self.eager_swa_free = eager_swa_free
         self.tail_first = swa_eviction_policy == "tail_first"
         self.events = EventLog(emit_events)
         self.tree = self._new_tree()
+
+    @property
+    def page_size(self) -> int:
+        return self.geometry.page_size
+
+    @property
+    def window(self) -> int | None:
+        """Keys to the left on SWA layers; None: no window rule (no SWA layer, or one pool)."""
+        return self.geometry.window
 
     def _new_tree(self) -> RadixTree:
         return RadixTree(self.page_size, self.window, self.events, tail_first=self.tail_first)
@@ -138,69 +149,58 @@ class RadixCache(PrefixCache):
     def release_window_lock(self, receipt: LockReceipt) -> LockReceipt:
         return self.tree.release_window(receipt)
 
-    # ---- request hooks --------------------------------------------------------------------
-    def cache_unfinished_req(self, req: ReqKV) -> None:
+    # ---- request hooks (they read the ReqKV; the scheduler records what they return) ------
+    def cache_unfinished_req(self, req: ReqKV) -> KVUpdate:
         """Chunked prefill step (docs/design.md §10.1)::
 
         0        protected            aligned = floor_P(kv_committed_len)
         |-- tree --|-- inserted now --|-- unaligned tail stays the request's --|
                    table[protected:aligned] := the tree's slots; protected := aligned
         """
-        P = self.page_size
         kv_len = req.kv_committed_len
+        frontier = req.swa_evicted_seqlen
         if req.repairing:
-            return  # recomputing rows the tree already holds: nothing new to insert yet
+            return _unchanged(req, frontier)  # recomputing rows the tree already holds
         if self.eager_swa_free and self.window is not None and kv_len > 0:
-            req.swa_evicted_seqlen = free_out_of_window(
+            frontier = free_out_of_window(
                 self.allocator,
                 req.table,
-                evicted=req.swa_evicted_seqlen,
+                self.geometry,
+                evicted=frontier,
                 protected=req.cache_protected_len,
                 pre_len=kv_len - 1,
-                window=self.window,
-                page_size=P,
                 chunk_cache=False,
                 floor=req.swa_evict_floor,
             )
-        aligned = floor_page(kv_len, P)
+        aligned = floor_page(kv_len, self.page_size)
         if aligned <= req.cache_protected_len:
-            return
+            return _unchanged(req, frontier)
         out = self.insert(
             req.tokens[:aligned],
             req.table[:aligned],
             prev_prefix_len=req.cache_protected_len,
-            swa_evicted_seqlen=req.swa_evicted_seqlen,
+            swa_evicted_seqlen=frontier,
         )
         # NOTE: the tree owns [0, aligned) now whatever the window rule says about matching
         # there, so the request's lock and table follow the inserted node, not a re-match
         # (a re-match that stops short would leave tree-owned slots marked request-owned,
         # and the next insert would free them).
         path = path_to_root(out.node)[::-1]
-        req.table[req.cache_protected_len : aligned] = _cat([n.full for n in path])[
-            req.cache_protected_len : aligned
-        ]
-        # The device page-table row must be rewritten from here on (§18.1).
-        req.synced_len = min(req.synced_len, req.cache_protected_len)
-        new_lock = self.tree.lock(out.node)
-        if req.lock is not None:
-            self.tree.unlock(req.lock, skip_swa=req.swa_lock_released)
-        req.lock, req.swa_lock_released = new_lock, False
-        req.cache_protected_len = aligned
+        slots = _cat([n.full for n in path])[req.cache_protected_len : aligned]
+        return KVUpdate(self._relock(req, out.node), False, aligned, frontier, tree_slots=slots)
 
-    def cache_finished_req(self, req: ReqKV, insert: bool = True) -> None:
+    def cache_finished_req(self, req: ReqKV, insert: bool = True) -> KVUpdate:
         """Finish (docs/design.md §10.2)::
 
         0      protected        aligned            committed      allocated
         |-tree-|-- inserted or freed --|- tail: freed -|- spare: freed -|
         """
-        P = self.page_size
         kv_len = req.kv_committed_len
         protected = req.cache_protected_len
         if req.repair_slots is not None:  # unfinished repair: its scratch pairs go back
             self.allocator.free(req.repair_slots)
-            req.repair_slots = None
         # (max: an unfinished repair committed less than the tree already held for it)
-        aligned = max(floor_page(kv_len, P), protected)
+        aligned = max(floor_page(kv_len, self.page_size), protected)
         if insert:
             self.insert(
                 req.tokens[:aligned],
@@ -215,19 +215,25 @@ class RadixCache(PrefixCache):
             self.allocator.free(req.table[aligned:end])
         if req.lock is not None:
             self.tree.unlock(req.lock, skip_swa=req.swa_lock_released)
-        req.lock, req.swa_lock_released = None, False
+        return KVUpdate(None, False, protected, req.swa_evicted_seqlen, repair_done=True)
 
-    def finish_repair(self, req: ReqKV) -> None:
+    def finish_repair(self, req: ReqKV) -> KVUpdate:
         assert req.repair_slots is not None and req.lock is not None, "no repair in flight"
         assert req.kv_committed_len >= req.cache_protected_len, "the repair rows are not all computed"
         scratch, node = req.repair_slots, req.lock.node
         ops = revive_tail(self.tree, node, req.repair_start, scratch, self.allocator.translate(scratch))
         self._apply(ops)
-        req.repair_slots = None
-        # The revived tail is what the request's next queries read: SWA-lock it (new lock first).
-        new_lock = self.tree.lock(node)
-        self.tree.unlock(req.lock, skip_swa=req.swa_lock_released)
-        req.lock, req.swa_lock_released = new_lock, False
+        # The revived tail is what the request's next queries read: SWA-lock it.
+        lock = self._relock(req, node)
+        return KVUpdate(lock, False, req.cache_protected_len, req.swa_evicted_seqlen, repair_done=True)
+
+    def _relock(self, req: ReqKV, node: Node) -> LockReceipt:
+        """Lock `node` for the request, then release its old lock (new first: the shared path
+        never drops to unlocked in between)."""
+        lock = self.tree.lock(node)
+        if req.lock is not None:
+            self.tree.unlock(req.lock, skip_swa=req.swa_lock_released)
+        return lock
 
     # ---- eviction / flush -----------------------------------------------------------------
     def evict(self, full_tokens: int, swa_tokens: int) -> EvictResult:
@@ -280,6 +286,10 @@ class RadixCache(PrefixCache):
             self.allocator.free_swa(_cat(ops.free_swa))
         if ops.free:
             self.allocator.free(_cat(ops.free))
+
+
+def _unchanged(req: ReqKV, frontier: int) -> KVUpdate:
+    return KVUpdate(req.lock, req.swa_lock_released, req.cache_protected_len, frontier)
 
 
 def _cat(parts: list[torch.Tensor]) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Request-side KV state the cache hooks read and update (docs/design.md §8).
+"""Request-side KV state: the scheduler writes it, the cache hooks read it (docs/design.md §8).
 
 Positions are token indices of the request. The ranges, for a radix cache::
 
@@ -32,8 +32,9 @@ def _empty_table() -> torch.Tensor:
 
 @dataclass(slots=True, eq=False)
 class ReqKV:
-    """One request's KV bookkeeping (identity-compared: it holds a tensor). The engine grows `tokens` and `table` and the lengths;
-    the cache hooks rewrite `table[:cache_protected_len]`, `cache_protected_len` and `lock`."""
+    """One request's KV bookkeeping (identity-compared: it holds a tensor). Only the scheduler
+    package writes it (`worker.scheduler.scheduler`: allocation and commits; `kv_state`: what a
+    cache hook returns, the window frees): the hooks read it and return a `KVUpdate`."""
 
     tokens: list[int]  # token ids so far (prompt + output)
     table: torch.Tensor = field(default_factory=_empty_table)  # int64, CPU: full slot per position
@@ -51,7 +52,7 @@ class ReqKV:
     repair_slots: torch.Tensor | None = None
     # The request's row of the runner's device page table (docs/design.md §18.1; -1: none) and
     # how many leading positions of that row hold `table` (ForwardReq.synced). Whoever rewrites
-    # `table[p]` below `synced_len` lowers it to p (the cache does on insert).
+    # `table[p]` below `synced_len` lowers it to p (recording an insert's tree slots does).
     row: int = -1
     synced_len: int = 0
 

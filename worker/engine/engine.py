@@ -6,6 +6,9 @@ One step is three moves, with no call back from the scheduler into the engine:
     logits = runner.forward(plan); sample  compute
     scheduler.commit / append_token / finish  every state change, by the scheduler
 
+The engine writes no request state: what it keeps per request id is the consumer's side, the
+delta sink and the stream cursor (what was handed out).
+
 Driven two ways with the same code: `generate()` steps it in the caller's thread until the given
 prompts finish (offline); `worker.hosts.async_engine.AsyncEngine` steps it on a background
 thread and streams `StreamDelta`s. `add_request` and `abort` are thread-safe (they go through an
@@ -36,7 +39,13 @@ from worker.config import (
 )
 from worker.engine.overlap import Forwarder, Launched, forward_reqs, sample_index
 from worker.engine.stats import EngineCounters, PoolPeaks, snapshot
-from worker.engine.step_io import prompt_logits, record_prompt_logprobs, sample_row
+from worker.engine.step_io import (
+    StreamCursor,
+    chunk_prompt_logprobs,
+    prompt_logits,
+    sample_row,
+    stream_delta,
+)
 from worker.engine.stopping import StopChecker
 from worker.runner.forward_batch import ForwardBatch
 from worker.runner.noise import seed_key
@@ -64,15 +73,14 @@ class Engine:
         p = self.parts
         self.spec, self.allocator, self.cache, self.runner = p.spec, p.allocator, p.cache, p.runner
         self.max_model_len = p.max_model_len
+        self.geometry = p.geometry
         self.scheduler = Scheduler(
             SchedulerLimits(
-                page_size=config.page_size,
-                window=p.cache_window,
+                geometry=self.geometry,
                 chunked_prefill_size=prefill_budget(config),
                 max_running_requests=config.max_running_requests,
                 swa_eviction_interval=config.swa_eviction_interval,
                 radix=config.enable_radix_cache,
-                swa_layers=len(p.spec.swa_layer_ids),
                 tombstone_repair=repairs_tombstones(config),
                 max_num_batched_tokens=config.max_num_batched_tokens,
             ),
@@ -89,6 +97,7 @@ class Engine:
         self._inflight: Launched | None = None  # the step whose tokens are not processed yet
         self._inbox: queue.SimpleQueue[_Add | str] = queue.SimpleQueue()  # adds, or ids to abort
         self._sinks: dict[str, DeltaSink] = {}
+        self._cursors: dict[str, StreamCursor] = {}  # what each consumer was handed so far
         self._ids = itertools.count()
         self._stats = self._snapshot()
 
@@ -137,20 +146,23 @@ class Engine:
         prompt (another choice of it): this one starts once that prompt is in the cache."""
         if request_id is not None and request_id in self.scheduler.reqs:
             raise ValueError(f"duplicate request id {request_id!r}: it is still running")
-        req = self._new_req(token_ids, params, request_id)
-        req.follows = follows
+        req = self._new_req(token_ids, params, request_id, follows)
         self._inbox.put((req, on_delta))
         return req.rid
 
-    def _new_req(self, token_ids: Sequence[int], params: SamplingParams, rid: str | None) -> Req:
+    def _new_req(
+        self, token_ids: Sequence[int], params: SamplingParams, rid: str | None, follows: str | None = None
+    ) -> Req:
         self._check(token_ids, params)
-        rid = rid or f"req-{next(self._ids)}"
-        req = Req(rid=rid, prompt=list(token_ids), params=params, key=seed_key(params.seed))
-        if params.prompt_logprobs is not None:
-            req.prompt_logprobs = []
-        if params.grammar is not None:
-            req.grammar = self.grammars.compile(params.grammar)
-        return req
+        return Req(
+            rid=rid or f"req-{next(self._ids)}",
+            prompt=list(token_ids),
+            params=params,
+            key=seed_key(params.seed),
+            prompt_logprobs=None if params.prompt_logprobs is None else [],
+            grammar=None if params.grammar is None else self.grammars.compile(params.grammar),
+            follows=follows,
+        )
 
     def abort(self, request_id: str) -> None:
         """Cancel a request wherever it is; its KV is freed at the next step (thread-safe)."""
@@ -200,11 +212,7 @@ class Engine:
             self.runner, ForwardBatch(fwd), index, rows, masks, previous.result if previous else None
         )
         self.scheduler.commit(work)
-        for w in work:
-            if w.decode:
-                w.req.rollback = w.start  # ending the request drops this decode's KV
-        for w in samplers:
-            w.req.pending += 1
+        self.scheduler.launched(work)
         history = any(w.req.grammar is not None or w.req.params.penalized for w in samplers)
         rows_of = {w.req: i for i, w in enumerate(samplers)}
         return Launched(work, fwd, samplers, prompt_only, result, rows_of, history, overlapped)
@@ -218,15 +226,13 @@ class Engine:
         res = launched.result.result()
         for w, rows in zip(launched.work, prompt_logits(launched.fwd, res.logits)):
             if rows is not None:
-                record_prompt_logprobs(w, rows)
+                self.scheduler.record_prompt_logprobs(w.req, chunk_prompt_logprobs(w, rows))
         deltas = [self._prompt_only_done(r) for r in launched.prompt_only if r.state is not ReqState.FINISHED]
         sampled = res.sampled
         unsampled = set(sampled.unsampled)
         for i, w in enumerate(launched.samplers):
             req = w.req
-            req.pending -= 1
-            if req.rollback == w.start:
-                req.rollback = -1  # no later decode of it in flight
+            self.scheduler.landed(w)
             if req.state is ReqState.FINISHED:
                 continue  # ended while this step ran (an abort, or its previous token stopped it)
             if i in unsampled:
@@ -263,32 +269,13 @@ class Engine:
         return self._delta(req)
 
     def _delta(self, req: Req) -> StreamDelta:
-        new = req.output[req.emitted :]
-        lps = req.logprobs[req.emitted :] if req.logprobs is not None else None
-        req.emitted = len(req.output)
-        prompt_lps = None
-        if req.prompt_logprobs is not None and not req.prompt_logprobs_sent:
-            if len(req.prompt_logprobs) >= len(req.prompt) - 1:
-                req.prompt_logprobs_sent = True
-                prompt_lps = [None, *req.prompt_logprobs]
-        delta = StreamDelta(
-            request_id=req.rid,
-            token_ids=new,
-            finished=req.state is ReqState.FINISHED,
-            finish_reason=req.finish_reason,
-            prompt_len=len(req.prompt),
-            cached_tokens=max(req.cached_tokens, 0),
-            completion_tokens=len(req.output),
-            logprobs=lps,
-            error=req.error,
-            prompt_logprobs=prompt_lps,
-            repaired_tokens=req.repaired_tokens,
-        )
+        delta = stream_delta(req, self._cursors.setdefault(req.rid, StreamCursor()))
         sink = self._sinks.get(req.rid)
         if sink is not None:
             sink(delta)
         if delta.finished:
             self._sinks.pop(req.rid, None)
+            self._cursors.pop(req.rid, None)
         return delta
 
     def _drain_inbox(self) -> list[StreamDelta]:
@@ -318,6 +305,7 @@ class Engine:
             prompt_len, done = (len(req.prompt), len(req.output)) if req else (0, 0)
             sink(StreamDelta(rid, [], True, "abort", prompt_len, 0, done, error=error))
         self._sinks.clear()
+        self._cursors.clear()
 
     # ---- offline --------------------------------------------------------------------------------
     def generate(

@@ -7,7 +7,7 @@ A request's SWA KV at positions ``< pre_len - window`` is dead once the next que
                |  tree-owned  |   already freed    | freed now     |  live SWA  |
                (never freed by the request)          table[evicted:new] -> free_swa
 
-Rules, all pure integer arithmetic (P = page size, W = window):
+Rules, all pure integer arithmetic over the worker's `Geometry` (P = page size, W = window):
   * start  = max(evicted, protected, ceil_P(floor) if floor > protected) - never below the
     tree-owned prefix nor the pinned floor;
   * chunk cache: t = pre_len - W (no tree; the exact window);
@@ -22,60 +22,52 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from core.geometry import ceil_page, floor_page
+from core.geometry import Geometry
 from worker.kv.allocator import check_page_size
 
 if TYPE_CHECKING:
     from worker.kv.hybrid_allocator import HybridAllocator
 
 
-def frontier_start(*, evicted: int, protected: int, page_size: int, floor: int = 0) -> int:
+def frontier_start(g: Geometry, *, evicted: int, protected: int, floor: int = 0) -> int:
     """Where the request's own freeing starts: past the tree-owned prefix and the pinned floor."""
-    _check_aligned(evicted=evicted, protected=protected, page_size=page_size)
+    _check_aligned(g, evicted=evicted, protected=protected)
     lo = max(protected, floor)
     if lo > protected:
-        lo = ceil_page(lo, page_size)  # a partly pinned page stays whole
+        lo = g.ceil(lo)  # a partly pinned page stays whole
     return max(evicted, lo)
 
 
 def swa_frontier(
-    *,
-    evicted: int,
-    protected: int,
-    pre_len: int,
-    window: int,
-    page_size: int,
-    chunk_cache: bool,
-    floor: int = 0,
+    g: Geometry, *, evicted: int, protected: int, pre_len: int, chunk_cache: bool, floor: int = 0
 ) -> int:
     """The new ``swa_evicted_seqlen`` for a request whose next query is at ``pre_len`` (pure)."""
-    if window < 0:
-        raise ValueError(f"window must be >= 0 (keys to the left), got {window}")
-    start = frontier_start(evicted=evicted, protected=protected, page_size=page_size, floor=floor)
-    P = page_size
+    W, P = g.window, g.page_size
+    if W is None:
+        raise ValueError("no window: a geometry without sliding layers has no SWA frontier")
+    start = frontier_start(g, evicted=evicted, protected=protected, floor=floor)
     if chunk_cache:
-        threshold = pre_len - window
+        threshold = pre_len - W
     else:
         # The margin max(W, P) keeps the frontier a page below the insert boundary
         # floor_P(pre_len + 1), so the last inserted leaf never becomes all-tombstone.
-        threshold = pre_len - max(window, P)
+        threshold = pre_len - max(W, P)
         # NOTE: with W > P and W % P not in {0, P - 1} that margin alone can leave fewer than W
         # live tokens below the insert boundary (P=4, W=5, pre_len=10 -> 4, boundary 8: 4 live),
         # and the inserted leaf would fail the window match rule. Capping at boundary - ceil_P(W)
         # changes nothing in every other case and only ever frees less.
-        threshold = min(threshold, floor_page(pre_len + 1, P) - ceil_page(window, P))
-    return max(start, floor_page(threshold, P))
+        threshold = min(threshold, g.floor(pre_len + 1) - g.ceil(W))
+    return max(start, g.floor(threshold))
 
 
 def free_out_of_window(
     allocator: HybridAllocator,
     table: torch.Tensor | Sequence[int],
+    g: Geometry,
     *,
     evicted: int,
     protected: int,
     pre_len: int,
-    window: int,
-    page_size: int,
     chunk_cache: bool,
     floor: int = 0,
 ) -> int:
@@ -84,15 +76,14 @@ def free_out_of_window(
     Returns the new frontier (>= evicted). Idempotent for equal inputs: a second call finds the
     frontier already there and frees nothing.
     """
-    if page_size != allocator.page_size:
-        raise ValueError(f"page_size {page_size} != the allocator's {allocator.page_size}")
-    start = frontier_start(evicted=evicted, protected=protected, page_size=page_size, floor=floor)
+    if g.page_size != allocator.page_size:
+        raise ValueError(f"page_size {g.page_size} != the allocator's {allocator.page_size}")
+    start = frontier_start(g, evicted=evicted, protected=protected, floor=floor)
     new = swa_frontier(
+        g,
         evicted=evicted,
         protected=protected,
         pre_len=pre_len,
-        window=window,
-        page_size=page_size,
         chunk_cache=chunk_cache,
         floor=floor,
     )
@@ -130,11 +121,11 @@ def gather_spans(table: torch.Tensor, spans: list[tuple[int, int]]) -> torch.Ten
     return torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
 
 
-def _check_aligned(*, evicted: int, protected: int, page_size: int) -> None:
-    check_page_size(page_size)
-    if protected % page_size:
+def _check_aligned(g: Geometry, *, evicted: int, protected: int) -> None:
+    check_page_size(g.page_size)
+    if protected % g.page_size:
         raise ValueError(f"protected={protected} (tree-owned prefix) must be page aligned")
-    if evicted % page_size:
+    if evicted % g.page_size:
         raise ValueError(f"evicted={evicted} must be page aligned (frontiers move in pages)")
 
 

@@ -2,7 +2,8 @@
 
 The scheduler keeps the running budgets (`rem_total` over the full pool, `rem_swa` over the SWA
 pool, both = available + evictable - what admitted requests will still take) and asks these
-functions what one request costs. W is the window (keys to the left), P the page size.
+functions what one request costs. W is the window (keys to the left), P the page size: the
+SWA charges take the worker's `Geometry`, whose window must be set (an SWA pool exists).
 
     SWA pool, one request being prefilled, then decoding:
 
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from core.geometry import ceil_page, floor_page
+from core.geometry import Geometry, ceil_page
 
 if TYPE_CHECKING:
     from worker.cache.base import PrefixCache
@@ -25,9 +26,12 @@ if TYPE_CHECKING:
     from worker.scheduler.request import Req
 
 
-def swa_admission_charge(
-    extend_len: int, chunk_budget: int | None, window: int, page_size: int
-) -> int:
+def _window(g: Geometry) -> int:
+    assert g.window is not None, "an SWA charge without a window (no SWA pool to budget)"
+    return g.window
+
+
+def swa_admission_charge(extend_len: int, chunk_budget: int | None, g: Geometry) -> int:
     """SWA tokens one admitted extend is charged: max(min(e, c), W) + P.
 
     Only this step's chunk is new (earlier chunks and locked windows are already out of
@@ -35,14 +39,14 @@ def swa_admission_charge(
     page its next decode token may open. `chunk_budget` None: no chunking, the whole extend.
     """
     alloc = extend_len if chunk_budget is None else min(extend_len, chunk_budget)
-    return max(alloc, window) + page_size
+    return max(alloc, _window(g)) + g.page_size
 
 
-def repair_swa_charge(chunk: int, rows: int, window: int, page_size: int) -> int:
+def repair_swa_charge(chunk: int, rows: int, g: Geometry) -> int:
     """SWA tokens a repairing admission is charged (docs/design.md §9.8): its `rows` scratch
     slots, taken at once, plus `swa_admission_charge` for the part of the first `chunk` past
     them: rows + max(chunk − rows, W) + P."""
-    return rows + max(chunk - rows, window) + page_size
+    return rows + max(chunk - rows, _window(g)) + g.page_size
 
 
 def full_admission_charge(extend_len: int, max_new_tokens: int, page_size: int) -> int:
@@ -58,17 +62,17 @@ def full_admits(extend_len: int, max_new_tokens: int, page_size: int, rem_total:
     return extend_len + max_new_tokens + page_size < rem_total
 
 
-def chunk_cap(rem_swa: int, window: int, page_size: int) -> int:
+def chunk_cap(rem_swa: int, g: Geometry) -> int:
     """Largest first chunk when the whole extend's SWA charge does not fit: floor_P(rem_swa - W - P).
 
     The escape hatch for prompts larger than the SWA pool (no head-of-line livelock). A result
     <= 0 means no room: reject now (or if chunking is disabled).
     """
-    return floor_page(rem_swa - window - page_size, page_size)
+    return g.floor(rem_swa - _window(g) - g.page_size)
 
 
 def first_chunk_len(
-    extend_len: int, chunk_budget: int, rem_swa: int, window: int, page_size: int, *, alone: bool
+    extend_len: int, chunk_budget: int, rem_swa: int, g: Geometry, *, alone: bool
 ) -> int:
     """First chunk of an admitted extend under the SWA budget; <= 0: not now.
 
@@ -79,11 +83,11 @@ def first_chunk_len(
     (one page kept for the allocation, as for a continuing chunk).
     """
     n = min(extend_len, chunk_budget)
-    if swa_admission_charge(extend_len, chunk_budget, window, page_size) < rem_swa:
+    if swa_admission_charge(extend_len, chunk_budget, g) < rem_swa:
         return n
-    cap = chunk_cap(rem_swa, window, page_size)
+    cap = chunk_cap(rem_swa, g)
     if cap <= 0 and alone:
-        cap = rem_swa - page_size
+        cap = rem_swa - g.page_size
     return min(n, cap) if cap > 0 else 0
 
 
@@ -102,7 +106,6 @@ def continuing_chunk_len(
     return n if rem_swa is None else min(n, rem_swa - page_size)
 
 
-
 def future_tokens(req: Req, clip: int) -> int:
     """Decode tokens a running request is assumed to still need (at most `clip`)."""
     return min(max(req.params.max_tokens - req.generated, 0), clip)
@@ -118,6 +121,6 @@ def swa_budget(
     allocator: HybridAllocator, cache: PrefixCache, running: list[Req], limits: SchedulerLimits
 ) -> int:
     """SWA-pool budget: available + evictable − a decoding request's headroom (interval + P)."""
-    headroom = limits.swa_eviction_interval + limits.page_size
+    headroom = limits.swa_eviction_interval + limits.geometry.page_size
     pending = sum(headroom for r in running if r.generated)
     return allocator.swa_available_size() + cache.swa_evictable - pending

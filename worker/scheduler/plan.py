@@ -4,19 +4,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from core.geometry import Geometry
 from worker.runner.forward_batch import ForwardReq, RepairRows
 from worker.scheduler.request import Req
 
 
 @dataclass(frozen=True)
 class SchedulerLimits:
-    page_size: int
-    window: int | None  # None: no SWA pool to budget (single pool or no SWA layer)
+    # Page size, window (None: no SWA pool to budget, single pool or no SWA layer) and the SWA
+    # layer count (the repair rule's n_swa), as the cache sees them.
+    geometry: Geometry
     chunked_prefill_size: int  # most prompt tokens one step prefills
     max_running_requests: int
     swa_eviction_interval: int
     radix: bool  # False: chunk cache (frees SWA before each chunk with the exact window)
-    swa_layers: int = 0  # SWA layers of the model (the repair rule's n_swa)
     tombstone_repair: bool = False  # repair tombstoned prefixes (docs/design.md §9.8)
     max_num_batched_tokens: int = 1 << 62  # tokens per step, decodes included (§11.7)
 

@@ -10,6 +10,10 @@ is computed. A running request's next step feeds ``tokens[committed:]`` (or a ch
 The step that feeds the last of ``tokens`` samples the next token. Under overlap scheduling
 (docs/design.md §11.8) a token sampled by a step still in flight counts in ``pending`` (it is
 in ``tokens`` by count, not yet by value: the next decode feeds it as a future token id).
+
+Fields set at construction (`follows`, `prompt_logprobs`, `grammar`) are constructor arguments;
+every later change is the scheduler's (`worker.scheduler.scheduler`, one writer per field). What
+a consumer has been handed (the stream cursor) is the engine's, kept by request id.
 """
 
 from __future__ import annotations
@@ -46,11 +50,10 @@ class Req:
     repaired_tokens: int = 0  # tokens recomputed at first admission to repair a tombstoned prefix
     finish_reason: FinishReason | None = None
     error: str | None = None
-    emitted: int = 0  # output tokens already handed out as stream deltas
     retractions: int = 0
-    # prompt_logprobs[p]: the logprob of prompt token p + 1 (the rows computed so far)
+    # prompt_logprobs[p]: the logprob of prompt token p + 1 (the rows computed so far); [] when
+    # the request asks for them, None otherwise
     prompt_logprobs: list[TokenLogprob] | None = None
-    prompt_logprobs_sent: bool = False
     grammar: GrammarMatcher | None = None
     follows: str | None = None  # a sibling: admitted once that request's prompt is in the tree
     pending: int = 0  # tokens sampled by steps in flight, not appended yet (overlap, §11.8)

@@ -1,8 +1,11 @@
 """`Scheduler`: the owner of every request's state, and the plan of each step.
 
-Every state change of a request happens here: `add` (waiting), admission (running, with KV),
-`commit` (the KV a forward wrote), `append_token`, retraction (KV given back, requeued), `finish`
-and `abort` (KV given back, finished). The engine only asks for a plan, runs it and reports.
+Every state change of a request happens in this package, under this class's verbs: `add`
+(waiting), admission (running, with KV), `commit` (the KV a forward wrote), `launched` / `landed`
+(tokens in flight, overlap), `record_prompt_logprobs`, `append_token`, retraction (KV given back,
+requeued), `finish` and `abort` (KV given back, finished). The cache's request hooks return
+`KVUpdate`s that `worker.scheduler.kv_state` records. The engine only asks for a plan, runs it
+and reports.
 
 Policy (docs/design.md §11): mixed batches, decode first. Every decoding request feeds its one
 token (out-of-window SWA freed per request every `swa_eviction_interval`; when the pools cannot
@@ -19,7 +22,7 @@ from collections import deque
 
 import torch
 
-from core.geometry import Geometry, ceil_page
+from core.geometry import ceil_page
 from core.outputs import FinishReason, TokenLogprob
 from core.reuse import Reuse, plan_reuse
 from worker.cache.base import MatchResult, PrefixCache
@@ -34,11 +37,16 @@ from worker.scheduler.budget import (
     repair_swa_charge,
     swa_budget,
 )
+from worker.scheduler.kv_state import (
+    PageRows,
+    drop_row,
+    free_before_chunk,
+    free_decode_window,
+    record,
+)
 from worker.scheduler.plan import SchedulerCounters, SchedulerLimits, StepWork
 from worker.scheduler.request import Req, ReqState
-from worker.scheduler.rows import PageRows
 from worker.scheduler.stall import StallGuard, stall_error
-from worker.scheduler.window_free import free_before_chunk, free_decode_window
 
 # Decode tokens a running request is assumed to still need, at most (SGLang clips the same way):
 # beyond this, retraction handles the rare request that really runs that long.
@@ -56,7 +64,6 @@ class Scheduler:
         self.counters = SchedulerCounters()
         self._stall = StallGuard()
         self._rows = PageRows()  # the runner's device page-table rows (docs/design.md §18.1)
-
 
     # ---- life cycle -----------------------------------------------------------------------------
     def add(self, req: Req) -> bool:
@@ -108,10 +115,30 @@ class Scheduler:
         # any insert of this step (docs/design.md §9.8).
         for kv in kvs:
             if kv is not None and kv.repairing and kv.kv_committed_len >= kv.cache_protected_len:
-                self.cache.finish_repair(kv)
+                record(kv, self.cache.finish_repair(kv))
         for w, kv in zip(work, kvs):
             if not w.decode and self.limits.radix and kv is not None:
-                self.cache.cache_unfinished_req(kv)
+                record(kv, self.cache.cache_unfinished_req(kv))
+
+    def launched(self, work: list[StepWork]) -> None:
+        """The step's forward is submitted (overlap, docs/design.md §11.8): ending a request
+        drops the KV of its decode in flight, and each sampler has a token in flight."""
+        for w in work:
+            if w.decode:
+                w.req.rollback = w.start
+            if w.samples:
+                w.req.pending += 1
+
+    def landed(self, w: StepWork) -> None:
+        """The token `w` sampled is back (appended next, unless the request ended meanwhile)."""
+        w.req.pending -= 1
+        if w.req.rollback == w.start:
+            w.req.rollback = -1  # no later decode of it in flight
+
+    def record_prompt_logprobs(self, req: Req, logprobs: list[TokenLogprob]) -> None:
+        """The prompt logprobs of the next positions (a chunk's logits rows gave them)."""
+        assert req.prompt_logprobs is not None, f"request {req.rid} asked for no prompt logprobs"
+        req.prompt_logprobs.extend(logprobs)
 
     def append_token(self, req: Req, token: int, logprob: TokenLogprob | None) -> None:
         req.output.append(token)
@@ -149,8 +176,8 @@ class Scheduler:
         if req.kv is not None:
             if req.rollback >= 0:
                 req.kv.kv_committed_len, req.rollback = req.rollback, -1
-            self.cache.cache_finished_req(req.kv, insert=self.limits.radix)
-            self._rows.drop(req.kv)
+            record(req.kv, self.cache.cache_finished_req(req.kv, insert=self.limits.radix))
+            drop_row(req.kv, self._rows)
 
     def check_rows(self) -> None:
         """Every running request holds its own page-table row (see `PageRows.check`)."""
@@ -165,7 +192,7 @@ class Scheduler:
 
     @property
     def swa_budgeted(self) -> bool:
-        return self.limits.window is not None and self.allocator.hybrid
+        return self.limits.geometry.window is not None and self.allocator.hybrid
 
     # ---- the step plan --------------------------------------------------------------------------
     def schedule(self) -> list[StepWork]:
@@ -224,7 +251,7 @@ class Scheduler:
 
     def _alloc_decodes(self, reqs: list[Req]) -> bool:
         """One slot per decoding request, in one vectorised `alloc_decode` over the batch."""
-        P = self.limits.page_size
+        P = self.limits.geometry.page_size
         kvs = [r.kv for r in reqs]
         pos = [kv.kv_committed_len for kv in kvs]  # type: ignore[union-attr]
         new_pages = sum(1 for p in pos if p % P == 0)
@@ -247,15 +274,14 @@ class Scheduler:
             free_before_chunk(req.kv, self.allocator, self.limits)
         # An SWA budget keeps one page for the allocation itself; no room at all -> defer.
         rem_swa = self.rem_swa() if self.swa_budgeted else None
-        n = continuing_chunk_len(budget, req.remaining, rem_swa, self.limits.page_size)
+        n = continuing_chunk_len(budget, req.remaining, rem_swa, self.limits.geometry.page_size)
         return self._alloc_extend(req, n) if n > 0 else None
 
     def _admit(self, req: Req, budget: int) -> StepWork | None:
         tokens = req.all_tokens()
         match = self.cache.match_prefix(tokens[: req.reusable])
         lim = self.limits
-        geometry = Geometry(lim.page_size, lim.window, lim.swa_layers)
-        reuse = plan_reuse(match.full_length, match.length, geometry, repair=lim.tombstone_repair and lim.radix)
+        reuse = plan_reuse(match.full_length, match.length, lim.geometry, repair=lim.tombstone_repair and lim.radix)
         if reuse.repaired:
             admitted, item = self._admit_repair(req, tokens, reuse, budget)
             if admitted:
@@ -265,7 +291,7 @@ class Scheduler:
         if n <= 0:
             assert kv.lock is not None
             self.cache.unlock(kv.lock)
-            self._rows.drop(kv)
+            drop_row(kv, self._rows)
             return None
         item = self._start(req, kv, n)
         if item is not None and req.cached_tokens < 0:
@@ -278,19 +304,18 @@ class Scheduler:
         """Admit through a repair (docs/design.md §9.8): lock the full match, take scratch pairs
         for the repair rows, start the forward at `reuse.reused`. (False, None): not now and
         nothing running, so fall back to the valid match (alone, nothing will free more)."""
-        P, W, rows = self.limits.page_size, self.limits.window, reuse.repaired
-        assert W is not None
+        g, rows = self.limits.geometry, reuse.repaired
         kv = self._new_kv(req, tokens, self.cache.match_full(tokens[: req.reusable]))
         assert kv.cache_protected_len == reuse.reused + rows, "the full match moved"
         extend = len(tokens) - reuse.reused  # the scratch rows + the new slots after p_full
         n = min(extend, budget)
         fits = (
-            not self.running or full_admits(extend, future_tokens(req, CLIP_MAX_NEW_TOKENS), P, self.rem_full())
-        ) and repair_swa_charge(n, rows, W, P) < self.rem_swa()
+            not self.running or full_admits(extend, future_tokens(req, CLIP_MAX_NEW_TOKENS), g.page_size, self.rem_full())
+        ) and repair_swa_charge(n, rows, g) < self.rem_swa()
         scratch = self.allocator.alloc(rows) if fits and self._make_room(rows, rows) else None
         if scratch is None:
-            self.cache.cache_finished_req(kv, insert=False)
-            self._rows.drop(kv)
+            record(kv, self.cache.cache_finished_req(kv, insert=False))
+            drop_row(kv, self._rows)
             return bool(self.running), None
         kv.kv_committed_len, kv.repair_start, kv.repair_slots = reuse.reused, reuse.reused, scratch
         item = self._start(req, kv, n)
@@ -303,11 +328,13 @@ class Scheduler:
 
     def _new_kv(self, req: Req, tokens: list[int], match: MatchResult) -> ReqKV:
         """A fresh ReqKV (every admission: a retracted request restarts clean) on a locked match."""
-        table = torch.zeros(req.max_len + self.limits.page_size, dtype=torch.int64)
-        kv = ReqKV(tokens=tokens, table=table, lock=self.cache.lock(match.node), row=self._rows.take())
-        kv.table[: match.length] = match.indices
-        kv.cache_protected_len = kv.kv_committed_len = kv.kv_allocated_len = match.length
-        return kv
+        table = torch.zeros(req.max_len + self.limits.geometry.page_size, dtype=torch.int64)
+        table[: match.length] = match.indices
+        lock, row, m = self.cache.lock(match.node), self._rows.take(), match.length
+        return ReqKV(
+            tokens=tokens, table=table, cache_protected_len=m, kv_committed_len=m,
+            kv_allocated_len=m, lock=lock, row=row,
+        )  # fmt: skip
 
     def _start(self, req: Req, kv: ReqKV, n: int) -> StepWork | None:
         req.kv, req.state = kv, ReqState.RUNNING
@@ -315,28 +342,25 @@ class Scheduler:
         item = self._alloc_extend(req, n)
         if item is None:  # budgets said yes but pages are fragmented/short: undo, retry later
             self.running.remove(req)
-            self.cache.cache_finished_req(kv, insert=False)
-            self._rows.drop(kv)
+            record(kv, self.cache.cache_finished_req(kv, insert=False))
+            drop_row(kv, self._rows)
             req.kv, req.state = None, ReqState.WAITING
         return item
 
     def _admissible_chunk(self, req: Req, extend: int, budget: int) -> int:
-        P = self.limits.page_size
+        g = self.limits.geometry
         # With nothing running the whole pool is this request's: validate() already refused
         # requests that can never fit, so the full budget only gates when others run.
-        if self.running and not full_admits(extend, future_tokens(req, CLIP_MAX_NEW_TOKENS), P, self.rem_full()):
+        if self.running and not full_admits(extend, future_tokens(req, CLIP_MAX_NEW_TOKENS), g.page_size, self.rem_full()):
             return 0
         if not self.swa_budgeted:
             return min(extend, budget)
-        assert self.limits.window is not None
-        return first_chunk_len(
-            extend, budget, self.rem_swa(), self.limits.window, P, alone=not self.running
-        )
+        return first_chunk_len(extend, budget, self.rem_swa(), g, alone=not self.running)
 
     def _alloc_extend(self, req: Req, n: int) -> StepWork | None:
         kv = req.kv
         assert kv is not None
-        P = self.limits.page_size
+        P = self.limits.geometry.page_size
         start = kv.kv_committed_len
         # Repair rows already have their slots (the tree's, and scratch pairs): allocate past them.
         lo = max(start, kv.cache_protected_len) if kv.repairing else start

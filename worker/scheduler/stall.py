@@ -29,8 +29,9 @@ class StallGuard:
 
 
 def stall_error(a: HybridAllocator, limits: SchedulerLimits) -> str:
+    g = limits.geometry
     return (
         f"the KV pools cannot hold this request's next step (full pool {a.full_size} tokens, "
-        f"SWA pool {a.swa_size} tokens, window {limits.window}, page {limits.page_size}); raise "
+        f"SWA pool {a.swa_size} tokens, window {g.window}, page {g.page_size}); raise "
         "swa_full_tokens_ratio or the KV budget, or lower chunked_prefill_size"
     )

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
+from core.geometry import Geometry
 from worker.cache.insert import InsertOutcome
 from worker.cache.match import match_path
 from worker.cache.node import Node
@@ -31,7 +32,7 @@ def make_cache(
     """A radix cache over a real allocator; pool sizes in tokens."""
     return RadixCache(
         HybridAllocator(full, swa, page_size, hybrid),
-        window,
+        Geometry(page_size, window),
         eager_swa_free=eager_swa_free,
         swa_eviction_policy=swa_eviction_policy or DEFAULT_SWA_POLICY,
     )
@@ -118,11 +119,10 @@ def move_frontier(cache: RadixCache, req: ReqKV) -> int:
     req.swa_evicted_seqlen = free_out_of_window(
         cache.allocator,
         req.table,
+        cache.geometry,
         evicted=req.swa_evicted_seqlen,
         protected=req.cache_protected_len,
         pre_len=req.kv_committed_len - 1,
-        window=cache.window,
-        page_size=cache.page_size,
         chunk_cache=False,
     )
     return req.swa_evicted_seqlen

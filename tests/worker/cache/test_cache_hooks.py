@@ -6,12 +6,13 @@ import pytest
 import torch
 from cache_helpers import decode, make_cache, move_frontier, node_at, start_req
 
+from core.geometry import floor_page
 from worker.cache.req_kv import ReqKV
-from worker.kv.frontier import floor_page
+from worker.scheduler.kv_state import record
 
 
 def finish(cache, req: ReqKV, running: list[ReqKV] = (), insert: bool = True) -> None:
-    cache.cache_finished_req(req, insert=insert)
+    record(req, cache.cache_finished_req(req, insert=insert))
     cache.check_integrity(running_reqs=[r for r in running if r is not req])
 
 
@@ -45,13 +46,13 @@ def test_unfinished_req_advances_protected_len_and_table() -> None:
     toks = list(range(16)) + [7, 7]
     req = start_req(cache, toks, match=False)  # a chunk that did not use the cache
     old = req.lock
-    cache.cache_unfinished_req(req)
+    record(req, cache.cache_unfinished_req(req))
     assert req.cache_protected_len == 16 and req.lock is not old
     m = cache.match_prefix(toks[:16])
     assert torch.equal(req.table[:16], m.indices)
     cache.check_integrity(running_reqs=[req])
     decode(cache, req, [1, 2, 3])
-    cache.cache_unfinished_req(req)
+    record(req, cache.cache_unfinished_req(req))
     assert req.cache_protected_len == 20
     finish(cache, req, [req])
     assert cache.full_protected == 0
@@ -64,7 +65,7 @@ def test_unfinished_req_preserves_frontier() -> None:
     req.kv_committed_len = 8
     cache.allocator.free_swa(req.table[:4])
     req.swa_evicted_seqlen = 4
-    cache.cache_unfinished_req(req)
+    record(req, cache.cache_unfinished_req(req))
     (top,) = cache.tree.root.children.values()
     (leaf,) = top.children.values()
     assert len(top) == 4 and top.is_tombstone and len(leaf) == 4 and not leaf.is_tombstone
@@ -89,7 +90,7 @@ def test_revival_keeps_a_locked_full_value() -> None:
     req.kv_committed_len = 4
     new_swa = cache.allocator.translate(req.table[:4]).clone()
     full0 = cache.allocator.full_available_size()
-    cache.cache_unfinished_req(req)
+    record(req, cache.cache_unfinished_req(req))
     assert cache.allocator.full_available_size() == full0 + 4
     assert torch.equal(node.full, old_full) and torch.equal(node.swa, new_swa)
     assert torch.equal(cache.allocator.translate(old_full), new_swa)
@@ -104,13 +105,13 @@ def test_eager_swa_free_on_unfinished_req() -> None:
     cache = make_cache(1, 4, 64, 64, eager_swa_free=True)
     req = start_req(cache, list(range(20)), match=False)
     swa0 = cache.allocator.swa_available_size()
-    cache.cache_unfinished_req(req)
+    record(req, cache.cache_unfinished_req(req))
     assert req.swa_evicted_seqlen == 15 and cache.allocator.swa_available_size() >= swa0 + 15
     assert cache.match_prefix(list(range(20))).length == 20
     cache.check_integrity(running_reqs=[req])
     finish(cache, req, [req])
     short = start_req(cache, [90, 91, 92, 93, 94], match=False)
-    cache.cache_unfinished_req(short)
+    record(short, cache.cache_unfinished_req(short))
     assert short.swa_evicted_seqlen == 0
     finish(cache, short, [short])
 
@@ -119,7 +120,7 @@ def test_eager_swa_free_off_by_default() -> None:
     """Without eager freeing the chunk keeps all its SWA."""
     cache = make_cache(1, 4, 64, 64)
     req = start_req(cache, list(range(20)), match=False)
-    cache.cache_unfinished_req(req)
+    record(req, cache.cache_unfinished_req(req))
     assert req.swa_evicted_seqlen == 0 and cache.swa_evictable + cache.swa_protected == 20
     finish(cache, req, [req])
 
@@ -233,7 +234,7 @@ def test_finish_uses_cache_protected_len() -> None:
     cache.allocator.free = lambda idx: (freed.append(idx.tolist()), real_free(idx))[1]
     table = req.table.tolist()
     req.kv_committed_len = 5  # position 5 is allocated but never committed: the tail
-    cache.cache_finished_req(req, insert=False)
+    record(req, cache.cache_finished_req(req, insert=False))
     assert freed == [table[1:5], table[5:6]]
     cache.check_integrity()
 
@@ -261,7 +262,7 @@ def test_locked_revival_splits_at_frontier() -> None:
     cache.allocator.free_swa(req.table[:2])
     req.swa_evicted_seqlen = 2
     full0, swa0 = cache.allocator.full_available_size(), cache.allocator.swa_available_size()
-    cache.cache_unfinished_req(req)
+    record(req, cache.cache_unfinished_req(req))
     upper = node_at(cache, [1, 2])
     assert upper.is_tombstone and not node.is_tombstone and len(node) == 6
     assert torch.equal(node.full, old_full[2:])  # locked: the node keeps its full slots

@@ -31,6 +31,7 @@ from core.events import EventKind, PageState, page_hashes, replay
 from worker.cache.base import LockReceipt
 from worker.cache.match import match_path
 from worker.cache.req_kv import ReqKV
+from worker.scheduler.kv_state import record
 
 LIVE, TOMB = PageState.LIVE, PageState.TOMBSTONE
 tokens_st = st.lists(st.integers(0, 2), min_size=2, max_size=14)
@@ -152,7 +153,7 @@ class CacheMachine(RuleBasedStateMachine):
                 move_frontier(self.cache, req)
             self.absorb()  # decode may have evicted (its events come before the insert's)
             aligned = req.kv_committed_len - req.kv_committed_len % self.page_size
-            self.cache.cache_finished_req(req)
+            record(req, self.cache.cache_finished_req(req))
             self.model.insert(req.tokens[:aligned], req.cache_protected_len, req.swa_evicted_seqlen)
             self.absorb(inserted=True)
 
@@ -193,7 +194,7 @@ class CacheMachine(RuleBasedStateMachine):
     def unfinished(self, data: st.DataObject) -> None:
         req = data.draw(st.sampled_from(self._unreleased()))
         prev = req.cache_protected_len
-        self.cache.cache_unfinished_req(req)  # may move the frontier first (eager)
+        record(req, self.cache.cache_unfinished_req(req))  # may move the frontier first (eager)
         aligned = req.kv_committed_len - req.kv_committed_len % self.page_size
         if aligned > prev:
             self.model.insert(req.tokens[:aligned], prev, req.swa_evicted_seqlen)
@@ -206,7 +207,7 @@ class CacheMachine(RuleBasedStateMachine):
         self.reqs.remove(req)
         self.released.discard(id(req))
         aligned = req.kv_committed_len - req.kv_committed_len % self.page_size
-        self.cache.cache_finished_req(req, insert=insert)
+        record(req, self.cache.cache_finished_req(req, insert=insert))
         if insert:
             self.model.insert(req.tokens[:aligned], req.cache_protected_len, req.swa_evicted_seqlen)
         self.absorb(inserted=insert)
@@ -273,7 +274,7 @@ class CacheMachine(RuleBasedStateMachine):
         req = data.draw(st.sampled_from([r for r in self.reqs if r.repairing]))
         start, end = req.repair_start, req.cache_protected_len
         req.kv_committed_len = len(req.tokens)
-        self.cache.finish_repair(req)
+        record(req, self.cache.finish_repair(req))
         tail = self.cache.tree.tail
         assert tail is not None
         self.model.revive(req.tokens[:end], start, tail)
@@ -366,7 +367,7 @@ class CacheMachine(RuleBasedStateMachine):
 
     def teardown(self) -> None:
         for r in list(self.reqs):
-            self.cache.cache_finished_req(r)
+            record(r, self.cache.cache_finished_req(r))
         for rd in self.readers:
             self.cache.unlock(rd.receipt)
         assert self.cache.full_protected == 0 and self.cache.swa_protected == 0

@@ -8,6 +8,7 @@ from cache_helpers import _alloc, make_cache, node_at, put
 from core.events import EventKind, page_hashes
 from worker.cache.radix_cache import RadixCache
 from worker.cache.req_kv import ReqKV
+from worker.scheduler.kv_state import record
 
 P, W = 4, 4  # one tail = 4 tokens
 
@@ -130,7 +131,7 @@ def test_repair_revives_exactly_the_tail_and_locks_it() -> None:
     cache.check_integrity([req])
     cache.drain_events()
     req.kv_committed_len = len(req.tokens)
-    cache.finish_repair(req)
+    record(req, cache.finish_repair(req))
     events = cache.drain_events()
     assert [(e.kind, e.page_hashes) for e in events] == [
         (EventKind.SWA_RESTORED, tuple(page_hashes(base, P)[3:]))
@@ -138,7 +139,7 @@ def test_repair_revives_exactly_the_tail_and_locks_it() -> None:
     assert cache.match_prefix(base).length == 16
     assert node_at(cache, base).swa_lock == 1 and not req.repairing
     cache.check_integrity([req])
-    cache.cache_finished_req(req)
+    record(req, cache.cache_finished_req(req))
     cache.check_integrity()
     cache.reset()
     a = cache.allocator
@@ -157,13 +158,13 @@ def test_repair_keeps_live_pages_and_an_aborted_repair_frees_its_scratch() -> No
     req = _repairing(cache, base + [5], rows=8)
     cache.drain_events()
     req.kv_committed_len = len(req.tokens)
-    cache.finish_repair(req)
+    record(req, cache.finish_repair(req))
     assert cache.drain_events() == []
-    cache.cache_finished_req(req)
+    record(req, cache.cache_finished_req(req))
     cache.check_integrity()
     aborted = _repairing(cache, base + [6], rows=8)
     free_swa = cache.allocator.swa_available_size()
-    cache.cache_finished_req(aborted)
+    record(aborted, cache.cache_finished_req(aborted))
     assert cache.allocator.swa_available_size() == free_swa + 8 + P  # scratch + its one page
     cache.check_integrity()
 

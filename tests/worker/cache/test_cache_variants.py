@@ -6,11 +6,13 @@ import pytest
 from cache_helpers import decode, make_cache, move_frontier, node_at, put, start_req
 
 from core.events import EventKind, PageState, page_hashes, replay
+from core.geometry import Geometry
 from worker.cache import create_cache
 from worker.cache.chunk_cache import ChunkCache
 from worker.cache.req_kv import ReqKV
 from worker.kv.frontier import free_out_of_window
 from worker.kv.hybrid_allocator import HybridAllocator
+from worker.scheduler.kv_state import record
 
 pytestmark = pytest.mark.usefixtures("both_policies")
 
@@ -19,19 +21,19 @@ def test_chunk_cache_hooks_free_everything_at_finish() -> None:
     """Radix disabled: nothing matches or is evictable; finish frees the whole table,
     the window-freed hole included (the mapping makes that a no-op for SWA)."""
     alloc = HybridAllocator(128, 64, 4)
-    cache = create_cache(alloc, 4, enable_radix_cache=False)
+    cache = create_cache(alloc, Geometry(4, 4), enable_radix_cache=False)
     assert isinstance(cache, ChunkCache)
     assert cache.match_prefix([1, 2, 3, 4, 5]).length == 0
     table = alloc.alloc(22)
     req = ReqKV(tokens=list(range(22)), table=table, kv_committed_len=21, kv_allocated_len=22)
-    cache.cache_unfinished_req(req)
+    record(req, cache.cache_unfinished_req(req))
     req.swa_evicted_seqlen = free_out_of_window(
-        alloc, table, evicted=0, protected=0, pre_len=20, window=4, page_size=4, chunk_cache=True
+        alloc, table, Geometry(4, 4), evicted=0, protected=0, pre_len=20, chunk_cache=True
     )
     assert req.swa_evicted_seqlen == 16 and alloc.swa_available_size() == 64 - 24 + 16
     cache.check_integrity(running_reqs=[req])
     assert cache.evict(100, 100).full == 0
-    cache.cache_finished_req(req)
+    record(req, cache.cache_finished_req(req))
     assert alloc.full_available_size() == 128 and alloc.swa_available_size() == 64
     cache.check_integrity()
 
@@ -47,7 +49,7 @@ def test_all_swa_never_recaches_freed_kv() -> None:
         cache.check_integrity(running_reqs=[req])
     evicted = req.swa_evicted_seqlen
     assert evicted > 0
-    cache.cache_finished_req(req)
+    record(req, cache.cache_finished_req(req))
     pages = cache.snapshot_pages()
     hashes = page_hashes(req.tokens, 4)
     assert all(pages[h] is PageState.TOMBSTONE for h in hashes[: evicted // 4])
@@ -63,7 +65,7 @@ def test_plain_cache_without_window_never_tombstones() -> None:
     """window None: SWA requests become full evictions; no tombstones, no capping."""
     for hybrid in (True, False):
         alloc = HybridAllocator(128, 128, 2, hybrid)
-        cache = create_cache(alloc, None)
+        cache = create_cache(alloc, Geometry(2, None))
         put(cache, list(range(20)))
         put(cache, list(range(10)) + [99, 98], prev=10)
         assert len(node_at(cache, list(range(20)))) == 10  # split by the branch, not capped
@@ -80,9 +82,9 @@ def test_plain_cache_without_window_never_tombstones() -> None:
 def test_one_pool_disables_the_window_rule() -> None:
     """hybrid=False (SWA layers keep all their KV): the window rule does not apply."""
     alloc = HybridAllocator(128, 128, 1, hybrid=False)
-    cache = create_cache(alloc, 4)
+    cache = create_cache(alloc, Geometry(1, 4))
     req = start_req(cache, list(range(12)), match=False)
-    cache.cache_finished_req(req)
+    record(req, cache.cache_finished_req(req))
     assert cache.evict(0, 4).swa >= 4 and not any(n.is_tombstone for n in cache.tree.iter_nodes())
     cache.check_integrity()
 

@@ -7,28 +7,27 @@ import itertools
 import pytest
 import torch
 
+from core.geometry import Geometry, floor_page
 from worker.kv import HybridAllocator, free_out_of_window, swa_frontier
-from worker.kv.frontier import floor_page, frontier_start, gather_spans, live_spans_to_free
+from worker.kv.frontier import frontier_start, gather_spans, live_spans_to_free
 
 
 def radix(pre_len: int, window: int, page: int, evicted: int = 0, protected: int = 0) -> int:
     return swa_frontier(
+        Geometry(page, window),
         evicted=evicted,
         protected=protected,
         pre_len=pre_len,
-        window=window,
-        page_size=page,
         chunk_cache=False,
     )
 
 
 def chunk(pre_len: int, window: int, page: int, evicted: int = 0, protected: int = 0) -> int:
     return swa_frontier(
+        Geometry(page, window),
         evicted=evicted,
         protected=protected,
         pre_len=pre_len,
-        window=window,
-        page_size=page,
         chunk_cache=True,
     )
 
@@ -154,12 +153,10 @@ def test_never_below_protected_and_monotone():
 
 def test_floor_is_rounded_up_to_a_page():
     """A pinned floor inside a page pins the whole page."""
-    assert frontier_start(evicted=0, protected=0, page_size=4, floor=3) == 4
-    assert frontier_start(evicted=0, protected=8, page_size=4, floor=3) == 8
+    assert frontier_start(Geometry(4, None), evicted=0, protected=0, floor=3) == 4
+    assert frontier_start(Geometry(4, None), evicted=0, protected=8, floor=3) == 8
     assert (
-        swa_frontier(
-            evicted=0, protected=0, pre_len=5, window=1, page_size=4, chunk_cache=True, floor=3
-        )
+        swa_frontier(Geometry(4, 1), evicted=0, protected=0, pre_len=5, chunk_cache=True, floor=3)
         == 4
     )
 
@@ -188,11 +185,10 @@ def test_free_out_of_window_frees_exactly_the_span(page: int, window: int):
         new = free_out_of_window(
             a,
             table,
+            Geometry(page, window),
             evicted=evicted,
             protected=protected,
             pre_len=pre_len,
-            window=window,
-            page_size=page,
             chunk_cache=False,
         )
         assert new >= evicted
@@ -206,11 +202,10 @@ def test_free_out_of_window_frees_exactly_the_span(page: int, window: int):
     free_out_of_window(
         a,
         table,
+        Geometry(page, window),
         evicted=evicted,
         protected=protected,
         pre_len=table.numel(),
-        window=window,
-        page_size=page,
         chunk_cache=False,
     )
     assert a.snapshot() == again
@@ -220,11 +215,11 @@ def test_free_out_of_window_checks_page_size_and_table():
     """A mismatched page size or a table shorter than the frontier raises."""
     a = HybridAllocator(64, 64, 4)
     table = a.alloc(8)
-    kw = dict(evicted=0, protected=0, window=1, chunk_cache=True)
+    kw = dict(evicted=0, protected=0, chunk_cache=True)
     with pytest.raises(ValueError, match="page_size"):
-        free_out_of_window(a, table, pre_len=20, page_size=8, **kw)
+        free_out_of_window(a, table, Geometry(8, 1), pre_len=20, **kw)
     with pytest.raises(ValueError, match="past the request's table"):
-        free_out_of_window(a, table, pre_len=20, page_size=4, **kw)
+        free_out_of_window(a, table, Geometry(4, 1), pre_len=20, **kw)
 
 
 # ---- finishing without a mapping -------------------------------------------------------------

@@ -14,6 +14,7 @@ from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from core.geometry import Geometry
 from worker.kv import HybridAllocator, free_out_of_window
 
 
@@ -160,11 +161,10 @@ class AllocatorMachine(RuleBasedStateMachine):
         new = free_out_of_window(
             self.a,
             torch.tensor(r.table),
+            Geometry(self.P, self.W),
             evicted=r.evicted,
             protected=0,
             pre_len=pre_len,
-            window=self.W,
-            page_size=self.P,
             chunk_cache=chunk_cache,
         )
         assert new >= r.evicted and new % self.P == 0

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from core.geometry import Geometry
 from worker.attention.base import AttentionBackend
 from worker.attention.torch_backend import TorchBackend
 from worker.kv import HybridAllocator, HybridKVPool, free_out_of_window
@@ -125,8 +126,8 @@ class Driver:
         swa_before = self.allocator.translate(table)  # the mapping is zeroed by the free
         before = s.evicted
         s.evicted = free_out_of_window(
-            self.allocator, table, evicted=s.evicted, protected=0, pre_len=s.kv_len,
-            window=self.spec.window, page_size=self.page_size, chunk_cache=True,
+            self.allocator, table, Geometry(self.page_size, self.spec.window), evicted=s.evicted,
+            protected=0, pre_len=s.kv_len, chunk_cache=True,
         )  # fmt: skip
         s.freed_swa.update(swa_before[before : s.evicted].tolist())
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from core.geometry import ceil_page, floor_page
+from core.geometry import Geometry, ceil_page, floor_page
 from worker.kv.frontier import steady_swa_per_request
 from worker.scheduler.budget import (
     chunk_cap,
@@ -30,7 +30,7 @@ def test_swa_charge_table(
     extend: int, chunk: int | None, window: int, page: int, charge: int
 ) -> None:
     """SWA charge = max(min(e, c), W) + P, SGLang's budget table."""
-    assert swa_admission_charge(extend, chunk, window, page) == charge
+    assert swa_admission_charge(extend, chunk, Geometry(page, window)) == charge
 
 
 def test_full_charge_rounds_the_extend_to_pages() -> None:
@@ -42,9 +42,9 @@ def test_full_charge_rounds_the_extend_to_pages() -> None:
 
 def test_chunk_cap_is_the_swa_room_above_window_and_a_page() -> None:
     """chunk_cap = floor_P(rem_swa - W - P); <= 0 when the pool cannot take a chunk."""
-    assert chunk_cap(rem_swa=1000, window=128, page_size=16) == 848
-    assert chunk_cap(rem_swa=1001, window=127, page_size=16) == 848
-    assert chunk_cap(rem_swa=140, window=128, page_size=16) <= 0
+    assert chunk_cap(rem_swa=1000, g=Geometry(page_size=16, window=128)) == 848
+    assert chunk_cap(rem_swa=1001, g=Geometry(page_size=16, window=127)) == 848
+    assert chunk_cap(rem_swa=140, g=Geometry(page_size=16, window=128)) <= 0
 
 
 def test_continuing_chunk_shrinks_to_the_swa_room_or_defers() -> None:
