@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import NamedTuple
 
 from cluster.index import ClusterIndex, WorkerEntry
-from cluster.messages import RankedWorker, RoutingDecision, WorkerLoad
+from cluster.messages import WorkerLoad
 from core.geometry import Geometry
 from core.reuse import Reuse, live_after, plan_reuse
 from router.cost import WorkerView
@@ -25,6 +26,35 @@ from router.policies import Policy, RequestView
 class Candidate(NamedTuple):  # one per replica per request: a NamedTuple is cheap to build
     worker_id: str  # the id the replica stamps on its cache events
     load: WorkerLoad | None = None
+
+
+class RankedWorker(NamedTuple):  # one per candidate per request: a NamedTuple is cheap to build
+    worker_id: str
+    predicted_cached_tokens: int  # what the policy believes this worker will reuse
+    cost: float  # the policy's score (lower is better); comparable only within one decision
+    predicted_repaired_tokens: int = 0  # of the rest, what it believes the worker recomputes as a repair
+
+
+@dataclass(frozen=True)
+class RoutingDecision:
+    """One decision: every candidate, best first, with its predicted cached tokens."""
+
+    policy: str
+    ranked: tuple[RankedWorker, ...]
+
+    @property
+    def best(self) -> RankedWorker | None:
+        return self.ranked[0] if self.ranked else None
+
+    def ranked_for(self, worker_id: str) -> RankedWorker | None:
+        """The rank of the replica that actually serves (it may not be the first one when that
+        was full); None when the worker was not a candidate."""
+        return next((r for r in self.ranked if r.worker_id == worker_id), None)
+
+    def predicted_for(self, worker_id: str) -> int | None:
+        """The predicted cached tokens on that replica."""
+        ranked = self.ranked_for(worker_id)
+        return None if ranked is None else ranked.predicted_cached_tokens
 
 
 class RouterCore:

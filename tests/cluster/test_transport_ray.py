@@ -4,7 +4,7 @@ SwaPrefixRequestRouter in a Serve app of two fake worker replicas.
 
 The fake worker keeps pages in a dict and applies docs/design.md §4.4 itself (the rule's agreement
 with the real radix cache is tests/router/test_mirror_exact.py); the Serve test checks the
-plumbing: events → actor → router, the decision riding on `RoutedRequest`,
+plumbing: events → actor → router, the placement the router notes in the driver's routing record,
 `record_routing_stats`, affinity, predicted == reused on every request."""
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from cluster.transport import (
     kill_index_actor,
 )
 from core.events import CacheEvent, EventKind, PageState, page_hashes
-from router import ingress_signal
+from router import routing_record
 from router.match import valid_match_reference
 
 pytestmark = pytest.mark.ray
@@ -382,8 +382,7 @@ class FakeWorker:
         chain = page_hashes(req.token_ids[:-1], PAGE)
         cached = valid_match_reference([self.pages.get(h) for h in chain], PAGE, WINDOW) * PAGE
         await self.publisher.publish(self._store(chain, int(req.params or 0) // PAGE))
-        predicted = req.routing.predicted_for(self.wid) if req.routing else None
-        return {"worker": self.wid, "cached": cached, "predicted": predicted}
+        return {"worker": self.wid, "cached": cached}
 
     def record_routing_stats(self) -> dict:
         pool = PoolHeadroom(1 << 14, 0, 1 << 14)
@@ -433,9 +432,14 @@ def _family(head: int, pages: int, extra: int = 0) -> list[int]:
 def _send(handle, tokens: list[int], frontier: int = 0) -> dict:
     rid = uuid.uuid4().hex
     out = handle.remote(RoutedRequest(tokens, request_id=rid, params=frontier)).result(timeout_s=30)
-    # What the ingress does when it sees a request's last delta (the router lives in this
-    # process, the driver's): Serve's own completion report may come after the next request.
-    ingress_signal.note_finished(rid)
+    # What the ingress does: read the router's placement (the router lives in this process,
+    # the driver's), and note the request's end when it sees its last delta (Serve's own
+    # completion report may come after the next request).
+    placed = routing_record.placement_of(rid)
+    out["predicted"] = (
+        placed.predicted_cached_tokens if placed and placed.worker_id == out["worker"] else None
+    )
+    routing_record.note_finished(rid)
     return out
 
 
