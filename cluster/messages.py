@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from core.events import CacheEvent, PageState
+from core.geometry import Geometry
 from core.sampling_params import SamplingParams
 
 # ---- cache events between worker, index actor and routers ----------------------------------
@@ -55,13 +56,12 @@ class WorkerMeta:
 
     worker_id: str
     incarnation: str
-    page_size: int
-    window: int | None  # None: no SWA layer (every prefix with full KV is valid)
+    # Page size, window (None: no SWA layer, every prefix with full KV is valid) and SWA layers
+    # (what the repair rule needs: core/reuse.py, docs/design.md §9.8).
+    geometry: Geometry
     full_tokens: int
     swa_tokens: int
     hybrid: bool
-    # What the repair rule needs (core/reuse.py, docs/design.md §9.8):
-    swa_layers: int = 0  # SWA layers of the model
     tombstone_repair: bool = False  # the worker repairs tombstoned prefixes
 
 

@@ -41,14 +41,18 @@ from cluster.transport import (
     kill_index_actor,
 )
 from core.events import CacheEvent, EventKind, PageState, page_hashes
+from core.geometry import Geometry
 from router import routing_record
-from router.match import valid_match_reference
+from tests.router import match_oracle
+from tests.router.match_oracle import valid_match_reference
 
 pytestmark = pytest.mark.ray
 
 PAGE, WINDOW = 4, 8
 APP = "routertest"
-cloudpickle.register_pickle_by_value(sys.modules[__name__])  # replicas cannot import tests/
+# Replicas cannot import tests/: what the fake worker uses from there travels by value.
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+cloudpickle.register_pickle_by_value(match_oracle)
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +77,7 @@ class FakeCache:
     """What a worker's radix cache does, reduced to pages and a drain counter."""
 
     def __init__(self, wid: str, inc: str) -> None:
-        self.meta = WorkerMeta(wid, inc, 4, 8, full_tokens=4096, swa_tokens=1024, hybrid=True)
+        self.meta = WorkerMeta(wid, inc, Geometry(4, 8), full_tokens=4096, swa_tokens=1024, hybrid=True)
         self.pages: dict[int, PageState] = {}
         self.seq = 0
         self.pending: list[CacheEvent] = []
@@ -370,7 +374,7 @@ class FakeWorker:
         self.wid = ctx.replica_id.unique_id
         self.pages: dict[int, PageState] = {}
         self.seq = 0
-        meta = WorkerMeta(self.wid, uuid.uuid4().hex, PAGE, WINDOW, 1 << 16, 1 << 14, True)
+        meta = WorkerMeta(self.wid, uuid.uuid4().hex, Geometry(PAGE, WINDOW), 1 << 16, 1 << 14, True)
         actor = get_or_create_index_actor(index_actor_name(ctx.app_name, ctx.deployment))
         self.publisher = EventPublisher(actor, meta, self._snapshot)
         self.started = False
