@@ -9,13 +9,13 @@ from prometheus_client import CollectorRegistry
 from ray.serve.request_router import PendingRequest, ReplicaID
 from routing_builders import PAGE, index_with, prompt
 
-from cluster import ray_private
 from cluster.messages import PoolHeadroom, RoutedRequest, make_routing_stats
 from router import routing_record
 from router.metrics import RoutingMetrics
 from router.serve_router import SwaPrefixRequestRouter
+from tests import serve_internals
 
-_SERVE = ray_private.serve_common()  # DeploymentID, DeploymentHandleSource, RequestMetadata
+_SERVE = serve_internals.serve_common()  # DeploymentID, DeploymentHandleSource, RequestMetadata
 DEP = _SERVE.DeploymentID(name="Worker", app_name="app")
 
 
@@ -96,12 +96,12 @@ def test_full_routing_loop_skips_busy_first_rank() -> None:
         a, b = FakeReplica("a"), FakeReplica("b")
         router.update_replicas([a, b])
         router.core.index = index_with(tokens, {"a": "LLLL", "b": ""})
-        chosen = await asyncio.wait_for(ray_private.route_one(router, _pending(tokens)), 5)
+        chosen = await asyncio.wait_for(serve_internals.route_one(router, _pending(tokens)), 5)
         assert chosen.name == "a"
         router.on_request_completed(a.replica_id, "r1")
         a.queue_len = a.max_ongoing_requests
         pending = _pending(tokens, "r2")
-        chosen = await asyncio.wait_for(ray_private.route_one(router, pending), 5)
+        chosen = await asyncio.wait_for(serve_internals.route_one(router, pending), 5)
         assert chosen.name == "b"
         assert router.core.inflight.worker_of("r2") == "a"  # ranked first, so recorded there
         router.on_request_routed(pending, chosen.replica_id, None)  # Serve: b took it
@@ -126,7 +126,7 @@ def test_dead_replica_never_chosen_and_forgotten() -> None:
         assert router.core.index.worker("a") is None
         for i in range(3):
             chosen = await asyncio.wait_for(
-                ray_private.route_one(router, _pending(tokens, f"r{i}")), 5
+                serve_internals.route_one(router, _pending(tokens, f"r{i}")), 5
             )
             assert chosen.name == "b"
         router.update_replicas([b])  # removal through a replica-set update
