@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from ray.actor import ActorHandle
     from ray.serve.handle import DeploymentHandle
 
-    from deploy.replica.worker import WorkerDeployment
+    from deploy.replica.deployment import WorkerDeployment
 
 log = logging.getLogger("swaserve.ingress")
 

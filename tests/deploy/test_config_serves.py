@@ -84,7 +84,7 @@ def test_builder_with_fixed_workers(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_builder_hands_the_engine_process_options_to_the_workers(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from deploy.replica.worker import WorkerOptions
+    from deploy.replica.deployment import WorkerOptions
 
     monkeypatch.delenv(API_KEY_ENV, raising=False)
     assert ServeConfig().engine_niceness == -5
