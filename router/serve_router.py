@@ -16,8 +16,8 @@ the decision's prediction for that replica goes into this process's routing reco
 (`router/routing_record.py`), where the ingress reads it.
 
 NOTE: Serve pickles this module *by value* into every caller process; keep no shared state in
-module globals here. Shared things (metrics registry, transport) live in other modules, which
-are pickled by reference and imported normally.
+module globals here. Shared things (metrics registry, routing record, transport) live in other
+modules, which are pickled by reference and imported normally.
 NOTE: no `FIFOMixin`: a decision is made for one request's tokens, so the chosen replica must
 go to that request (the base class matches by internal request id); FIFO would hand it to
 whichever request is oldest. No `LocalityMixin` either: same-node preference would override
