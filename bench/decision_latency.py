@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from cluster.index import ClusterIndex
 from cluster.messages import CacheSnapshot, PoolHeadroom, WorkerLoad, WorkerMeta, WorkerResync
 from core.events import PageState, page_hashes
+from core.geometry import Geometry
 from router.core import Candidate, RouterCore
 from router.policies import make_policy
 
@@ -57,7 +58,7 @@ def _index(prompt: list[int], workers: int, page_size: int, noise_pages: int) ->
         for _ in range(noise_pages):
             pages[rng.getrandbits(63)] = PageState.LIVE
         wid = f"w{w:03d}"
-        meta = WorkerMeta(wid, "i", page_size, 4 * page_size, 1 << 22, 1 << 20, True)
+        meta = WorkerMeta(wid, "i", Geometry(page_size, 4 * page_size), 1 << 22, 1 << 20, True)
         index.resync(WorkerResync(meta, CacheSnapshot(wid, "i", 0, pages)))
     return index
 

@@ -33,6 +33,7 @@ from cluster.index import ApplyOutcome, ClusterIndex
 from cluster.load import routing_stats
 from cluster.messages import CacheSnapshot, EventBatch, WorkerLoad, WorkerMeta, WorkerResync
 from core.events import EventKind
+from core.geometry import Geometry
 from core.outputs import StreamDelta
 from core.sampling_params import SamplingParams
 from router.core import Candidate, RouterCore
@@ -142,9 +143,9 @@ class Simulation:
         wid = f"w{i:03d}"
         s = engine.stats()
         window = engine.spec.window if s.hybrid else None
+        geometry = Geometry(c.page_size, window, len(engine.spec.swa_layer_ids))
         meta = WorkerMeta(
-            wid, "sim", c.page_size, window, s.full.total, s.swa.total, s.hybrid,
-            len(engine.spec.swa_layer_ids), repairs_tombstones(engine.config),
+            wid, "sim", geometry, s.full.total, s.swa.total, s.hybrid, repairs_tombstones(engine.config)
         )  # fmt: skip
         # A fresh replica registers with an empty snapshot at seq 0; its batch 1 applies directly.
         self.index.resync(WorkerResync(meta, CacheSnapshot(wid, "sim", 0, {})))

@@ -258,8 +258,8 @@ class ClusterIndex:
         else:
             bit, self._next_slot = 1 << self._next_slot, self._next_slot + 1
         cap = self.limits.max_pages_per_worker
-        if meta.full_tokens > 0 and meta.page_size > 0:  # a worker never holds more pages
-            cap = min(cap, max(1, meta.full_tokens // meta.page_size))
+        if meta.full_tokens > 0:  # a worker never holds more pages
+            cap = min(cap, max(1, meta.full_tokens // meta.geometry.page_size))
         entry = WorkerEntry(meta, bit, cap)
         self._workers[meta.worker_id] = entry
         return entry

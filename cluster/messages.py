@@ -9,7 +9,7 @@ Who sends what:
 | `WorkerRemoved` | router / replica → index actor | a replica left |
 | `PushAck`, `Delta` | index actor → worker / router | push answer; a router's pull |
 | routing stats (`make_routing_stats`, `WorkerLoad`) | worker replica → Serve → routers | load and both pools' headroom |
-| `RoutedRequest`, `RoutingDecision` | ingress → router → worker replica | the prompt and the decision |
+| `RoutedRequest` | ingress → router → worker replica | the prompt, its sampling params, replicas to avoid |
 | `StreamStart`, `WorkerInfo` | worker replica → ingress | who serves, or why refused; model facts |
 
 The cache events themselves (`CacheEvent`, `EventKind`, `PageState`, page hashes) are the
@@ -18,13 +18,13 @@ worker's vocabulary and live in `core.events`.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal
 
 from core.events import CacheEvent, PageState
+from core.geometry import Geometry
 from core.sampling_params import SamplingParams
 
 # ---- cache events between worker, index actor and routers ----------------------------------
@@ -56,13 +56,12 @@ class WorkerMeta:
 
     worker_id: str
     incarnation: str
-    page_size: int
-    window: int | None  # None: no SWA layer (every prefix with full KV is valid)
+    # Page size, window (None: no SWA layer, every prefix with full KV is valid) and SWA layers
+    # (what the repair rule needs: core/reuse.py, docs/design.md §9.8).
+    geometry: Geometry
     full_tokens: int
     swa_tokens: int
     hybrid: bool
-    # What the repair rule needs (core/reuse.py, docs/design.md §9.8):
-    swa_layers: int = 0  # SWA layers of the model
     tombstone_repair: bool = False  # the worker repairs tombstoned prefixes
 
 
@@ -262,61 +261,23 @@ def _non_negative_int(key: str, value: Any) -> int:
 # ---- a request: ingress → router → worker replica → ingress --------------------------------
 
 
-class RankedWorker(NamedTuple):  # one per candidate per request: a NamedTuple is cheap to build
-    worker_id: str
-    predicted_cached_tokens: int  # what the policy believes this worker will reuse
-    cost: float  # the policy's score (lower is better); comparable only within one decision
-    predicted_repaired_tokens: int = 0  # of the rest, what it believes the worker recomputes as a repair
-
-
-@dataclass(frozen=True)
-class RoutingDecision:
-    """One decision: every candidate, best first, with its predicted cached tokens."""
-
-    policy: str
-    ranked: tuple[RankedWorker, ...]
-
-    @property
-    def best(self) -> RankedWorker | None:
-        return self.ranked[0] if self.ranked else None
-
-    def predicted_for(self, worker_id: str) -> int | None:
-        """The prediction for the replica that actually serves (it may not be the first rank
-        when that one was full); None when the worker was not a candidate."""
-        ranked = self._ranked(worker_id)
-        return None if ranked is None else ranked.predicted_cached_tokens
-
-    def predicted_repaired_for(self, worker_id: str) -> int | None:
-        """The predicted repaired tokens on that replica (docs/design.md §9.8)."""
-        ranked = self._ranked(worker_id)
-        return None if ranked is None else ranked.predicted_repaired_tokens
-
-    def _ranked(self, worker_id: str) -> RankedWorker | None:
-        return next((r for r in self.ranked if r.worker_id == worker_id), None)
-
-
 @dataclass(frozen=True)
 class RoutedRequest:
     """The first positional argument of every worker handle call.
 
-    The router reads `token_ids`, decides, and replaces the argument with a copy whose `routing`
-    holds the decision; the serving replica echoes its own prediction (`predicted_for`) in its
-    `StreamStart`, and the ingress puts it in a response header.
+    The router reads `token_ids` and decides; Serve sends the request as it is to the replica it
+    picks. The decision stays in the ingress's process (`router/routing_record.py`).
     """
 
     token_ids: list[int]  # the whole prompt (the router hashes token_ids[:-1], as the worker matches)
     request_id: str = ""
     max_new_tokens: int = 0  # for the capacity estimate (all choices); 0 when unknown
     params: SamplingParams | None = None  # opaque to the router; None: the engine's defaults
-    routing: RoutingDecision | None = None  # filled in by the router
     # More choices of the same prompt, served by the same replica so they share its prefill;
     # the stream's deltas carry each choice's id (`choice_ids`).
     sibling_params: tuple[SamplingParams, ...] = ()
     # Replicas to rank last: a retry after a replica died or refused (deploy/replica/client.py).
     avoid: tuple[str, ...] = ()
-
-    def with_routing(self, decision: RoutingDecision) -> RoutedRequest:
-        return dataclasses.replace(self, routing=decision)
 
     @property
     def choice_ids(self) -> list[str]:
@@ -335,9 +296,6 @@ class StreamStart:
     replica_id: str
     refusal: RefusalKind | None = None
     message: str | None = None  # why it was refused; says what to change
-    predicted_cached_tokens: int | None = None  # the router's prediction for this replica
-    routing_policy: str | None = None
-    predicted_repaired_tokens: int | None = None  # ... and its predicted repair
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from ray.serve.config import RequestRouterConfig
 from deploy.config import INGRESS_DEPLOYMENT, WORKER_DEPLOYMENT, ServeConfig
 from deploy.openai.ingress import IngressDeployment, IngressOptions
 from deploy.openai.service import ServiceOptions
-from deploy.replica.worker import EngineFactory, WorkerDeployment, WorkerOptions
+from deploy.replica.deployment import EngineFactory, WorkerDeployment, WorkerOptions
 
 
 @dataclass(frozen=True)

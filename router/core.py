@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import NamedTuple
 
 from cluster.index import ClusterIndex, WorkerEntry
-from cluster.messages import RankedWorker, RoutingDecision, WorkerLoad
-from core.geometry import Geometry
+from cluster.messages import WorkerLoad
 from core.reuse import Reuse, live_after, plan_reuse
 from router.cost import WorkerView
 from router.hashing import PageHasher
@@ -25,6 +25,35 @@ from router.policies import Policy, RequestView
 class Candidate(NamedTuple):  # one per replica per request: a NamedTuple is cheap to build
     worker_id: str  # the id the replica stamps on its cache events
     load: WorkerLoad | None = None
+
+
+class RankedWorker(NamedTuple):  # one per candidate per request: a NamedTuple is cheap to build
+    worker_id: str
+    predicted_cached_tokens: int  # what the policy believes this worker will reuse
+    cost: float  # the policy's score (lower is better); comparable only within one decision
+    predicted_repaired_tokens: int = 0  # of the rest, what it believes the worker recomputes as a repair
+
+
+@dataclass(frozen=True)
+class RoutingDecision:
+    """One decision: every candidate, best first, with its predicted cached tokens."""
+
+    policy: str
+    ranked: tuple[RankedWorker, ...]
+
+    @property
+    def best(self) -> RankedWorker | None:
+        return self.ranked[0] if self.ranked else None
+
+    def ranked_for(self, worker_id: str) -> RankedWorker | None:
+        """The rank of the replica that actually serves (it may not be the first one when that
+        was full); None when the worker was not a candidate."""
+        return next((r for r in self.ranked if r.worker_id == worker_id), None)
+
+    def predicted_for(self, worker_id: str) -> int | None:
+        """The predicted cached tokens on that replica."""
+        ranked = self.ranked_for(worker_id)
+        return None if ranked is None else ranked.predicted_cached_tokens
 
 
 class RouterCore:
@@ -115,11 +144,10 @@ class RouterCore:
         entry, match = matched
         # Every complete page the worker computes enters its tree LIVE (docs/design.md §10.1), and
         # a repair revives its tail (§9.8); the pages before keep their indexed states.
-        page = entry.meta.page_size
+        geometry = entry.meta.geometry
         reuse = Reuse(view.valid_cached, view.repaired)
-        geometry = Geometry(page, entry.meta.window, entry.meta.swa_layers)
-        first_live = live_after(reuse, view.full_cached, geometry) // page
-        chain = self.hasher.hashes(token_ids, page)
+        first_live = live_after(reuse, view.full_cached, geometry) // geometry.page_size
+        chain = self.hasher.hashes(token_ids, geometry.page_size)
         self.pending.record(request_key, entry, chain[first_live:], now)
 
     def match(self, token_ids: Sequence[int], worker_ids: Sequence[str]) -> dict[str, WorkerMatch]:
@@ -138,13 +166,13 @@ class RouterCore:
         for wid in worker_ids:
             entry = worker(wid)
             if entry is not None and not entry.stale:
-                by_page_size.setdefault(entry.meta.page_size, []).append(entry)
+                by_page_size.setdefault(entry.meta.geometry.page_size, []).append(entry)
         out: dict[str, tuple[WorkerEntry, WorkerMatch]] = {}
         pages = self.pending.overlay(self.index.page_map)
         for page_size, entries in by_page_size.items():
-            windows = {e.bit: e.meta.window for e in entries}
+            geometries = {e.bit: e.meta.geometry for e in entries}
             hashes = self.hasher.iter_hashes(prefix, page_size)
-            by_bit = match_chain(hashes, pages, windows, page_size)
+            by_bit = match_chain(hashes, pages, geometries)
             for e in entries:
                 out[e.meta.worker_id] = (e, by_bit[e.bit])
         return out
@@ -157,13 +185,14 @@ class RouterCore:
         if matched is None:
             return WorkerView(cand.worker_id, 0, 0, load, extra_tokens, extra_requests)
         meta, match = matched[0].meta, matched[1]
-        page = meta.page_size
+        geometry = meta.geometry
+        page = geometry.page_size
         reused, full, repaired = match.valid_pages * page, match.full_pages * page, 0
         if meta.tombstone_repair and meta.hybrid and full > reused:
             # The worker's own rule (core/reuse.py): the prediction is its decision.
-            reused, repaired = plan_reuse(full, reused, Geometry(page, meta.window, meta.swa_layers), repair=True)
+            reused, repaired = plan_reuse(full, reused, geometry, repair=True)
         # Positional: WorkerView(worker_id, valid_cached, full_cached, load, extra_prefill_tokens,
-        # extra_requests, window, page_size, hybrid, repaired); keywords cost a third more.
+        # extra_requests, geometry, hybrid, repaired); keywords cost a third more.
         return WorkerView(
             cand.worker_id,
             reused,
@@ -171,8 +200,7 @@ class RouterCore:
             load,
             extra_tokens,
             extra_requests,
-            meta.window,
-            page,
+            geometry,
             meta.hybrid,
             repaired,
         )

@@ -36,6 +36,10 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from cluster.messages import PoolHeadroom, WorkerLoad
+from core.geometry import Geometry
+
+# A worker the index does not know: nothing matched, no window to charge.
+UNKNOWN_GEOMETRY = Geometry(page_size=1, window=None)
 
 
 @dataclass(frozen=True)
@@ -71,8 +75,7 @@ class WorkerView(NamedTuple):
     # the sample includes (router/inflight.py); may be negative.
     extra_prefill_tokens: int = 0
     extra_requests: int = 0
-    window: int | None = None
-    page_size: int = 1
+    geometry: Geometry = UNKNOWN_GEOMETRY
     hybrid: bool = False
     repaired: int = 0  # repair rows the worker would recompute before `full_cached`
 
@@ -97,10 +100,11 @@ def capacity_tokens(view: WorkerView, uncached: int, max_new_tokens: int, w: Cos
     claimed = view.extra_prefill_tokens if view.extra_prefill_tokens > 0 else 0
     cost = _pool_cost(uncached + max_new_tokens, view.load.full, claimed, w)
     if view.hybrid:
-        window = view.window or 0
+        geometry = view.geometry
+        window = geometry.window or 0
         # A repair's rows take scratch SWA slots at once (the worker's repair_swa_charge).
         rest = uncached - view.repaired
-        need_swa = view.repaired + (rest if rest > window else window) + view.page_size
+        need_swa = view.repaired + (rest if rest > window else window) + geometry.page_size
         cost += _pool_cost(need_swa, view.load.swa, claimed, w)
     return cost
 

@@ -18,7 +18,8 @@ NOTE: a credit takes back the request's prefill tokens and one running decode; t
 one or the other (it was prefilling or decoding then), so `router.cost` clamps each corrected
 count at 0. NOTE: "taken after" compares the worker's `time.time()` with the router's; on one
 host or an NTP-synced cluster the skew is far below the sample period. The router assumes the
-first-ranked worker serves the request until Serve says which did (`move`).
+first-ranked worker serves the request until Serve says which did (`RouterCore.placed` records
+it again there).
 """
 
 from __future__ import annotations
@@ -66,16 +67,6 @@ class InflightTracker:
 
     def worker_of(self, key: str) -> str | None:
         return self._worker_of.get(key)
-
-    def move(self, key: str, worker_id: str) -> None:
-        """Serve sent running request `key` to `worker_id`, not where it was recorded."""
-        old = self._worker_of.get(key)
-        if old is None or old == worker_id:
-            return
-        w = self._workers[old]
-        rec = w.fresh.get(key) or w.sampled.get(key)
-        if rec is not None:
-            self.record(key, worker_id, rec.prefill_tokens, rec.at)
 
     def complete(self, key: str, at: float) -> None:
         worker_id = self._worker_of.pop(key, None)

@@ -4,7 +4,8 @@ The worker's rule, mirrored exactly: for a chain h_0..h_{n-1}, k pages are a *va
 pages 0..k-1 are all present (LIVE or TOMBSTONE) and either none of them is a TOMBSTONE or the
 run of LIVE pages ending at page k-1 covers at least `window` tokens (run = pages × page_size,
 reset to 0 at every tombstone). The answer is the largest valid k (k = 0 is always valid);
-`window=None` (no SWA layer) is plain full presence.
+`window=None` (no SWA layer) is plain full presence. P and the window are the worker's
+`Geometry`.
 
     pages:   L  L  T  L  L  L  T  L  L      full presence: 9 pages
              0  1  2  3  4  5  6  7  8
@@ -22,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import NamedTuple, Protocol
 
-from core.events import PageState
+from core.geometry import Geometry
 
 
 class PageSource(Protocol):
@@ -41,12 +42,12 @@ class WorkerMatch(NamedTuple):
     valid_pages: int  # pages the worker can really reuse (≤ full_pages)
 
 
-def deepest_valid(
-    full_pages: int, tombstones: Sequence[int], page_size: int, window: int | None
-) -> int:
+def deepest_valid(full_pages: int, tombstones: Sequence[int], geometry: Geometry) -> int:
     """Largest valid k ≤ full_pages, given the ascending tombstone positions below full_pages."""
+    window = geometry.window
     if window is None or not tombstones:
         return full_pages
+    page_size = geometry.page_size
     upper = full_pages
     for tomb in reversed(tombstones):  # `tomb` is the last tombstone below `upper`
         if (upper - 1 - tomb) * page_size >= window:
@@ -55,33 +56,16 @@ def deepest_valid(
     return upper  # no tombstone below: valid
 
 
-def valid_match_reference(
-    states: Sequence[PageState | None], page_size: int, window: int | None
-) -> int:
-    """The rule read literally (test oracle): states[i] is page i on the worker, None = absent."""
-    full = next((i for i, s in enumerate(states) if s is None), len(states))
-    for k in range(full, 0, -1):
-        prefix = states[:k]
-        if window is None or PageState.TOMBSTONE not in prefix:
-            return k
-        run = 0
-        for state in prefix:
-            run = run + page_size if state is PageState.LIVE else 0
-        if run >= window:
-            return k
-    return 0
-
-
 def match_chain(
-    hashes: Iterable[int], page_map: PageSource, windows: Mapping[int, int | None], page_size: int
+    hashes: Iterable[int], page_map: PageSource, geometries: Mapping[int, Geometry]
 ) -> dict[int, WorkerMatch]:
-    """Match one chain for the workers `windows` names (worker bit → its window; all share
-    `page_size`) → bit → WorkerMatch, with one dict get per page.
+    """Match one chain for the workers `geometries` names (worker bit → its geometry; all share
+    the page size `hashes` was cut with) → bit → WorkerMatch, with one dict get per page.
 
     `hashes` may be lazy: the walk stops pulling as soon as no target holds the next page.
     """
     alive = 0
-    for bit in windows:
+    for bit in geometries:
         alive |= bit
     full_at: dict[int, int] = {}
     tombs: dict[int, list[int]] = {}
@@ -108,7 +92,7 @@ def match_chain(
             depth += 1
     _record_depth(alive, depth, full_at)
     return {
-        bit: WorkerMatch(full, deepest_valid(full, tombs.get(bit, ()), page_size, windows[bit]))
+        bit: WorkerMatch(full, deepest_valid(full, tombs.get(bit, ()), geometries[bit]))
         for bit, full in full_at.items()
     }
 

@@ -9,13 +9,15 @@ Opt the worker deployment in with (YAML `request_router_config` takes the same k
     )
 
 Per request: read `pending_request.args[0]` (a `RoutedRequest`), turn the candidate replicas into
-`Candidate(worker_id=replica unique id, load=parsed routing_stats)`, rank them, write the
-`RoutingDecision` onto the request (`args[0].routing`) and return one replica per rank, so Serve
-tries them strictly in order (it skips a rank whose replica is at `max_ongoing_requests`).
+`Candidate(worker_id=replica unique id, load=parsed routing_stats)`, rank them and return one
+replica per rank, so Serve tries them strictly in order (it skips a rank whose replica is at
+`max_ongoing_requests`). When Serve says which replica took the request (`on_request_routed`),
+the decision's prediction for that replica goes into this process's routing record
+(`router/routing_record.py`), where the ingress reads it.
 
 NOTE: Serve pickles this module *by value* into every caller process; keep no shared state in
-module globals here. Shared things (metrics registry, transport) live in other modules, which
-are pickled by reference and imported normally.
+module globals here. Shared things (metrics registry, routing record, transport) live in other
+modules, which are pickled by reference and imported normally.
 NOTE: no `FIFOMixin`: a decision is made for one request's tokens, so the chosen replica must
 go to that request (the base class matches by internal request id); FIFO would hand it to
 whichever request is oldest. No `LocalityMixin` either: same-node preference would override
@@ -36,15 +38,15 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 from cluster import transport
 from cluster.index import ClusterIndex, IndexLimits
 from cluster.messages import RoutedRequest, WorkerLoad, WorkerRemoved
-from router import ingress_signal
 from router import metrics as router_metrics
-from router.core import Candidate, RouterCore
+from router import routing_record
+from router.core import Candidate, RouterCore, RoutingDecision
 from router.cost import CostWeights
 from router.policies import DEFAULT_POLICY, make_policy
 
 logger = logging.getLogger(__name__)
 
-_MAX_TRACKED_KEYS = 4096  # request ids remembered for early completions
+_MAX_TRACKED_KEYS = 4096  # request ids remembered for early completions, decisions not yet placed
 _LOOKUP_INTERVAL_S = 1.0  # how often a router without an index actor looks for one
 # A replica Serve found unreachable ranks last for this long (or until Serve drops it): a node
 # that went away answers nothing until the controller notices, which takes several seconds.
@@ -101,9 +103,11 @@ class SwaPrefixRequestRouter(RequestRouter):
         self._sync_task: asyncio.Task[None] | None = None
         self._counted: OrderedDict[str, None] = OrderedDict()  # requests already counted
         # RoutedRequest.request_id -> the in-flight key, for completions the ingress notes
-        # before Serve reports them (router/ingress_signal.py).
+        # before Serve reports them (router/routing_record.py).
         self._keys: OrderedDict[str, str] = OrderedDict()
-        self._signal_cursor = ingress_signal.cursor()
+        self._finished_cursor = routing_record.cursor()
+        # in-flight key -> its last decision, until Serve says which replica took the request
+        self._decisions: OrderedDict[str, RoutingDecision] = OrderedDict()
         # worker id → (the routing_stats dict last parsed, its parse); Serve replaces the dict
         # when a new sample arrives, so identity tells whether to parse again.
         self._loads: dict[str, tuple[object, WorkerLoad | None]] = {}
@@ -134,28 +138,28 @@ class SwaPrefixRequestRouter(RequestRouter):
             avoid=(*(request.avoid if request else ()), *self._suspects()),
         )
         elapsed = time.perf_counter() - start
-        if request is not None and pending_request is not None:
-            # Serve sends `pending_request.args` as they are after this call (list after
-            # argument resolution; copied defensively in case a caller left a tuple).
-            pending_request.args = [request.with_routing(decision), *pending_request.args[1:]]
+        if request is not None and key is not None:
             self._count_once(key, elapsed)
-            if request.request_id and key is not None:
-                self._keys[request.request_id] = key
-                while len(self._keys) > _MAX_TRACKED_KEYS:
-                    self._keys.popitem(last=False)
+            if request.request_id:
+                _remember(self._keys, request.request_id, key)
+                _remember(self._decisions, key, decision)
         return [[by_id[r.worker_id]] for r in decision.ranked]
 
     def on_request_routed(
         self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any
     ) -> None:
         """Serve's choice may be a lower rank than ours (the first was full): move the
-        request's in-flight and pending records to the replica that took it."""
+        request's in-flight and pending records to the replica that took it, and note the
+        placement with its prediction for the ingress (its headers and metrics; its retry avoids
+        that replica if it dies before answering)."""
         request = _routed_request(pending_request)
         if request is not None:
             key = pending_request.metadata.internal_request_id
-            self.core.placed(key, request.token_ids, replica_id.unique_id)
-            if request.request_id:  # the ingress's retry avoids it if it dies before answering
-                ingress_signal.note_placed(request.request_id, replica_id.unique_id)
+            worker_id = replica_id.unique_id
+            self.core.placed(key, request.token_ids, worker_id)
+            if request.request_id:
+                placement = self._placement(self._decisions.pop(key, None), worker_id)
+                routing_record.note_placed(request.request_id, placement)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         self.core.complete(internal_request_id)
@@ -197,7 +201,7 @@ class SwaPrefixRequestRouter(RequestRouter):
     # ---- helpers ---------------------------------------------------------------------------
     def _take_ingress_completions(self) -> None:
         """Completions the ingress already saw count now, before Serve reports them."""
-        ids, self._signal_cursor = ingress_signal.finished_since(self._signal_cursor)
+        ids, self._finished_cursor = routing_record.finished_since(self._finished_cursor)
         if not ids:
             return
         for request_id in ids:
@@ -291,13 +295,30 @@ class SwaPrefixRequestRouter(RequestRouter):
         self._loads[worker_id] = (stats, load)
         return load
 
-    def _count_once(self, key: str | None, elapsed: float) -> None:
-        if key is None or key in self._counted:
+    def _placement(
+        self, decision: RoutingDecision | None, worker_id: str
+    ) -> routing_record.Placement:
+        ranked = decision.ranked_for(worker_id) if decision is not None else None
+        policy = decision.policy if decision is not None else self.core.policy.name
+        if ranked is None:
+            return routing_record.Placement(worker_id, policy)
+        return routing_record.Placement(
+            worker_id, policy, ranked.predicted_cached_tokens, ranked.predicted_repaired_tokens
+        )
+
+    def _count_once(self, key: str, elapsed: float) -> None:
+        if key in self._counted:
             return
-        self._counted[key] = None
-        if len(self._counted) > 4096:
-            self._counted.popitem(last=False)
+        _remember(self._counted, key, None)
         self.metrics.observe_decision(self.core.policy.name, elapsed)
+
+
+def _remember(kept: OrderedDict[str, Any], key: str, value: Any) -> None:
+    """`kept[key] = value`, newest last, the oldest dropped past `_MAX_TRACKED_KEYS`."""
+    kept[key] = value
+    kept.move_to_end(key)
+    while len(kept) > _MAX_TRACKED_KEYS:
+        kept.popitem(last=False)
 
 
 def _routed_request(pending_request: PendingRequest | None) -> RoutedRequest | None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from router.routing_record import Placement
+
 REPLICA_HEADER = "x-swaserve-replica"  # the worker replica that served the request
 # The router's predicted reused prompt tokens on that replica; equals the response's
 # `usage.prompt_tokens_details.cached_tokens` when the router's index was current.
@@ -21,13 +23,19 @@ def per_choice(values: Sequence[int | None]) -> str:
     return ",".join("" if v is None else str(v) for v in values)
 
 
-def repair_headers(
-    predicted: Sequence[int | None], served: Sequence[int] | None = None
-) -> dict[str, str]:
-    """The predicted (when any router predicted) and served (when known) repaired tokens."""
+def prediction_headers(placements: Sequence[Placement | None]) -> dict[str, str]:
+    """The router's predicted cached and repaired tokens, one entry per prompt's placement (None:
+    no router placed it on the replica that served); none when no router predicted."""
     out = {}
-    if any(p is not None for p in predicted):
-        out[PREDICTED_REPAIRED_TOKENS_HEADER] = per_choice(predicted)
-    if served is not None:
-        out[REPAIRED_TOKENS_HEADER] = per_choice(served)
+    for header, values in (
+        (PREDICTED_CACHED_TOKENS_HEADER, [p.predicted_cached_tokens if p else None for p in placements]),
+        (PREDICTED_REPAIRED_TOKENS_HEADER, [p.predicted_repaired_tokens if p else None for p in placements]),
+    ):  # fmt: skip
+        if any(v is not None for v in values):
+            out[header] = per_choice(values)
     return out
+
+
+def repaired_header(served: Sequence[int]) -> dict[str, str]:
+    """The repaired tokens each choice really had (non-streamed responses)."""
+    return {REPAIRED_TOKENS_HEADER: per_choice(served)}

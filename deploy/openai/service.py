@@ -28,7 +28,7 @@ from deploy.openai.checks import check_chat, check_completion, sampling_params, 
 from deploy.openai.choices import ChoiceState, best_of, usage_of
 from deploy.openai.detokenize import StopTextStream
 from deploy.openai.fanout import Fanout, PromptStream
-from deploy.openai.headers import PREDICTED_CACHED_TOKENS_HEADER, REPLICA_HEADER, repair_headers
+from deploy.openai.headers import REPLICA_HEADER, prediction_headers, repaired_header
 from deploy.openai.prompts import PromptBuilder
 from deploy.openai.responses import ResponseBuilder, Shape
 from deploy.openai.schema import (
@@ -42,7 +42,7 @@ from deploy.openai.schema import (
 from deploy.openai.streaming import RequestTimer, from_model, sse, translate_worker_error
 from deploy.openai.structured import request_grammar
 from deploy.replica.client import ReplicaSnapshot, WorkerClient, replica_gone
-from router import ingress_signal
+from router import routing_record
 from router.metrics import default_metrics as routing_metrics
 
 log = logging.getLogger("swaserve.ingress")
@@ -54,6 +54,15 @@ PLAIN_RESTARTS = 2
 def _lost_replica(err: APIError) -> bool:
     """The error came from a worker replica that died or went away (not from the request)."""
     return err.__cause__ is not None and replica_gone(err.__cause__)
+
+
+def _placement(s: PromptStream) -> routing_record.Placement | None:
+    """Where this process's router placed the stream's request, if that is the replica that
+    serves it (the prediction is for that replica)."""
+    if s.start is None:
+        return None
+    placed = routing_record.placement_of(s.request.request_id)
+    return placed if placed is not None and placed.worker_id == s.start.replica_id else None
 
 
 @dataclass(frozen=True)
@@ -235,7 +244,7 @@ class OpenAIService:
             kept = best_of(run.choices, [st.prompt_index for st in run.fanout.streams], run.keep)
             body = run.builder.final(kept, usage_of(run.choices))
             self._count_tokens(run)
-            headers.update(repair_headers([], [c.repaired_tokens for c in kept]))
+            headers.update(repaired_header([c.repaired_tokens for c in kept]))
             return Reply(headers, body=body)
         finally:
             timer.done()
@@ -277,10 +286,7 @@ class OpenAIService:
     def _headers(self, run: _Run) -> dict[str, str]:
         streams = run.fanout.streams
         headers = {REPLICA_HEADER: ",".join(dict.fromkeys(s.replica for s in streams))}
-        predicted = [s.start.predicted_cached_tokens if s.start else None for s in streams]
-        if any(p is not None for p in predicted):
-            headers[PREDICTED_CACHED_TOKENS_HEADER] = ",".join("" if p is None else str(p) for p in predicted)
-        headers.update(repair_headers([s.start.predicted_repaired_tokens if s.start else None for s in streams]))
+        headers.update(prediction_headers([_placement(s) for s in streams]))
         return headers
 
     async def _start(self, fanout: Fanout) -> None:
@@ -381,11 +387,12 @@ class OpenAIService:
         cached = {c.request_id: c.cached_tokens for c in run.choices}
         for s in run.fanout.streams:
             # Before the client has its answer: tells the routers in this process that the
-            # request is done and its cache events published (router/ingress_signal.py).
-            ingress_signal.note_finished(s.request.request_id)
-            if s.start and s.start.predicted_cached_tokens is not None and s.start.routing_policy:
+            # request is done and its cache events published (router/routing_record.py).
+            routing_record.note_finished(s.request.request_id)
+            placed = _placement(s)
+            if placed is not None and placed.predicted_cached_tokens is not None:
                 routing_metrics().observe_outcome(
-                    s.start.routing_policy, s.start.predicted_cached_tokens, cached.get(s.request.request_id, 0)
+                    placed.policy, placed.predicted_cached_tokens, cached.get(s.request.request_id, 0)
                 )
         u = usage_of(run.choices)
         self.metrics.prompt_tokens.inc(u.prompt_tokens)

@@ -13,7 +13,7 @@ A request is idempotent until its first token: when the worker replica dies (or 
 shutting down) before that, `ServeWorkerClient.stream` sends it again, ranking that replica last
 (`RoutedRequest.avoid`), up to `RETRIES` times. The replica is the one its `StreamStart` named
 or, when it died before sending one, the one the router placed the request on
-(`router.ingress_signal.placed_on`). The `StreamStart` is held back until the first
+(`router.routing_record.placement_of`). The `StreamStart` is held back until the first
 token (or the end), so the caller only ever sees the replica that serves it, and a request that
 cannot be placed fails before its HTTP status line: 503 + Retry-After.
 """
@@ -30,14 +30,14 @@ from typing import TYPE_CHECKING, Protocol
 from cluster.messages import RoutedRequest, StreamStart, WorkerInfo, WorkerUnavailableError
 from cluster.replica_stats import ReplicaSnapshot
 from core.outputs import StreamDelta
-from router.ingress_signal import placed_on
+from router import routing_record
 
 if TYPE_CHECKING:
     from ray import ObjectRef
     from ray.actor import ActorHandle
     from ray.serve.handle import DeploymentHandle
 
-    from deploy.replica.worker import WorkerDeployment
+    from deploy.replica.deployment import WorkerDeployment
 
 log = logging.getLogger("swaserve.ingress")
 
@@ -114,7 +114,7 @@ class ServeWorkerClient:
             except Exception as e:  # noqa: BLE001 - re-raised unless the replica is gone
                 if produced or attempt == RETRIES or not replica_gone(e):
                     raise
-                gone = start.replica_id if start is not None else placed_on(request.request_id)
+                gone = start.replica_id if start is not None else _placed_on(request.request_id)
                 log.warning("worker %s gone before the first token of %s (%s); sending again",
                             gone or "?", request.request_id, type(e).__name__)  # fmt: skip
                 if gone is not None and gone not in request.avoid:
@@ -174,3 +174,9 @@ def replica_gone(e: BaseException) -> bool:
     from ray.exceptions import RayActorError
 
     return isinstance(e, (RayActorError, WorkerUnavailableError))
+
+
+def _placed_on(request_id: str) -> str | None:
+    """The replica this process's router last sent the request to (None: not known)."""
+    placement = routing_record.placement_of(request_id)
+    return placement.worker_id if placement is not None else None

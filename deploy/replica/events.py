@@ -18,6 +18,7 @@ import uuid
 from cluster.messages import CacheSnapshot, EventBatch, StatsDict, WorkerMeta
 from cluster.transport import EventPublisher, get_or_create_index_actor, index_actor_name
 from core.events import CacheEvent, PageState
+from core.geometry import Geometry
 from worker.config import repairs_tombstones
 from worker.engine.protocols import EngineClient
 
@@ -51,17 +52,15 @@ class CacheEventPump:
         self._closed = False
 
     def _meta(self) -> WorkerMeta:
-        stats = self._engine.stats()
+        stats, engine = self._engine.stats(), self._engine
         return WorkerMeta(
             worker_id=self._worker_id,
             incarnation=self._incarnation,
-            page_size=int(self._engine.config.page_size),
-            window=self._engine.window,
+            geometry=Geometry(int(engine.config.page_size), engine.window, engine.swa_layers),
             full_tokens=stats.full.total,
             swa_tokens=stats.swa.total,
             hybrid=stats.hybrid,
-            swa_layers=self._engine.swa_layers,
-            tombstone_repair=repairs_tombstones(self._engine.config),
+            tombstone_repair=repairs_tombstones(engine.config),
         )
 
     async def ensure_started(self) -> None:

@@ -10,7 +10,7 @@ from bench.routing_workloads import WorkloadSize, make_workload
 from cluster.messages import WorkerLoad
 from core.outputs import EngineStats
 from core.sampling_params import SamplingParams
-from deploy.replica.worker import WorkerDeployment, WorkerOptions
+from deploy.replica.deployment import WorkerDeployment, WorkerOptions
 from worker.engine.engine import Engine
 
 

@@ -5,13 +5,14 @@ from __future__ import annotations
 from cluster.index import ApplyOutcome, ClusterIndex, IndexLimits
 from cluster.messages import CacheSnapshot, EventBatch, WorkerMeta, WorkerRemoved, WorkerResync
 from core.events import CacheEvent, EventKind, PageState
+from core.geometry import Geometry
 
 K = EventKind
 
 
 def _meta(wid: str = "w0", inc: str = "i0", full_tokens: int = 1 << 16) -> WorkerMeta:
     return WorkerMeta(
-        wid, inc, page_size=4, window=8, full_tokens=full_tokens, swa_tokens=1024, hybrid=True
+        wid, inc, geometry=Geometry(4, 8), full_tokens=full_tokens, swa_tokens=1024, hybrid=True
     )
 
 

@@ -6,11 +6,12 @@ from cluster.index import ClusterIndex
 from cluster.index_hub import IndexHub, apply_delta
 from cluster.messages import CacheSnapshot, EventBatch, WorkerMeta, WorkerRemoved, WorkerResync
 from core.events import CacheEvent, EventKind
+from core.geometry import Geometry
 
 
 def _meta(wid: str = "w", inc: str = "i") -> WorkerMeta:
     return WorkerMeta(
-        wid, inc, page_size=4, window=8, full_tokens=4096, swa_tokens=1024, hybrid=True
+        wid, inc, geometry=Geometry(4, 8), full_tokens=4096, swa_tokens=1024, hybrid=True
     )
 
 

@@ -1,4 +1,5 @@
-"""Every Ray internal `cluster.ray_private` uses still exists with the shape it relies on.
+"""Every Ray internal `cluster.ray_private` (swaserve) and `tests.serve_internals` (the tests)
+use still exists with the shape it relies on.
 
 No cluster needed: these fail first, and by name, when a Ray upgrade moves an internal.
 """
@@ -13,6 +14,7 @@ from ray import serve
 from ray.serve.request_router import RequestRouter
 
 from cluster import ray_private
+from tests import serve_internals
 
 
 def _params(fn: object) -> list[str]:
@@ -126,10 +128,10 @@ def test_build_app_and_deployment_config_work_offline() -> None:
         def __call__(self) -> str:
             return "hi"
 
-    built = ray_private.build_app(serve.deployment(Echo).bind(), name="app")
+    built = serve_internals.build_app(serve.deployment(Echo).bind(), name="app")
     (deployment,) = built.deployments
     assert deployment.name == "Echo"
-    assert ray_private.deployment_config(deployment).autoscaling_config is None
+    assert serve_internals.deployment_config(deployment).autoscaling_config is None
 
 
 def test_config_file_deploy_entry_points_keep_their_arguments() -> None:
@@ -139,6 +141,7 @@ def test_config_file_deploy_entry_points_keep_their_arguments() -> None:
 
     assert {"http_options", "proxy_location"} <= set(_params(serve_start))
     assert _params(ServeControllerClient.deploy_apps)[:3] == ["self", "config", "_blocking"]
+    assert "_blocking=False" in inspect.getsource(serve_internals.deploy_config_file)
 
 
 def test_routing_loop_entry_point_is_a_coroutine_taking_a_pending_request() -> None:
@@ -146,11 +149,12 @@ def test_routing_loop_entry_point_is_a_coroutine_taking_a_pending_request() -> N
     fn = RequestRouter._choose_replica_for_request
     assert inspect.iscoroutinefunction(fn)
     assert _params(fn)[:2] == ["self", "pending_request"]
+    assert "._choose_replica_for_request(pending_request)" in inspect.getsource(serve_internals.route_one)
 
 
 def test_serve_common_types_build_as_the_router_tests_build_them() -> None:
     """`DeploymentID(name, app_name)`, `DeploymentHandleSource.REPLICA`, `RequestMetadata(...)`."""
-    common = ray_private.serve_common()
+    common = serve_internals.serve_common()
     dep = common.DeploymentID(name="Worker", app_name="app")
     assert (dep.name, dep.app_name) == ("Worker", "app")
     assert common.DeploymentHandleSource.REPLICA.value == "REPLICA"

@@ -4,7 +4,7 @@ SwaPrefixRequestRouter in a Serve app of two fake worker replicas.
 
 The fake worker keeps pages in a dict and applies docs/design.md §4.4 itself (the rule's agreement
 with the real radix cache is tests/router/test_mirror_exact.py); the Serve test checks the
-plumbing: events → actor → router, the decision riding on `RoutedRequest`,
+plumbing: events → actor → router, the placement the router notes in the driver's routing record,
 `record_routing_stats`, affinity, predicted == reused on every request."""
 
 from __future__ import annotations
@@ -41,14 +41,18 @@ from cluster.transport import (
     kill_index_actor,
 )
 from core.events import CacheEvent, EventKind, PageState, page_hashes
-from router import ingress_signal
-from router.match import valid_match_reference
+from core.geometry import Geometry
+from router import routing_record
+from tests.router import match_oracle
+from tests.router.match_oracle import valid_match_reference
 
 pytestmark = pytest.mark.ray
 
 PAGE, WINDOW = 4, 8
 APP = "routertest"
-cloudpickle.register_pickle_by_value(sys.modules[__name__])  # replicas cannot import tests/
+# Replicas cannot import tests/: what the fake worker uses from there travels by value.
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+cloudpickle.register_pickle_by_value(match_oracle)
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +77,7 @@ class FakeCache:
     """What a worker's radix cache does, reduced to pages and a drain counter."""
 
     def __init__(self, wid: str, inc: str) -> None:
-        self.meta = WorkerMeta(wid, inc, 4, 8, full_tokens=4096, swa_tokens=1024, hybrid=True)
+        self.meta = WorkerMeta(wid, inc, Geometry(4, 8), full_tokens=4096, swa_tokens=1024, hybrid=True)
         self.pages: dict[int, PageState] = {}
         self.seq = 0
         self.pending: list[CacheEvent] = []
@@ -370,7 +374,7 @@ class FakeWorker:
         self.wid = ctx.replica_id.unique_id
         self.pages: dict[int, PageState] = {}
         self.seq = 0
-        meta = WorkerMeta(self.wid, uuid.uuid4().hex, PAGE, WINDOW, 1 << 16, 1 << 14, True)
+        meta = WorkerMeta(self.wid, uuid.uuid4().hex, Geometry(PAGE, WINDOW), 1 << 16, 1 << 14, True)
         actor = get_or_create_index_actor(index_actor_name(ctx.app_name, ctx.deployment))
         self.publisher = EventPublisher(actor, meta, self._snapshot)
         self.started = False
@@ -382,8 +386,7 @@ class FakeWorker:
         chain = page_hashes(req.token_ids[:-1], PAGE)
         cached = valid_match_reference([self.pages.get(h) for h in chain], PAGE, WINDOW) * PAGE
         await self.publisher.publish(self._store(chain, int(req.params or 0) // PAGE))
-        predicted = req.routing.predicted_for(self.wid) if req.routing else None
-        return {"worker": self.wid, "cached": cached, "predicted": predicted}
+        return {"worker": self.wid, "cached": cached}
 
     def record_routing_stats(self) -> dict:
         pool = PoolHeadroom(1 << 14, 0, 1 << 14)
@@ -433,9 +436,14 @@ def _family(head: int, pages: int, extra: int = 0) -> list[int]:
 def _send(handle, tokens: list[int], frontier: int = 0) -> dict:
     rid = uuid.uuid4().hex
     out = handle.remote(RoutedRequest(tokens, request_id=rid, params=frontier)).result(timeout_s=30)
-    # What the ingress does when it sees a request's last delta (the router lives in this
-    # process, the driver's): Serve's own completion report may come after the next request.
-    ingress_signal.note_finished(rid)
+    # What the ingress does: read the router's placement (the router lives in this process,
+    # the driver's), and note the request's end when it sees its last delta (Serve's own
+    # completion report may come after the next request).
+    placed = routing_record.placement_of(rid)
+    out["predicted"] = (
+        placed.predicted_cached_tokens if placed and placed.worker_id == out["worker"] else None
+    )
+    routing_record.note_finished(rid)
     return out
 
 

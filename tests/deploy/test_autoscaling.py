@@ -15,10 +15,10 @@ import pytest
 import ray
 from ray import serve
 
-from cluster import ray_private
 from cluster.ray_local import LocalRayConfig, start_local_ray, stop_local_ray
 from cluster.transport import INDEX_NAMESPACE, index_actor_name, kill_index_actor
 from deploy.config import APP_IMPORT_PATH, WORKER_DEPLOYMENT, ServeConfig
+from tests import serve_internals
 from tests.deploy.chaos_load import Load, counts
 from tests.deploy.serve_args import serve_args
 
@@ -85,7 +85,7 @@ def served() -> Iterator[Served]:
         app = {"name": APP, "route_prefix": "/", "import_path": APP_IMPORT_PATH, "args": serve_args(cfg),
                "deployments": [worker]}  # fmt: skip
         http = {"host": "127.0.0.1", "port": port}
-        ray_private.deploy_config_file({"http_options": http, "proxy_location": "HeadOnly", "applications": [app]})
+        serve_internals.deploy_config_file({"http_options": http, "proxy_location": "HeadOnly", "applications": [app]})
         _wait(lambda: str(getattr(serve.status().applications.get(APP), "status", "")).endswith("RUNNING"),
               300, "the application running")  # fmt: skip
         yield Served(f"http://127.0.0.1:{port}")

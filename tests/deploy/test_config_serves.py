@@ -21,7 +21,6 @@ from typing import Any
 import pytest
 import yaml
 
-from cluster import ray_private
 from deploy.config import (
     API_KEY_ENV,
     APP_IMPORT_PATH,
@@ -31,6 +30,7 @@ from deploy.config import (
     ServeConfig,
 )
 from deploy.serve_file import load_serve_config
+from tests import serve_internals
 from tests.deploy.serve_args import serve_args
 from tests.deploy.serve_wait import wait_running
 
@@ -47,7 +47,7 @@ def _builder() -> Any:
 
 def _built(cfg: ServeConfig) -> dict[str, Any]:
     app = _builder()(serve_args(cfg))
-    return {d.name: d for d in ray_private.build_app(app, name=APP_NAME).deployments}
+    return {d.name: d for d in serve_internals.build_app(app, name=APP_NAME).deployments}
 
 
 @pytest.mark.parametrize("path", sorted(CONFIG_DIR.glob("*.yaml")), ids=lambda p: p.name)
@@ -70,7 +70,7 @@ def test_builder_applies_the_worker_options(monkeypatch: pytest.MonkeyPatch) -> 
     assert worker.max_queued_requests == expected["max_queued_requests"]
     assert worker.ray_actor_options["num_cpus"] == cfg.worker_num_cpus
     assert worker.ray_actor_options.get("num_gpus", 0) == cfg.worker_num_gpus
-    scaling = ray_private.deployment_config(worker).autoscaling_config
+    scaling = serve_internals.deployment_config(worker).autoscaling_config
     for key, value in expected["autoscaling_config"].items():
         assert getattr(scaling, key) == value, key
 
@@ -80,13 +80,13 @@ def test_builder_with_fixed_workers(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(API_KEY_ENV, raising=False)
     worker = _built(ServeConfig(workers=2, worker_num_cpus=0.25))[WORKER_DEPLOYMENT]
     assert worker.num_replicas == 2
-    assert ray_private.deployment_config(worker).autoscaling_config is None
+    assert serve_internals.deployment_config(worker).autoscaling_config is None
 
 
 def test_builder_hands_the_engine_process_options_to_the_workers(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from deploy.replica.worker import WorkerOptions
+    from deploy.replica.deployment import WorkerOptions
 
     monkeypatch.delenv(API_KEY_ENV, raising=False)
     assert ServeConfig().engine_niceness == -5
@@ -150,7 +150,7 @@ def served_local() -> Iterator[tuple[str, ServeConfig]]:
     doc["http_options"]["port"] = port
     cluster = start_local_ray(LocalRayConfig(num_cpus=2))
     try:
-        ray_private.deploy_config_file(doc)
+        serve_internals.deploy_config_file(doc)
         base = f"http://127.0.0.1:{port}"
         wait_running(APP_NAME, 300)
         _wait_for_routes(base)

@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 from cluster.messages import RoutedRequest, StreamStart, WorkerInfo
 from cluster.replica_stats import ReplicaSnapshot
 from core.outputs import StreamDelta
-from deploy.replica.worker import WorkerDeployment
+from deploy.replica.deployment import WorkerDeployment
 
 
 class InProcessWorkerClient:

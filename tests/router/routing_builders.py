@@ -5,6 +5,7 @@ from __future__ import annotations
 from cluster.index import ClusterIndex
 from cluster.messages import CacheSnapshot, PoolHeadroom, WorkerLoad, WorkerMeta, WorkerResync
 from core.events import PageState, page_hashes
+from core.geometry import Geometry
 
 PAGE = 4
 WINDOW = 8  # two LIVE pages must end a match that crosses a tombstone
@@ -28,7 +29,7 @@ def index_with(
             if c != "."
         }
         meta = WorkerMeta(
-            wid, "inc", PAGE, window, full_tokens=1 << 16, swa_tokens=1 << 14, hybrid=True
+            wid, "inc", Geometry(PAGE, window), full_tokens=1 << 16, swa_tokens=1 << 14, hybrid=True
         )
         index.resync(WorkerResync(meta, CacheSnapshot(wid, "inc", 0, pages)))
     return index

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from cluster.messages import PoolHeadroom, WorkerLoad
+from core.geometry import Geometry
 from router.cost import (
     CostWeights,
     WorkerView,
@@ -21,7 +22,7 @@ W = CostWeights()
 def _view(full: PoolHeadroom, swa: PoolHeadroom, *, hybrid: bool = True, **kw: int) -> WorkerView:
     load = WorkerLoad("w", 0.0, 0, kw.pop("queued", 0), kw.pop("decodes", 0), full, swa)
     return WorkerView(
-        "w", 0, 0, load, window=kw.pop("window", 64), page_size=16, hybrid=hybrid, **kw
+        "w", 0, 0, load, geometry=Geometry(16, kw.pop("window", 64)), hybrid=hybrid, **kw
     )
 
 

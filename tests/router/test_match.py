@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from match_oracle import valid_match_reference
 
 from cluster.page_map import PageMap
 from core.events import PageState
-from router.match import deepest_valid, match_chain, valid_match_reference
+from core.geometry import Geometry
+from router.match import deepest_valid, match_chain
 
 L, T = PageState.LIVE, PageState.TOMBSTONE
 
@@ -26,7 +28,7 @@ def test_window_not_page_aligned() -> None:
     """A window of 5 tokens at page 2 needs three LIVE pages after a tombstone."""
     assert valid_match_reference([T, L, L], 2, 5) == 0
     assert valid_match_reference([T, L, L, L], 2, 5) == 4
-    assert deepest_valid(4, [0], 2, 5) == 4 and deepest_valid(3, [0], 2, 5) == 0
+    assert deepest_valid(4, [0], Geometry(2, 5)) == 4 and deepest_valid(3, [0], Geometry(2, 5)) == 0
 
 
 _states = st.lists(st.sampled_from([L, T, None]), max_size=24)
@@ -38,7 +40,7 @@ def test_deepest_valid_matches_reference(states: list, page: int, window: int | 
     """Jumping between tombstones gives the same answer as testing every k."""
     full = next((i for i, s in enumerate(states) if s is None), len(states))
     tombs = [i for i, s in enumerate(states[:full]) if s is T]
-    assert deepest_valid(full, tombs, page, window) == valid_match_reference(states, page, window)
+    assert deepest_valid(full, tombs, Geometry(page, window)) == valid_match_reference(states, page, window)
 
 
 @settings(max_examples=100, deadline=None)
@@ -48,14 +50,14 @@ def test_match_chain_per_worker(worker_states: list[list], window: int) -> None:
     depth = max(len(s) for s in worker_states)
     chain = list(range(100, 100 + depth))
     page_map = PageMap()
-    windows = {}
+    geometries = {}
     for slot, states in enumerate(worker_states):
         bit = 1 << slot
-        windows[bit] = window
+        geometries[bit] = Geometry(2, window)
         for h, state in zip(chain, states):
             if state is not None:
                 page_map.set(h, bit, state is L)
-    out = match_chain(iter(chain), page_map, windows, page_size=2)
+    out = match_chain(iter(chain), page_map, geometries)
     for slot, states in enumerate(worker_states):
         padded = states + [None] * (depth - len(states))
         full = next((i for i, s in enumerate(padded) if s is None), depth)
@@ -74,7 +76,7 @@ def test_match_chain_stops_pulling_hashes() -> None:
             pulled.append(h)
             yield h
 
-    out = match_chain(chain(), page_map, {1: None}, page_size=4)
+    out = match_chain(chain(), page_map, {1: Geometry(4, None)})
     assert out[1].full_pages == 1 and pulled == [1, 2]
 
 
@@ -84,5 +86,5 @@ def test_match_chain_ignores_other_workers_bits() -> None:
     page_map.set(1, 0b01, True)
     page_map.set(1, 0b10, True)
     page_map.set(2, 0b10, True)
-    out = match_chain(iter([1, 2]), page_map, {0b01: 4}, page_size=2)
+    out = match_chain(iter([1, 2]), page_map, {0b01: Geometry(2, 4)})
     assert out == {0b01: out[0b01]} and out[0b01].full_pages == 1

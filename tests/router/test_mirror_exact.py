@@ -30,8 +30,8 @@ class MirroredWorker:
     def __init__(self, window: int) -> None:
         self.cache = RadixCache(HybridAllocator(256, 96, PAGE, True), Geometry(PAGE, window))
         self.index = ClusterIndex()
-        meta = WorkerMeta("w", "i", PAGE, window, full_tokens=256, swa_tokens=96, hybrid=True,
-                          swa_layers=SWA_LAYERS, tombstone_repair=True)  # fmt: skip
+        meta = WorkerMeta("w", "i", Geometry(PAGE, window, SWA_LAYERS), full_tokens=256, swa_tokens=96,
+                          hybrid=True, tombstone_repair=True)  # fmt: skip
         self.index.resync(WorkerResync(meta, CacheSnapshot("w", "i", 0, {})))
         self.core = RouterCore(self.index, make_policy())
         self.seq = 0

@@ -8,6 +8,7 @@ from routing_builders import PAGE, WINDOW, index_with, load, prompt
 from cluster.index import ClusterIndex
 from cluster.messages import CacheSnapshot, EventBatch, WorkerMeta, WorkerRemoved, WorkerResync
 from core.events import CacheEvent, EventKind, page_hashes
+from core.geometry import Geometry
 from router.core import Candidate, RouterCore
 from router.inflight import InflightTracker
 from router.pending import PendingPages
@@ -103,12 +104,12 @@ def test_a_worker_that_left_or_restarted_keeps_nothing() -> None:
     core = _core(index)
     worker = _placed_on(core, tokens, "r1")
     index.apply_update(WorkerRemoved(worker))
-    meta = WorkerMeta("c", "inc", PAGE, WINDOW, 1 << 16, 1 << 14, hybrid=True)
+    meta = WorkerMeta("c", "inc", Geometry(PAGE, WINDOW), 1 << 16, 1 << 14, hybrid=True)
     index.resync(WorkerResync(meta, CacheSnapshot("c", "inc", 0, {})))  # takes the freed bit
     assert core.decide(tokens, _cands("a", "b", "c"), now=1.1).predicted_for("c") == 0
     assert len(core.pending) == 0
     worker = _placed_on(core, tokens, "r2")
-    meta = WorkerMeta(worker, "inc2", PAGE, WINDOW, 1 << 16, 1 << 14, hybrid=True)
+    meta = WorkerMeta(worker, "inc2", Geometry(PAGE, WINDOW), 1 << 16, 1 << 14, hybrid=True)
     index.resync(WorkerResync(meta, CacheSnapshot(worker, "inc2", 0, {})))
     assert core.decide(tokens, _cands("a", "b"), now=1.2).predicted_for(worker) == 0
 

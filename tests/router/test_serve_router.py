@@ -9,12 +9,13 @@ from prometheus_client import CollectorRegistry
 from ray.serve.request_router import PendingRequest, ReplicaID
 from routing_builders import PAGE, index_with, prompt
 
-from cluster import ray_private
 from cluster.messages import PoolHeadroom, RoutedRequest, make_routing_stats
+from router import routing_record
 from router.metrics import RoutingMetrics
 from router.serve_router import SwaPrefixRequestRouter
+from tests import serve_internals
 
-_SERVE = ray_private.serve_common()  # DeploymentID, DeploymentHandleSource, RequestMetadata
+_SERVE = serve_internals.serve_common()  # DeploymentID, DeploymentHandleSource, RequestMetadata
 DEP = _SERVE.DeploymentID(name="Worker", app_name="app")
 
 
@@ -65,8 +66,9 @@ def _stats(wid: str, queued: int = 0) -> dict:
     )
 
 
-def test_ranks_by_valid_match_and_stamps_decision() -> None:
-    """The replica with the valid copy is ranked first and the decision rides on args[0]."""
+def test_ranks_by_valid_match_and_records_the_placement() -> None:
+    """The replica with the valid copy is ranked first; once Serve says it took the request,
+    the routing record holds that placement with its prediction, and args[0] is unchanged."""
     tokens = prompt(6)
 
     async def run() -> None:
@@ -76,9 +78,11 @@ def test_ranks_by_valid_match_and_stamps_decision() -> None:
         pending = _pending(tokens)
         ranks = await router.choose_replicas(replicas, pending)
         assert [[r.name for r in rank] for rank in ranks] == [["a"], ["b"]]
-        decision = pending.args[0].routing
-        assert decision.policy == "swa_prefix" and decision.predicted_for("a") == 6 * PAGE
-        assert pending.args[0].token_ids == tokens
+        router.on_request_routed(pending, replicas[1].replica_id, None)  # Serve: a took it
+        placed = routing_record.placement_of("r1")
+        assert placed is not None and (placed.worker_id, placed.policy) == ("a", "swa_prefix")
+        assert placed.predicted_cached_tokens == 6 * PAGE
+        assert pending.args[0] == RoutedRequest(tokens, request_id="r1")
 
     asyncio.run(run())
 
@@ -92,18 +96,19 @@ def test_full_routing_loop_skips_busy_first_rank() -> None:
         a, b = FakeReplica("a"), FakeReplica("b")
         router.update_replicas([a, b])
         router.core.index = index_with(tokens, {"a": "LLLL", "b": ""})
-        chosen = await asyncio.wait_for(ray_private.route_one(router, _pending(tokens)), 5)
+        chosen = await asyncio.wait_for(serve_internals.route_one(router, _pending(tokens)), 5)
         assert chosen.name == "a"
         router.on_request_completed(a.replica_id, "r1")
         a.queue_len = a.max_ongoing_requests
         pending = _pending(tokens, "r2")
-        chosen = await asyncio.wait_for(ray_private.route_one(router, pending), 5)
+        chosen = await asyncio.wait_for(serve_internals.route_one(router, pending), 5)
         assert chosen.name == "b"
-        assert pending.args[0].routing.predicted_for("b") == 0
         assert router.core.inflight.worker_of("r2") == "a"  # ranked first, so recorded there
         router.on_request_routed(pending, chosen.replica_id, None)  # Serve: b took it
         assert router.core.pending.worker_of("r2") == "b"
         assert router.core.inflight.worker_of("r2") == "b"
+        placed = routing_record.placement_of("r2")  # the prediction for b, not the first rank's
+        assert placed is not None and placed.worker_id == "b" and placed.predicted_cached_tokens == 0
 
     asyncio.run(run())
 
@@ -121,7 +126,7 @@ def test_dead_replica_never_chosen_and_forgotten() -> None:
         assert router.core.index.worker("a") is None
         for i in range(3):
             chosen = await asyncio.wait_for(
-                ray_private.route_one(router, _pending(tokens, f"r{i}")), 5
+                serve_internals.route_one(router, _pending(tokens, f"r{i}")), 5
             )
             assert chosen.name == "b"
         router.update_replicas([b])  # removal through a replica-set update
@@ -255,8 +260,6 @@ def test_an_unreachable_index_does_not_hold_decisions(monkeypatch) -> None:
 def test_a_completion_the_ingress_noted_stops_counting_as_load_at_once() -> None:
     """The ingress notes a finished request before Serve reports it: the next decision no
     longer counts it as in-flight load on its worker (a sequential client keeps its cache hit)."""
-    from router import ingress_signal
-
     tokens = prompt(4)
 
     async def run() -> None:
@@ -265,22 +268,20 @@ def test_a_completion_the_ingress_noted_stops_counting_as_load_at_once() -> None
         replicas = [FakeReplica("a", _stats("a")), FakeReplica("b", _stats("b"))]
         await router.choose_replicas(replicas, _pending(tokens, "first"))
         assert router.core.inflight.unsampled("a", None)[1] == 1
-        ingress_signal.note_finished("first")
+        routing_record.note_finished("first")
         await router.choose_replicas(replicas, _pending(tokens, "second"))
         assert router.core.inflight.unsampled("a", None)[1] == 1  # only "second" is in flight now
 
     asyncio.run(run())
 
 
-def test_ingress_signal_cursor_returns_each_id_once() -> None:
-    from router import ingress_signal
-
-    start = ingress_signal.cursor()
-    ingress_signal.note_finished("x1")
-    ingress_signal.note_finished("x2")
-    ids, end = ingress_signal.finished_since(start)
+def test_finished_cursor_returns_each_id_once() -> None:
+    start = routing_record.cursor()
+    routing_record.note_finished("x1")
+    routing_record.note_finished("x2")
+    ids, end = routing_record.finished_since(start)
     assert ids == ["x1", "x2"] and end == start + 2
-    assert ingress_signal.finished_since(end) == ([], end)
+    assert routing_record.finished_since(end) == ([], end)
 
 
 def test_an_unreachable_replica_ranks_last_until_its_suspicion_expires(monkeypatch) -> None:
@@ -309,13 +310,12 @@ def test_an_unreachable_replica_ranks_last_until_its_suspicion_expires(monkeypat
 
 
 def test_the_replica_serve_routed_to_is_noted_for_the_ingress() -> None:
-    from router import ingress_signal
-
     async def run() -> None:
         router = _router()
         pending = _pending(prompt(2), "placed-1")
         router.on_request_routed(pending, FakeReplica("b").replica_id, None)
 
     asyncio.run(run())
-    assert ingress_signal.placed_on("placed-1") == "b"
-    assert ingress_signal.placed_on("never-routed") is None
+    placed = routing_record.placement_of("placed-1")
+    assert placed is not None and placed.worker_id == "b"
+    assert routing_record.placement_of("never-routed") is None

@@ -10,7 +10,7 @@ import httpx
 
 from deploy.openai.ingress import IngressOptions, create_app
 from deploy.openai.service import OpenAIService, ServiceOptions
-from deploy.replica.worker import WorkerDeployment
+from deploy.replica.deployment import WorkerDeployment
 from tests.fakes.fake_engine import FakeEngine
 from tests.fakes.inprocess import InProcessWorkerClient
 from worker.config import EngineConfig

@@ -331,17 +331,18 @@ def test_worker_backpressure_maps_to_503() -> None:
 
 def test_router_prediction_is_echoed_in_header(tokenizer: Any) -> None:
     """The router's prediction for the serving replica comes back as x-swaserve-predicted-cached-tokens."""
-    from cluster.messages import RankedWorker, RoutingDecision
+    from router import routing_record
 
     h = make_harness(tokenizer)
-    decision = RoutingDecision("swa_prefix", (RankedWorker("w9", 64, 0.0), RankedWorker("w0", 16, 1.0)))
     client = h.service._client
     original = client.stream
 
     def routed(request: Any) -> Any:
-        return original(request.with_routing(decision))
+        # What the Serve router notes in this process when Serve reports that w0 took it.
+        routing_record.note_placed(request.request_id, routing_record.Placement("w0", "swa_prefix", 16, 0))
+        return original(request)
 
-    client.stream = routed  # what the Serve router does to args[0]
+    client.stream = routed
 
     async def go() -> Any:
         async with h.client() as c:
@@ -349,3 +350,26 @@ def test_router_prediction_is_echoed_in_header(tokenizer: Any) -> None:
 
     r = run(go())
     assert r.headers["x-swaserve-predicted-cached-tokens"] == "16"
+
+
+def test_a_placement_on_another_replica_gives_no_prediction_header(tokenizer: Any) -> None:
+    """A placement the routing record holds for a replica other than the one that served (a
+    stale one) predicts nothing for the response."""
+    from router import routing_record
+
+    h = make_harness(tokenizer)
+    client = h.service._client
+    original = client.stream
+
+    def routed(request: Any) -> Any:
+        routing_record.note_placed(request.request_id, routing_record.Placement("w9", "swa_prefix", 64, 0))
+        return original(request)
+
+    client.stream = routed
+
+    async def go() -> Any:
+        async with h.client() as c:
+            return await c.post("/v1/completions", json={"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 2})
+
+    r = run(go())
+    assert r.status_code == 200 and "x-swaserve-predicted-cached-tokens" not in r.headers

@@ -13,7 +13,7 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError
 from cluster.messages import RoutedRequest, StreamStart, WorkerUnavailableError
 from core.outputs import StreamDelta
 from deploy.replica.client import RETRIES, ServeWorkerClient
-from router import ingress_signal
+from router import routing_record
 
 
 class _Handle:
@@ -71,7 +71,7 @@ def test_dying_before_any_item_is_retried_too() -> None:
     (a node gone: every call to it fails until the controller notices)."""
     done = _delta([5], finished=True)
     client, sent = _client([[ActorUnavailableError("node gone", None)], [StreamStart("b"), done]])
-    ingress_signal.note_placed("r", "a")
+    routing_record.note_placed("r", routing_record.Placement("a", "swa_prefix"))
     assert _run(client) == [StreamStart("b"), done] and sent[1].avoid == ("a",)
 
 

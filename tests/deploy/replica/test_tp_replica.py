@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 import yaml
 
-from cluster import ray_private
 from deploy.config import API_KEY_ENV, APP_NAME, WORKER_DEPLOYMENT
+from tests import serve_internals
 from tests.deploy.serve_wait import wait_running
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
@@ -83,7 +83,7 @@ def served() -> Iterator[str]:
     doc["http_options"]["port"] = port
     cluster = start_local_ray(LocalRayConfig(num_cpus=2))
     try:
-        ray_private.deploy_config_file(doc)
+        serve_internals.deploy_config_file(doc)
         wait_running(APP_NAME, 300)
         yield f"http://127.0.0.1:{port}"
     finally:

@@ -9,7 +9,7 @@ import pytest
 
 from cluster.messages import RoutedRequest, StreamStart, WorkerUnavailableError
 from core.sampling_params import SamplingParams
-from deploy.replica.worker import WorkerDeployment, WorkerOptions
+from deploy.replica.deployment import WorkerDeployment, WorkerOptions
 from tests.fakes.fake_engine import FakeEngine
 from worker.config import EngineConfig
 

@@ -152,15 +152,7 @@ class WorkerDeployment:
             return
         if self._events is not None:
             await self._events.ensure_started()
-        routing = getattr(request, "routing", None)
-        yield StreamStart(
-            self.replica_id,
-            predicted_cached_tokens=routing.predicted_for(self.replica_id) if routing else None,
-            routing_policy=routing.policy if routing else None,
-            predicted_repaired_tokens=(
-                routing.predicted_repaired_for(self.replica_id) if routing else None
-            ),
-        )
+        yield StreamStart(self.replica_id)
         queue: _DeltaQueue = asyncio.Queue()  # (choice id, delta | error | None: ended)
         first = choices[0][0]
         pumps = [
