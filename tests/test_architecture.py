@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-PACKAGES = ("core", "worker", "cluster", "router", "deploy", "bench")
+PACKAGES = ("core", "worker", "cluster", "router", "deploy", "bench", "swaserve")
 LINT_IMPORTS = Path(sys.executable).with_name("lint-imports")
 
 
@@ -39,6 +39,7 @@ def test_import_contracts_hold() -> None:
     ("module", "line", "contract"),
     [
         ("worker/config.py", "import deploy.config", "layers"),
+        ("deploy/cli.py", "import bench.cli", "layers"),
         ("worker/engine/stats.py", "import ray", "worker imports neither Ray nor HTTP code"),
         ("cluster/messages.py", "import torch", "import no torch"),
         ("core/geometry.py", "import torch", "import no torch"),
