@@ -22,7 +22,7 @@ BENCHMARKS = {
     "memory": "bench.memory",
     "engine": "bench.engine",
     "cache": "bench.cache",
-    "routing": "bench.routing",
+    "routing": "bench.routing.main",
     "vllm-compare": "bench.vllm_compare",
     "replica-profile": "bench.replica_profile",
     "host-step": "bench.host_step",

@@ -109,7 +109,7 @@ def build_sim_engine(
     `config.max_total_tokens` sizes the full pool; `swa_full_tokens_ratio` and
     `disable_hybrid_swa_memory` the SWA pool, through the same `plan_pools` as a real worker
     (so its fail-fast checks apply). Raises `worker.errors.ConfigError` on an impossible plan.
-    `spec` (a real model's layer plan, e.g. a `bench.routing_presets` preset) replaces the
+    `spec` (a real model's layer plan, e.g. a `bench.routing.stacks` preset) replaces the
     default 1 full : 3 SWA shape with `window`.
     """
     from worker.cache import create_cache

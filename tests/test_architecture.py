@@ -195,7 +195,7 @@ PLANTED = {
         "async def _planted():\n    if True:\n        transport.find_index_actor('x')\n",
     ),
     "time.sleep": (
-        "bench/routing_real_traffic.py",
+        "bench/routing/real_traffic.py",
         "from time import sleep as nap\n\n\nasync def _planted():\n    nap(1)\n",
     ),
     "ray.kill": (

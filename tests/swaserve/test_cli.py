@@ -18,7 +18,7 @@ REPO = Path(__file__).resolve().parents[2]
 def test_bench_dispatches_lazily(monkeypatch: pytest.MonkeyPatch) -> None:
     """`swaserve bench NAME ARGS` imports the benchmark's module and runs it with its own options."""
     seen: dict[str, object] = {}
-    fake = types.ModuleType("bench.routing")
+    fake = types.ModuleType("bench.routing.main")
 
     def add_arguments(parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--requests", type=int, default=1)
@@ -28,7 +28,7 @@ def test_bench_dispatches_lazily(monkeypatch: pytest.MonkeyPatch) -> None:
         return 3
 
     fake.add_arguments, fake.run = add_arguments, run  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "bench.routing", fake)
+    monkeypatch.setitem(sys.modules, "bench.routing.main", fake)
     assert cli.main(["bench", "routing", "--requests", "7"]) == 3
     assert seen == {"requests": 7}
     monkeypatch.setitem(sys.modules, "bench.vllm_compare", fake)  # a hyphenated name's module

@@ -7,9 +7,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from bench.harness import markdown_table, new_figure, save_figure
-from bench.routing import LATENCY_WORKLOAD, RoutingBenchResult, RoutingSettings
-from bench.routing_figures import RunFigures
-from bench.routing_figures import __doc__ as FIGURES_DOC
+from bench.routing.figures import RunFigures
+from bench.routing.figures import __doc__ as FIGURES_DOC
+from bench.routing.runs import LATENCY_WORKLOAD, RoutingBenchResult, RoutingSettings
+from bench.routing.stacks import SCALED
+from bench.routing.stacks import __doc__ as STACKS_DOC
+from bench.routing.stacks_report import model_table, targets_table, write_tradeoff_plot
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -104,13 +107,11 @@ def console_table(r: RoutingBenchResult) -> str:
                          latency_rows(r))  # fmt: skip
     parts = [markdown_table(headers, rows), "decision latency (wall clock):", lat]
     if r.stacks:
-        from bench.routing_stacks_report import targets_table
-
         parts += ["model presets, targets at ratio 0.1:", targets_table(r.stacks)]
     if r.real is not None:
-        from bench.routing_real import real_table
+        from bench.routing.real import real_table
 
-        parts += ["real stack:", real_table(r.real)]  # type: ignore[arg-type]
+        parts += ["real stack:", real_table(r.real)]
     return "\n\n".join(parts)
 
 
@@ -159,18 +160,14 @@ def write_summary(r: RoutingBenchResult) -> str:
     if r.stacks:
         lines += stacks_summary(r)
     if r.real is not None:
-        from bench.routing_real import real_summary
+        from bench.routing.real import real_summary
 
-        lines += ["## Real stack", real_summary(r.real)]  # type: ignore[arg-type]
+        lines += ["## Real stack", real_summary(r.real)]
     lines += ["## Definitions", (FIGURES_DOC or "").strip()]
     return "\n\n".join(lines)
 
 
 def stacks_summary(r: RoutingBenchResult) -> list[str]:
-    from bench.routing_stacks import SCALED
-    from bench.routing_stacks import __doc__ as STACKS_DOC
-    from bench.routing_stacks_report import model_table, targets_table
-
     sizes = "; ".join(f"{w}: {SCALED[w].workers} workers, {SCALED[w].fraction * 80:g} GiB KV each, "
                       f"chunk {SCALED[w].chunk}" for w in dict.fromkeys(x.workload for x in r.stacks))  # fmt: skip
     lines = ["## Model presets: SGLang-like vs swaserve", (STACKS_DOC or "").strip(),
@@ -220,8 +217,6 @@ def write_plots(r: RoutingBenchResult, out: Path) -> list[Path]:
     axes[0].legend(fontsize=8)
     paths.append(save_figure(fig, out / "routing_ttft.png"))
     if r.stacks:
-        from bench.routing_stacks_report import write_tradeoff_plot
-
         paths.append(write_tradeoff_plot(r.stacks, out))
     return paths
 

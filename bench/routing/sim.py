@@ -27,7 +27,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from bench.routing_workloads import SimRequest, Workload
+from bench.routing.workloads import SimRequest, Workload
 from bench.sim_runner import SimRunner, StepCost, build_sim_engine
 from cluster.index import ApplyOutcome, ClusterIndex
 from cluster.load import routing_stats
@@ -62,7 +62,7 @@ class SimCluster:
     cost: StepCost = field(default_factory=StepCost)
     swa_eviction_policy: str = "tail_first"
     tombstone_repair: str = "auto"
-    spec: ModelSpec | None = None  # a real layer plan (bench.routing_presets); None: sim_spec
+    spec: ModelSpec | None = None  # a real layer plan (bench.routing.stacks); None: sim_spec
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(
@@ -109,7 +109,7 @@ class _Worker:
 
 @dataclass
 class SimOutcome:
-    """Raw results of one run; `routing.summarize` turns them into figures."""
+    """Raw results of one run; `figures.summarize` turns them into figures."""
 
     policy: str
     cluster: SimCluster

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from bench.routing_real import RealSettings, real_summary, run_real
-from bench.routing_real_traffic import Traffic
+from bench.routing.real import RealSettings, real_summary, run_real
+from bench.routing.real_traffic import Traffic
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(600)]
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 
-from bench.routing_sim import SimCluster, Simulation
-from bench.routing_workloads import WorkloadSize, make_workload
+from bench.routing.sim import SimCluster, Simulation
+from bench.routing.workloads import WorkloadSize, make_workload
 from cluster.messages import WorkerLoad
 from core.outputs import EngineStats
 from core.sampling_params import SamplingParams

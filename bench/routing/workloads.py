@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from bench.sim_runner import SIM_VOCAB
+from bench.sim_runner import SIM_VOCAB, StepCost
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,8 +66,6 @@ class Workload(Protocol):
 def arrival_rate(size: WorkloadSize, mean_prompt: float, max_tokens: int) -> float:
     """Requests/s that keep `size.load` of the cluster busy if nothing were cached, priced with
     `StepCost`'s defaults (one request alone: overhead + prefill, then `max_tokens` steps)."""
-    from bench.sim_runner import StepCost
-
     c = StepCost()
     busy_s = c.seconds(int(mean_prompt), 0) + max_tokens * c.seconds(0, 1)
     return size.load * size.workers / busy_s
@@ -278,7 +276,7 @@ WORKLOADS: dict[str, Callable[[WorkloadSize], Workload]] = {
     "multi_turn": MultiTurn,
     "agent_branching": AgentBranching,
 }
-# Workloads the model presets also run (bench/routing_stacks.py); its prompts need a large pool.
+# Workloads the model presets also run (bench/routing/stacks.py); its prompts need a large pool.
 LONG_WORKLOADS: dict[str, Callable[[WorkloadSize], Workload]] = {"long_agent": LongAgent}
 
 

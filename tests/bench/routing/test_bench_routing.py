@@ -12,10 +12,10 @@ from typing import Any
 import pytest
 import torch
 
-from bench import routing
-from bench.routing_figures import quantile
-from bench.routing_sim import SimCluster, Simulation
-from bench.routing_workloads import WorkloadSize, make_workload
+from bench.routing import main as routing
+from bench.routing.figures import quantile
+from bench.routing.sim import SimCluster, Simulation
+from bench.routing.workloads import WorkloadSize, make_workload
 from bench.sim_runner import SIM_TOKEN, SimRunner, StepCost, build_sim_engine
 from core.sampling_params import SamplingParams
 from worker.runner.forward_batch import ForwardBatch, ForwardReq

@@ -2,7 +2,7 @@
 
 One local Ray cluster on loopback; per policy the swaserve application is deployed with that
 `routing` (2 tiny workers with small KV pools so the SWA pool is under pressure), the traffic of
-`routing_real_traffic.py` is sent over HTTP, and the application and its cache-index actor are
+`real_traffic.py` is sent over HTTP, and the application and its cache-index actor are
 deleted, so each policy starts from cold caches. Timings are wall clock on this machine.
 """
 
@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from bench.harness import markdown_table
-from bench.routing_figures import quantile
-from bench.routing_real_traffic import MODEL, Sample, Traffic, run_traffic
+from bench.routing.figures import quantile
+from bench.routing.real_traffic import MODEL, Sample, Traffic, run_traffic
 from deploy.serve_local import wait_healthy
 
 if TYPE_CHECKING:

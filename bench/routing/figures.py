@@ -19,7 +19,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from bench.routing_sim import SimOutcome
+from bench.routing.sim import SimOutcome
 
 
 @dataclass(frozen=True)

@@ -23,8 +23,9 @@ import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from bench.routing_figures import RunFigures
-from bench.routing_workloads import (
+from bench.routing.figures import RunFigures, summarize
+from bench.routing.sim import SimCluster, simulate
+from bench.routing.workloads import (
     AgentBranching,
     LongAgent,
     MultiTenant,
@@ -177,9 +178,6 @@ def plan_stack_jobs(s: StackSettings) -> list[StackJob]:
 def run_stack_job(s: StackSettings, job: StackJob) -> StackRun:
     """One simulation (top-level: `--jobs` runs it in a spawned process)."""
     import torch
-
-    from bench.routing_figures import summarize
-    from bench.routing_sim import SimCluster, simulate
 
     torch.set_num_threads(1)
     spec = preset_spec(job.model)

@@ -1,4 +1,4 @@
-"""Tables, targets and the trade-off plot of the model-preset runs (`bench/routing_stacks.py`)."""
+"""Tables, targets and the trade-off plot of the model-preset runs (`bench/routing/stacks.py`)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from bench.harness import markdown_table, save_figure
-from bench.routing_stacks import CONTEXT, POOLS, RATIOS, ROOMY, TARGET_RATIO, StackRun
+from bench.routing.stacks import CONTEXT, POOLS, RATIOS, ROOMY, TARGET_RATIO, StackRun
 
 ROOMY_TARGET = 1.15  # swaserve at ratio 0.1 / swaserve with a roomy SWA pool, every workload
 BASELINE_TARGET = 0.5  # swaserve / sglang_like at ratio 0.1, on these workloads:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.routing_stacks import (
+from bench.routing.stacks import (
     POOLS,
     ROOMY,
     StackJob,
@@ -18,7 +18,7 @@ from bench.routing_stacks import (
     preset_spec,
     run_stack_job,
 )
-from bench.routing_stacks_report import model_table, target_rows, write_tradeoff_plot
+from bench.routing.stacks_report import model_table, target_rows, write_tradeoff_plot
 
 
 def test_presets_have_the_real_layer_plans() -> None:
