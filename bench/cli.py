@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from types import ModuleType
 
 BENCHMARKS = {
-    "memory": "bench.memory",
+    "memory": "bench.memory.main",
     "engine": "bench.engine",
     "cache": "bench.cache",
     "routing": "bench.routing.main",

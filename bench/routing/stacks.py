@@ -14,7 +14,7 @@ needs the larger fraction: its sessions reach 64K tokens and several run per wor
 
 Prefill cost is counted in token-layers: every prefilled token (repair rows included) runs on
 all the model's layers. Capacity is what the ratio buys: concurrent requests of `CONTEXT`
-tokens the admission charges admit on the whole 80 GiB (`bench.memory.admitted`).
+tokens the admission charges admit on the whole 80 GiB (`bench.memory.admission.admitted`).
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from bench.configs import CONFIG_DIR
+from bench.memory.admission import MemorySettings, admitted
 from bench.routing.figures import RunFigures, summarize
 from bench.routing.sim import SimCluster, simulate
 from bench.routing.workloads import (
@@ -141,7 +143,6 @@ class StackRun:
 
 @functools.cache
 def preset_spec(model: str) -> ModelSpec:
-    from bench.memory import CONFIG_DIR
     from worker.models.hf_config import load_spec
 
     return load_spec(CONFIG_DIR / PRESETS[model])
@@ -162,7 +163,6 @@ def pool_tokens(spec: ModelSpec, budget: int, pool: str, page: int) -> tuple[int
 
 
 def capacity(spec: ModelSpec, pool: str, s: StackSettings) -> int:
-    from bench.memory import MemorySettings, admitted
     from worker.kv.memory_plan import plan_pools
 
     plan = plan_pools(spec, page_size=s.page_size, dtype_bytes=2,

@@ -1,11 +1,11 @@
-"""Markdown summary and PNG plots of `swaserve bench memory` (numbers come from memory.py)."""
+"""Markdown summary and PNG plots of `swaserve bench memory` (numbers come from admission.py)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 from bench.harness import markdown_table, new_figure, save_figure
-from bench.memory import BudgetResult, MemorySettings, ModelResult, PoolPoint, best_dual
+from bench.memory.admission import BudgetResult, MemorySettings, ModelResult, PoolPoint, best_dual
 
 VLLM_GPT_OSS_120B = 1.77  # vLLM hybrid allocator on vs off, gpt-oss-120b (vLLM's figure)
 

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 from transformers import MiMoV2FlashConfig
 
-from bench import memory
+from bench.configs import CONFIG_DIR
+from bench.memory import main as memory
 from worker.kv.memory_plan import plan_pools
 from worker.models.hf_config import load_spec
 
@@ -70,7 +71,7 @@ def test_numbers_match_plan_pools_and_the_admission_model(
     """Every point's pool sizes equal plan_pools'; admitted follows the stated charges."""
     _, out = result
     data = json.loads((out / "memory.json").read_text())
-    paths = {"gpt-oss-120b": memory.CONFIG_DIR / "gpt-oss-120b.json", "mimo": tiny_mimo}
+    paths = {"gpt-oss-120b": CONFIG_DIR / "gpt-oss-120b.json", "mimo": tiny_mimo}
     checked = 0
     for model in data["models"]:
         spec = load_spec(paths[model["name"]])
