@@ -20,7 +20,7 @@ from types import ModuleType
 
 BENCHMARKS = {
     "memory": "bench.memory.main",
-    "engine": "bench.engine",
+    "engine": "bench.engine.main",
     "cache": "bench.cache",
     "routing": "bench.routing.main",
     "vllm-compare": "bench.vllm_compare",

@@ -4,7 +4,7 @@
 full), 8 query heads and 2 KV heads of dim 64, MLP 2048, HF ``sliding_window`` 128, 4,096
 positions, tied head. The tokenizer is the built-in tiny model's (a byte-level BPE of 1,024
 tokens trained on a fixed corpus, `worker.models.tiny`), so nothing is downloaded. Weights are
-drawn with fan-in scaling from a fixed seed (`bench.engine_model.randomize`): every machine
+drawn with fan-in scaling from a fixed seed (`bench.engine.model.randomize`): every machine
 builds byte-identical files, which vLLM, transformers and swaserve all load.
 
 The directory is built once under ``<cache root>/models/<COMPARE_VERSION>`` (the tiny model's
@@ -74,7 +74,7 @@ def build_compare_model(out_dir: Path, shape: CompareModelShape) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from bench.engine_model import SEED, randomize
+    from bench.engine.model import SEED, randomize
     from worker.models.tiny import ensure_tiny_model
 
     tiny = ensure_tiny_model()

@@ -45,7 +45,7 @@ from bench.compare_servers import (
     swaserve_spec,
     vllm_spec,
 )
-from bench.engine_model import ModelInfo, model_info
+from bench.engine.model import ModelInfo, model_info
 from bench.harness import add_output_arguments, prepare_output_dir, write_json, write_text
 from bench.machine import MachineInfo, load_average, machine_info
 

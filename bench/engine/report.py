@@ -1,10 +1,10 @@
-"""Markdown summary and PNG plot of `swaserve bench engine` (numbers come from engine.py)."""
+"""Markdown summary and PNG plot of `swaserve bench engine` (numbers come from measure.py)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from bench.engine import BatchResult, EngineBenchResult, EngineSettings
+from bench.engine.measure import BatchResult, EngineBenchResult, EngineSettings
 from bench.harness import markdown_table, new_figure, save_figure
 
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from bench import engine
-from bench.engine_model import make_prompts
+from bench.engine import main as engine
+from bench.engine.model import make_prompts
 
 pytestmark = pytest.mark.slow
 
@@ -72,7 +72,7 @@ def test_numbers_are_sane(result: tuple[int, Path]) -> None:
 
 def test_scaled_model_has_the_requested_shape(tmp_path: Path) -> None:
     """--hidden/--layers build a wider, deeper random model of the same architecture."""
-    from bench.engine_model import model_info, resolve_base, scaled_model
+    from bench.engine.model import model_info, resolve_base, scaled_model
 
     base = model_info("tiny", resolve_base("tiny"))
     path = scaled_model(resolve_base("tiny"), 192, 8, tmp_path / "m")
