@@ -31,7 +31,7 @@ def test_bench_dispatches_lazily(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "bench.routing.main", fake)
     assert cli.main(["bench", "routing", "--requests", "7"]) == 3
     assert seen == {"requests": 7}
-    monkeypatch.setitem(sys.modules, "bench.vllm_compare", fake)  # a hyphenated name's module
+    monkeypatch.setitem(sys.modules, "bench.compare.vllm_compare", fake)  # a hyphenated name's module
     assert cli.main(["bench", "vllm-compare", "--requests", "2"]) == 3 and seen == {"requests": 2}
 
 

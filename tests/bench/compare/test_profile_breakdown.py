@@ -1,8 +1,14 @@
-"""`bench.profile_breakdown` on a hand-written py-spy raw profile."""
+"""`bench.compare.profile_breakdown` on a hand-written py-spy raw profile."""
 
 from __future__ import annotations
 
-from bench.profile_breakdown import REPO_PREFIX, by_file, engine_part, parse_raw, worker_breakdown
+from bench.compare.profile_breakdown import (
+    REPO_PREFIX,
+    by_file,
+    engine_part,
+    parse_raw,
+    worker_breakdown,
+)
 
 W = REPO_PREFIX
 SITE = "/venv/lib/python3.11/site-packages/"

@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-REPO_PREFIX = str(Path(__file__).resolve().parents[1]) + "/"  # this checkout, as py-spy prints it
+REPO_PREFIX = str(Path(__file__).resolve().parents[2]) + "/"  # this checkout, as py-spy prints it
 ENGINE_THREAD = "swaserve-engine"  # worker.engine.async_engine's step thread
 # (part, substring of a frame) in the order a frame is tested
 ENGINE_PARTS = (

@@ -26,7 +26,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 VLLM_VENV = Path("/work/vllm-venv")
 VLLM_ENV = {
     "VLLM_CPU_OMP_THREADS_BIND": "nobind",

@@ -9,7 +9,7 @@ three times:
 1. unprofiled: CPU seconds of each process role (worker replica, ingress replica, Serve's HTTP
    proxy) per 1,000 output tokens, from `/proc/<pid>/stat` before and after;
 2. `py-spy record` on the worker replica (`--threads`, idle threads left out, non-blocking):
-   the engine thread's share of the samples and its parts (`bench.profile_breakdown`);
+   the engine thread's share of the samples and its parts (`bench.compare.profile_breakdown`);
 3. `py-spy record` on the ingress replica: self and inclusive samples per source file.
 
 Writes `replica_profile.json`, the raw py-spy files and summary.md.
@@ -26,10 +26,11 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.compare_client import ClientResult, Workload, client_command, run_client
-from bench.compare_model import ensure_compare_model
-from bench.compare_procs import cpu_seconds, role_pids, thread_comms, thread_cpu_seconds
-from bench.compare_servers import RunningServer, start_server, stop_server, swaserve_spec
+from bench.compare.client import ClientResult, Workload, client_command, run_client
+from bench.compare.model import ensure_compare_model
+from bench.compare.procs import cpu_seconds, role_pids, thread_comms, thread_cpu_seconds
+from bench.compare.profile_breakdown import WorkerBreakdown, by_file, parse_raw, worker_breakdown
+from bench.compare.servers import RunningServer, start_server, stop_server, swaserve_spec
 from bench.harness import (
     add_output_arguments,
     markdown_table,
@@ -38,7 +39,6 @@ from bench.harness import (
     write_text,
 )
 from bench.machine import load_average
-from bench.profile_breakdown import WorkerBreakdown, by_file, parse_raw, worker_breakdown
 
 TOP_FILES = 15
 

@@ -10,23 +10,23 @@ from pathlib import Path
 
 import pytest
 
-from bench import vllm_compare
-from bench.compare_client import (
+from bench.compare import vllm_compare
+from bench.compare.client import (
     ClientResult,
     client_command,
     counter_sum,
     default_workloads,
     parse_result,
 )
-from bench.compare_model import CompareModelShape, build_compare_model, ensure_compare_model
-from bench.compare_procs import (
+from bench.compare.model import CompareModelShape, build_compare_model, ensure_compare_model
+from bench.compare.procs import (
     cpu_seconds,
     descendants,
     role_pids,
     thread_comms,
     thread_cpu_seconds,
 )
-from bench.compare_report import RunRecord, compare, comparison_table, runs_table
+from bench.compare.report import RunRecord, compare, comparison_table, runs_table
 
 SMALL = CompareModelShape(hidden=64, layers=6, heads=2, kv_heads=1, head_dim=32, intermediate=128,
                           sliding_window=16, max_positions=512)  # fmt: skip
@@ -55,7 +55,7 @@ def test_engine_greedy_equals_transformers_on_the_model(small_model: Path) -> No
     """Our engine's greedy text of the parity prompts (past the window) is transformers'."""
     from transformers import AutoTokenizer
 
-    from bench.compare_parity import comparable, parity_prompts, transformers_texts
+    from bench.compare.parity import comparable, parity_prompts, transformers_texts
     from core.sampling_params import SamplingParams
     from worker.config import EngineConfig
     from worker.engine.engine import Engine

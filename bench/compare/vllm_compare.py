@@ -2,13 +2,13 @@
 
     swaserve bench vllm-compare [--rounds 2] [--vllm /work/vllm-venv/bin/vllm] [--output-dir D]
 
-The model is `bench.compare_model`'s random Gemma-3 (46 M parameters, 5:1 sliding/full, window
+The model is `bench.compare.model`'s random Gemma-3 (46 M parameters, 5:1 sliding/full, window
 128, float32), built once, deterministically. Each round starts one server, checks its greedy
 text on a few prompts (also its warm-up), runs every workload with the same client
-(`bench.compare_client`: `vllm bench serve`, random prompts at concurrency 1 / 8 / 32 and the
+(`bench.compare.client`: `vllm bench serve`, random prompts at concurrency 1 / 8 / 32 and the
 shared-prefix dataset), stops it, and does the same with the other server; the order alternates
 between rounds so that load drifts hit both alike. Each server has one compute thread
-(`bench.compare_servers` says how and why). Per run it records the client's output throughput
+(`bench.compare.servers` says how and why). Per run it records the client's output throughput
 and mean TPOT, the prompt/cached tokens the server counted, the CPU seconds of each server
 process role and the 1-minute load before and after.
 
@@ -25,7 +25,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.compare_client import (
+from bench.compare.client import (
     ClientResult,
     Workload,
     client_command,
@@ -33,11 +33,11 @@ from bench.compare_client import (
     prompt_counters,
     run_client,
 )
-from bench.compare_model import ensure_compare_model
-from bench.compare_parity import ParityResult, parity_prompts, server_texts, transformers_texts
-from bench.compare_procs import cpu_seconds, role_pids
-from bench.compare_report import Comparison, RunRecord, compare, comparison_table, runs_table
-from bench.compare_servers import (
+from bench.compare.model import ensure_compare_model
+from bench.compare.parity import ParityResult, parity_prompts, server_texts, transformers_texts
+from bench.compare.procs import cpu_seconds, role_pids
+from bench.compare.report import Comparison, RunRecord, compare, comparison_table, runs_table
+from bench.compare.servers import (
     RunningServer,
     ServerSpec,
     start_server,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from bench.compare_client import ClientResult
+from bench.compare.client import ClientResult
 from bench.harness import markdown_table
 
 SERVERS = ("vllm", "swaserve")
