@@ -40,6 +40,7 @@ def test_import_contracts_hold() -> None:
     [
         ("worker/config.py", "import deploy.config", "layers"),
         ("deploy/cli.py", "import bench.cli", "layers"),
+        ("bench/routing/report.py", "import bench.routing.main", "bench: no import circle"),
         ("worker/engine/stats.py", "import ray", "worker imports neither Ray nor HTTP code"),
         ("cluster/messages.py", "import torch", "import no torch"),
         ("core/geometry.py", "import torch", "import no torch"),
