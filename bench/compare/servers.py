@@ -27,7 +27,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-VLLM_VENV = Path("/work/vllm-venv")
 VLLM_ENV = {
     "VLLM_CPU_OMP_THREADS_BIND": "nobind",
     "OMP_NUM_THREADS": "1",
@@ -56,22 +55,18 @@ class ServerSpec:
         return f"{env} {' '.join(self.command)}".strip()
 
 
-def vllm_bin() -> Path:
-    return VLLM_VENV / "bin" / "vllm"
-
-
-def vllm_spec(model_dir: Path, port: int, vllm: Path | None = None) -> ServerSpec:
+def vllm_spec(model_dir: Path, port: int, vllm: Path) -> ServerSpec:
     command = (
-        str(vllm or vllm_bin()), "serve", str(model_dir), "--host", "127.0.0.1", "--port", str(port),
+        str(vllm), "serve", str(model_dir), "--host", "127.0.0.1", "--port", str(port),
         "--dtype", "float32", "--seed", "0",
     )  # fmt: skip
     return ServerSpec("vllm", command, dict(VLLM_ENV), port, keep_pythonpath=False)
 
 
-def swaserve_spec(model_dir: Path, port: int, python: str = sys.executable) -> ServerSpec:
+def swaserve_spec(model_dir: Path, port: int) -> ServerSpec:
     # `python -m deploy` runs this checkout's code (the `swaserve` script may be another's).
     command = (
-        python, "-m", "deploy", "serve", "--model", str(model_dir), "--workers", "1",
+        sys.executable, "-m", "deploy", "serve", "--model", str(model_dir), "--workers", "1",
         "--host", "127.0.0.1", "--port", str(port), "--num-cpus", "2",
     )  # fmt: skip
     return ServerSpec("swaserve", command, dict(SWASERVE_ENV), port)

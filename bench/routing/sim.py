@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import heapq
 import time
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -268,7 +267,3 @@ class Simulation:
 def simulate(cluster: SimCluster, policy: str, workload: Workload) -> SimOutcome:
     """Run `workload` through a fresh simulated cluster routed by `policy`."""
     return Simulation(cluster, policy, workload).run()
-
-
-def requests_per_worker(outcome: SimOutcome) -> Counter[str]:
-    return Counter(tr.worker for tr in outcome.tracks)

@@ -276,8 +276,6 @@ WORKLOADS: dict[str, Callable[[WorkloadSize], Workload]] = {
     "multi_turn": MultiTurn,
     "agent_branching": AgentBranching,
 }
-# Workloads the model presets also run (bench/routing/stacks.py); its prompts need a large pool.
-LONG_WORKLOADS: dict[str, Callable[[WorkloadSize], Workload]] = {"long_agent": LongAgent}
 
 
 def make_workload(name: str, size: WorkloadSize) -> Workload:
