@@ -5,7 +5,7 @@ nothing: every request samples token `token_id` (requests run with `ignore_eos`,
 `max_tokens`). Everything else is the real engine: scheduler, radix cache with tombstones, hybrid
 allocator, cache events. Time is virtual: `StepCost` prices one step from the tokens it fed.
 
-`StepCost` defaults (documented in `bench/routing.py`'s output too): a step costs
+`StepCost` defaults (documented in `bench/routing/report.py`'s output too): a step costs
 
     overhead_s + prefill_token_s x (tokens of prefill chunks) + decode_token_s x (decoding requests)
 
