@@ -26,9 +26,11 @@ RUN python -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['p
 
 # 2. The code, installed as a regular package. Ray's controller, dashboard and workers import
 #    deploy.app and the router by module path, so these must be importable in every process.
+#    bench/ stays out (.dockerignore): `swaserve serve` never imports it.
 COPY --chown=1000:100 . .
 RUN pip install --no-deps . \
-    && python -c "import deploy.config, worker.config, ray; assert ray.__version__ == '2.60.0', ray.__version__"
+    && python -c "import deploy.config, worker.config, ray; assert ray.__version__ == '2.60.0', ray.__version__" \
+    && swaserve serve --help > /dev/null
 
 USER 1000:100
 EXPOSE 8000 8265 6379 10001

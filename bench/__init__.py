@@ -1,7 +1,6 @@
-"""`swaserve bench` subcommands. Each module has `add_arguments(parser)` and `run(args) -> int`.
-
-- `memory`: pool sizes and admitted concurrency of the dual pools vs one pool (no GPU).
-- `engine`: the engine's tokens/s against transformers `generate` on the same model and prompts.
-- `cache`: radix cache match/insert/evict operations per second on large trees.
-- `routing`: the four routing policies on shared-prefix workloads (simulated cluster; `--real`).
+"""`swaserve bench` (`cli.py` names every benchmark). Each is a module with `add_arguments(parser)`
+and `run(args) -> int`: a package's `main.py` (`routing/`, `memory/`, `engine/`), one of
+`compare/`'s two (vllm-compare, replica-profile), or a single module (`cache`, `compile`,
+`host_step`, `schedule`, `gpu_check`). `harness`, `machine`, `sim_runner` and `configs/` are shared;
+`decision_latency` runs as `python -m bench.decision_latency`.
 """

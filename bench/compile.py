@@ -1,6 +1,6 @@
 """`swaserve bench compile`: offline `Engine.generate` throughput with `compile: off` against
 `compile: auto` (and, on CPU, inductor with freezing, and inductor around auto's packed
-linears), on the random 46M Gemma-3 of `bench.compare_model`.
+linears), on the random 46M Gemma-3 of `bench.compare.model`.
 
 Decode-heavy by default: random 256-token prompts, 64 new tokens (greedy, ignore_eos), one torch
 thread. Every mode's engine is built first (compile and warm-up time reported), then each batch
@@ -86,7 +86,7 @@ def _generate(engine: Any, prompts: list[list[int]], max_new: int) -> tuple[floa
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from bench.compare_model import ensure_compare_model
+    from bench.compare.model import ensure_compare_model
 
     torch.set_num_threads(args.threads)
     out_dir = prepare_output_dir(args.output_dir)

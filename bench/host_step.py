@@ -216,7 +216,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from bench.routing_stacks import preset_spec
+    from bench.routing.stacks import preset_spec
 
     s = HostStepSettings(
         args.model, tuple(args.batches), tuple(args.contexts), args.steps, args.warmup,

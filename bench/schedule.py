@@ -2,7 +2,7 @@
 
     swaserve bench schedule [--batches 1 8 32] [--rounds 2] [--input-len 256] [--output-len 64]
 
-`Engine.generate` on `bench.compare_model`'s random Gemma-3 (46 M parameters, float32) with one
+`Engine.generate` on `bench.compare.model`'s random Gemma-3 (46 M parameters, float32) with one
 torch compute thread, at each batch size (that many random prompts at once, every one
 generating exactly `--output-len` tokens), under four configurations built in one process and
 run back to back, the order rotating between rounds so that load drifts hit all of them:
@@ -78,7 +78,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from bench.compare_model import ensure_compare_model
+    from bench.compare.model import ensure_compare_model
     from core.sampling_params import SamplingParams
     from worker.config import EngineConfig
     from worker.engine.engine import Engine

@@ -5,7 +5,7 @@ nothing: every request samples token `token_id` (requests run with `ignore_eos`,
 `max_tokens`). Everything else is the real engine: scheduler, radix cache with tombstones, hybrid
 allocator, cache events. Time is virtual: `StepCost` prices one step from the tokens it fed.
 
-`StepCost` defaults (documented in `bench/routing.py`'s output too): a step costs
+`StepCost` defaults (documented in `bench/routing/report.py`'s output too): a step costs
 
     overhead_s + prefill_token_s x (tokens of prefill chunks) + decode_token_s x (decoding requests)
 
@@ -109,7 +109,7 @@ def build_sim_engine(
     `config.max_total_tokens` sizes the full pool; `swa_full_tokens_ratio` and
     `disable_hybrid_swa_memory` the SWA pool, through the same `plan_pools` as a real worker
     (so its fail-fast checks apply). Raises `worker.errors.ConfigError` on an impossible plan.
-    `spec` (a real model's layer plan, e.g. a `bench.routing_presets` preset) replaces the
+    `spec` (a real model's layer plan, e.g. a `bench.routing.stacks` preset) replaces the
     default 1 full : 3 SWA shape with `window`.
     """
     from core.geometry import Geometry

@@ -1,7 +1,7 @@
 """An engine's stats → the routing stats a worker reports (the one place that maps them).
 
 Both the deployed worker (`deploy.replica.deployment.WorkerDeployment.record_routing_stats`) and the
-routing simulator (`bench.routing_sim`) call `routing_stats`, so the benchmark measures the load
+routing simulator (`bench.routing.sim`) call `routing_stats`, so the benchmark measures the load
 signal the deployed router sees. The keys and their meaning: `cluster.messages`.
 """
 

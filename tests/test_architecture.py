@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-PACKAGES = ("core", "worker", "cluster", "router", "deploy", "bench")
+PACKAGES = ("core", "worker", "cluster", "router", "deploy", "bench", "swaserve")
 LINT_IMPORTS = Path(sys.executable).with_name("lint-imports")
 
 
@@ -39,6 +39,8 @@ def test_import_contracts_hold() -> None:
     ("module", "line", "contract"),
     [
         ("worker/config.py", "import deploy.config", "layers"),
+        ("deploy/cli.py", "import bench.cli", "layers"),
+        ("bench/routing/report.py", "import bench.routing.main", "bench: no import circle"),
         ("worker/engine/stats.py", "import ray", "worker imports neither Ray nor HTTP code"),
         ("cluster/messages.py", "import torch", "import no torch"),
         ("core/geometry.py", "import torch", "import no torch"),
@@ -195,7 +197,7 @@ PLANTED = {
         "async def _planted():\n    if True:\n        transport.find_index_actor('x')\n",
     ),
     "time.sleep": (
-        "bench/routing_real_traffic.py",
+        "bench/routing/real_traffic.py",
         "from time import sleep as nap\n\n\nasync def _planted():\n    nap(1)\n",
     ),
     "ray.kill": (

@@ -32,7 +32,7 @@ def test_the_packages_and_fakes_type_check(tmp_path: Path) -> None:
 def test_a_fake_that_drifts_fails_the_type_check(tmp_path: Path) -> None:
     """A copy of the tree whose FakeEngine lost `stats()` fails, naming the protocol."""
     root = tmp_path / "tree"
-    for name in ("core", "worker", "cluster", "router", "deploy", "bench", "tests"):
+    for name in ("core", "worker", "cluster", "router", "deploy", "bench", "swaserve", "tests"):
         shutil.copytree(REPO / name, root / name, ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(REPO / "pyproject.toml", root / "pyproject.toml")
     fake = root / "tests" / "fakes" / "fake_engine.py"

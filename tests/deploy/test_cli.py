@@ -1,11 +1,8 @@
-"""`swaserve` command line without Ray: parsing, bench dispatch, config merging, CPU fitting."""
+"""`swaserve serve`'s command line without Ray: parsing, config merging, CPU fitting."""
 
 from __future__ import annotations
 
-import argparse
 import socket
-import sys
-import types
 from pathlib import Path
 
 import pytest
@@ -29,35 +26,6 @@ def test_serve_rejects_bad_flags(bad: list[str]) -> None:
     with pytest.raises(SystemExit) as e:
         cli.build_parser().parse_args(bad)
     assert e.value.code == 2
-
-
-def test_bench_dispatches_lazily(monkeypatch: pytest.MonkeyPatch) -> None:
-    """`swaserve bench NAME ARGS` imports bench.NAME and runs it with its own options."""
-    seen: dict[str, object] = {}
-    fake = types.ModuleType("bench.routing")
-
-    def add_arguments(parser: argparse.ArgumentParser) -> None:
-        parser.add_argument("--requests", type=int, default=1)
-
-    def run(args: argparse.Namespace) -> int:
-        seen["requests"] = args.requests
-        return 3
-
-    fake.add_arguments, fake.run = add_arguments, run  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "bench.routing", fake)
-    assert cli.main(["bench", "routing", "--requests", "7"]) == 3
-    assert seen == {"requests": 7}
-    monkeypatch.setitem(sys.modules, "bench.vllm_compare", fake)  # a hyphenated name's module
-    assert cli.main(["bench", "vllm-compare", "--requests", "2"]) == 3 and seen == {"requests": 2}
-
-
-def test_bench_missing_or_unknown_is_a_clear_error(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    """An unknown benchmark or a missing module exits 2 with a message naming it."""
-    assert cli.main(["bench", "nonsense"]) == 2
-    assert "unknown benchmark 'nonsense'" in capsys.readouterr().err
-    monkeypatch.setitem(sys.modules, "bench.cache", None)  # import now fails like a missing file
-    assert cli.main(["bench", "cache"]) == 2
-    assert "not available" in capsys.readouterr().err
 
 
 def test_plan_merges_config_file_and_flags(tmp_path: Path) -> None:

@@ -39,7 +39,7 @@ def _free_port() -> int:
 
 
 def _command(port: int) -> list[str]:
-    # `swaserve serve` is `deploy.cli:main`; run through this interpreter so the server is this
+    # `python -m deploy serve` is `swaserve serve`; run through this interpreter so the server is this
     # checkout's code whatever `swaserve` script the environment's bin holds.
     return [sys.executable, "-m", "deploy", "serve", "--model", MODEL, "--workers", str(WORKERS),
             "--port", str(port), "--num-cpus", "2"]  # fmt: skip

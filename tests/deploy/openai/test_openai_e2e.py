@@ -274,7 +274,7 @@ def test_replicas_run_at_normal_priority(server: Server) -> None:
     import subprocess
     import sys
 
-    from bench.compare_procs import read_proc, role_pids
+    from bench.compare.procs import read_proc, role_pids
 
     roles = role_pids(server.proc.pid)
     assert len(roles.get("worker", [])) == WORKERS and len(roles.get("ingress", [])) == 1, roles

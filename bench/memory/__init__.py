@@ -1,0 +1,1 @@
+"""`swaserve bench memory` (`main.py`): the model of admission (`admission.py`) and its report."""

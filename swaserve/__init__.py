@@ -1,0 +1,1 @@
+"""The `swaserve` command: the one package above every layer (`swaserve/cli.py`)."""
