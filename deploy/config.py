@@ -16,12 +16,15 @@ beside placement, scaling, routing and HTTP.
 
 The API key is the one secret here: it is read from `SWASERVE_API_KEY` (this module is the only
 place that reads the environment) so that it never has to be written into a config file or into
-the RayService object on Kubernetes.
+the RayService object on Kubernetes. There the key is a file instead, named by
+`SWASERVE_API_KEY_FILE` and mounted only in the pods that host the ingress; the ingress replica
+reads it when it starts (`api_key_from_file`), so it is in no Ray object either.
 """
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import (
@@ -43,6 +46,7 @@ APP_IMPORT_PATH = "deploy.app:build_app"
 INGRESS_DEPLOYMENT = "Ingress"
 WORKER_DEPLOYMENT = "Worker"
 API_KEY_ENV = "SWASERVE_API_KEY"
+API_KEY_FILE_ENV = "SWASERVE_API_KEY_FILE"
 
 DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024  # a 128k-token prompt is ~0.5 MB of JSON text
 
@@ -53,6 +57,23 @@ PlacementStrategy = Literal["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"]
 def _api_key_from_env() -> SecretStr | None:
     value = os.environ.get(API_KEY_ENV, "").strip()
     return SecretStr(value) if value else None
+
+
+def api_key_from_file() -> str | None:
+    """The key in the file `SWASERVE_API_KEY_FILE` names; None when that variable is unset.
+
+    Raises:
+        OSError: the file cannot be read.
+        ValueError: the file is empty. Both fail closed: a key was meant, so nothing serves
+            without it.
+    """
+    path = os.environ.get(API_KEY_FILE_ENV, "").strip()
+    if not path:
+        return None
+    key = Path(path).read_text().strip()
+    if not key:
+        raise ValueError(f"{API_KEY_FILE_ENV}={path} names an empty file")
+    return key
 
 
 class AutoscalingSettings(BaseModel):

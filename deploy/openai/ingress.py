@@ -7,7 +7,7 @@ a `ServeWorkerClient` around the worker handle) and hands Serve the app through
 
 | concern | where | answer |
 |---|---|---|
-| auth | `GuardMiddleware`, `/v1/*` only | 401 without `Authorization: Bearer <key>` |
+| auth | `GuardMiddleware`, `/v1/*` only; the key from the config or `with_key_file` | 401 without `Authorization: Bearer <key>` |
 | body size | `GuardMiddleware` (Content-Length) and `_read_body` (actual bytes) | 413, after reading the rest (`drain_body`) |
 | overload | `OpenAIService._admit` (in-flight bound) / worker backpressure | 429 / 503 + `Retry-After` |
 | shutdown | `DrainGate`, closed by `IngressDeployment.drain` (SIGTERM) | 503 + `Retry-After`; `/health` 503 |
@@ -33,6 +33,7 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from deploy.config import api_key_from_file
 from deploy.metrics import CONTENT_TYPE, IngressMetrics
 from deploy.openai.bodies import ChatCompletionResponse, CompletionResponse
 from deploy.openai.openapi import body_spec, install_openapi
@@ -50,6 +51,14 @@ class IngressOptions:
     api_key: str | None = None
     max_request_bytes: int = 4 * 1024 * 1024
     model: str = "tiny"  # 'tiny' or a local HF directory: where the tokenizer comes from
+
+
+def with_key_file(options: IngressOptions) -> IngressOptions:
+    """`options` with the API key from `SWASERVE_API_KEY_FILE` when none came with them: on
+    Kubernetes the chart mounts the key as that file in the pods that host this replica only."""
+    if options.api_key:
+        return options
+    return dataclasses.replace(options, api_key=api_key_from_file())
 
 
 def error_response(e: APIError) -> JSONResponse:
@@ -253,6 +262,7 @@ class IngressDeployment:
         from worker.models.model_dir import load_tokenizer, resolve_model_dir
 
         reuse_address_for_direct_ingress()  # `swaserve serve` binds this replica to its port
+        options = with_key_file(options)
         self._options = options
         model_dir = resolve_model_dir(options.model)
         tokenizer = load_tokenizer(model_dir)

@@ -9,7 +9,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from deploy.config import API_KEY_ENV, AutoscalingSettings, ServeConfig
+from deploy.config import (
+    API_KEY_ENV,
+    API_KEY_FILE_ENV,
+    AutoscalingSettings,
+    ServeConfig,
+    api_key_from_file,
+)
 from deploy.serve_file import load_serve_config
 from tests.deploy.serve_args import serve_args
 from worker.config import KNOBS, EngineConfig
@@ -181,6 +187,22 @@ def test_empty_env_means_no_auth(monkeypatch: pytest.MonkeyPatch) -> None:
     """An empty or blank variable does not turn auth on with an empty token."""
     monkeypatch.setenv(API_KEY_ENV, "  ")
     assert ServeConfig().api_key is None
+
+
+def test_api_key_file(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    """SWASERVE_API_KEY_FILE: unset gives None; the file's key, stripped; an empty or missing
+    file raises (a key was meant: never serve without it)."""
+    monkeypatch.delenv(API_KEY_FILE_ENV, raising=False)
+    assert api_key_from_file() is None
+    (tmp_path / "key").write_text("s3cret\n")
+    monkeypatch.setenv(API_KEY_FILE_ENV, str(tmp_path / "key"))
+    assert api_key_from_file() == "s3cret"
+    (tmp_path / "key").write_text(" \n")
+    with pytest.raises(ValueError, match="empty"):
+        api_key_from_file()
+    monkeypatch.setenv(API_KEY_FILE_ENV, str(tmp_path / "absent"))
+    with pytest.raises(OSError):
+        api_key_from_file()
 
 
 def test_api_key_is_not_printed_but_reaches_args() -> None:

@@ -130,12 +130,14 @@ def test_lint_strict(name: str) -> None:
 
 @pytest.mark.parametrize("name", VALUE_SETS)
 def test_renders_expected_kinds(name: str) -> None:
-    """A RayService always; a Secret only for apiKey.value; an Ingress only when enabled."""
+    """A RayService always; a Secret only for apiKey.value; an Ingress and a NetworkPolicy
+    only when enabled."""
     values = helm.Chart.load(CHART).merge_values(_values(name))
     kinds = sorted(d["kind"] for d in _objects(name))
     expected = ["RayService"]
     expected += ["Secret"] if values["apiKey"]["value"] else []
     expected += ["Ingress"] if values["ingress"]["enabled"] else []
+    expected += ["NetworkPolicy"] if values["networkPolicy"]["enabled"] else []
     assert kinds == sorted(expected)
 
 
@@ -354,6 +356,241 @@ def test_notes_tell_how_to_reach_the_endpoint() -> None:
     assert "https://llm.example.com" in notes and "Authorization: Bearer" in notes
 
 
+# -- closed by default -------------------------------------------------------------------------
+
+SERVE_PORT = 8000
+DASHBOARD_PORT = 8265
+RAY_CONTROL_PORTS = {6379, 10001, 52365}  # GCS, Ray client, dashboard agent
+API_KEY_DIR = "/var/run/secrets/swaserve"
+SA_TOKEN_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
+CACHE_DIR = "/home/ray/.cache"
+# What users need through the Ingress, and what must not be reachable through it by default.
+USER_PATHS = ["/v1/completions", "/v1/chat/completions", "/v1/models"]
+CLOSED_PATHS = ["/", "/metrics", "/docs", "/openapi.json", "/tokenize", "/detokenize"]
+
+
+def _merged(name: str) -> dict[str, Any]:
+    return helm.Chart.load(CHART).merge_values(_values(name))
+
+
+def _pods(name: str) -> dict[str, dict[str, Any]]:
+    """The head's and the (one) worker group's pod spec."""
+    cluster = _rayservice(name)["spec"]["rayClusterConfig"]
+    (group,) = cluster["workerGroupSpecs"]
+    head = cluster["headGroupSpec"]["template"]["spec"]
+    return {"head": head, "worker": group["template"]["spec"]}
+
+
+def _groups(name: str) -> list[dict[str, Any]]:
+    cluster = _rayservice(name)["spec"]["rayClusterConfig"]
+    return [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]
+
+
+def _network_policy(name: str) -> dict[str, Any]:
+    (policy,) = [d for d in _objects(name) if d["kind"] == "NetworkPolicy"]
+    return policy
+
+
+def _ports(rule: dict[str, Any]) -> set[int] | None:
+    """The ports a NetworkPolicy rule admits; None = every port."""
+    return {p["port"] for p in rule["ports"]} if rule.get("ports") else None
+
+
+def _selector() -> dict[str, str]:
+    return {"app.kubernetes.io/name": "swaserve", "app.kubernetes.io/instance": "demo"}
+
+
+def _route_matches(path: dict[str, str], url: str) -> bool:
+    """Kubernetes Ingress matching: Exact is equality; Prefix (and, conservatively,
+    ImplementationSpecific) matches whole path elements."""
+    p = path["path"]
+    if path["pathType"] == "Exact":
+        return url == p
+    return p == "/" or url == p or url.startswith(p.rstrip("/") + "/")
+
+
+@pytest.mark.parametrize("name", VALUE_SETS)
+def test_network_policy_admits_only_serving_from_outside(name: str) -> None:
+    """The release's Ray pods admit port 8000 from anywhere, every port from each other, the
+    dashboard from the KubeRay operator, and none of Ray's control ports from anyone else."""
+    values, spec = _merged(name), _network_policy(name)["spec"]
+    assert spec["podSelector"] == {"matchLabels": _selector()}
+    for pod_labels in (g["template"]["metadata"]["labels"] for g in _groups(name)):
+        assert _selector().items() <= pod_labels.items()
+    rules = spec["ingress"]
+    open_rules = [r for r in rules if not r.get("from")]
+    assert [_ports(r) for r in open_rules] == [{SERVE_PORT}]
+    release = [r for r in rules if r.get("from") == [{"podSelector": {"matchLabels": _selector()}}]]
+    assert len(release) == 1 and _ports(release[0]) is None
+    op = values["networkPolicy"]["operator"]
+    operator = {
+        "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": op["namespace"]}},
+        "podSelector": {"matchLabels": op["podLabels"]},
+    }
+    to_dashboard = [r for r in rules if DASHBOARD_PORT in (_ports(r) or set())]
+    assert [r["from"] for r in to_dashboard] == [[operator]]
+    assert _ports(to_dashboard[0]) == {DASHBOARD_PORT}
+    for rule in rules:
+        if rule not in release:
+            assert _ports(rule) is not None and not _ports(rule) & RAY_CONTROL_PORTS, rule
+    assert rules[3:] == values["networkPolicy"]["extraIngress"]
+
+
+@pytest.mark.parametrize("name", VALUE_SETS)
+def test_network_policy_egress(name: str) -> None:
+    """Egress is open unless restrictEgress; then only to the release's pods, DNS and the
+    extra rules (the API server)."""
+    values, spec = _merged(name), _network_policy(name)["spec"]
+    if not values["networkPolicy"]["restrictEgress"]:
+        assert spec["policyTypes"] == ["Ingress"] and "egress" not in spec
+        return
+    assert spec["policyTypes"] == ["Ingress", "Egress"]
+    release, dns, *extra = spec["egress"]
+    assert release == {"to": [{"podSelector": {"matchLabels": _selector()}}]}
+    assert _ports(dns) == {53}
+    assert dns["to"][0]["podSelector"] == {"matchLabels": {"k8s-app": "kube-dns"}}
+    assert extra == values["networkPolicy"]["extraEgress"] != []
+
+
+def test_network_policy_switch() -> None:
+    """networkPolicy.enabled=false renders none."""
+    docs = _render({"networkPolicy": {"enabled": False}})
+    assert not docs["swaserve/templates/networkpolicy.yaml"]
+
+
+@pytest.mark.parametrize("name", VALUE_SETS)
+def test_ray_token_auth_is_on(name: str) -> None:
+    """KubeRay turns Ray's token authentication on (its Secret: generated or rayAuth.secretName);
+    the head exposes no Ray client port."""
+    auth = _rayservice(name)["spec"]["rayClusterConfig"]["authOptions"]
+    secret = _merged(name)["rayAuth"]["secretName"]
+    assert auth == {"mode": "token", **({"secretName": secret} if secret else {})}
+    head_ports = {p["containerPort"] for p in _pods(name)["head"]["containers"][0]["ports"]}
+    assert head_ports == {6379, DASHBOARD_PORT, SERVE_PORT}
+
+
+@pytest.mark.parametrize("name", VALUE_SETS)
+def test_api_key_is_a_file_on_the_workers_only(name: str) -> None:
+    """The key is in no container's environment; with a key, only the worker pods (where Serve
+    places the ingress: the head has num-cpus 0) mount its Secret, read-only, 0440, and name the
+    file in SWASERVE_API_KEY_FILE."""
+    values, pods = _merged(name), _pods(name)
+    cluster = _rayservice(name)["spec"]["rayClusterConfig"]
+    assert cluster["headGroupSpec"]["rayStartParams"]["num-cpus"] == "0"
+    autoscaler = cluster["autoscalerOptions"]
+    for c in [*pods["head"]["containers"], *pods["worker"]["containers"], autoscaler]:
+        assert "SWASERVE_API_KEY" not in {e["name"] for e in c.get("env", [])}
+    head = pods["head"]
+    assert not [v for v in head["volumes"] if "secret" in v]
+    assert "SWASERVE_API_KEY_FILE" not in {e["name"] for e in head["containers"][0]["env"]}
+    secrets = [v for v in pods["worker"]["volumes"] if "secret" in v]
+    (worker,) = pods["worker"]["containers"]
+    env = {e["name"]: e.get("value") for e in worker["env"]}
+    if not (values["apiKey"]["existingSecret"] or values["apiKey"]["value"]):
+        assert not secrets and "SWASERVE_API_KEY_FILE" not in env
+        return
+    secret_name = values["apiKey"]["existingSecret"] or "demo-swaserve-api-key"
+    (volume,) = secrets
+    assert volume["secret"] == {
+        "secretName": secret_name,
+        "items": [{"key": values["apiKey"]["secretKey"], "path": "api-key"}],
+        "defaultMode": 0o440,
+    }
+    mount = {"name": volume["name"], "mountPath": API_KEY_DIR, "readOnly": True}
+    assert mount in worker["volumeMounts"]
+    assert env["SWASERVE_API_KEY_FILE"] == f"{API_KEY_DIR}/api-key"
+    assert pods["worker"]["securityContext"]["fsGroup"] == 100  # the image's group: 0440 readable
+
+
+@pytest.mark.parametrize("name", VALUE_SETS)
+def test_only_the_autoscaler_holds_api_credentials(name: str) -> None:
+    """No pod automounts a service account token; the head's autoscaler sidecar (it scales
+    through the Kubernetes API) mounts a projected one, and no Ray container does."""
+    pods = _pods(name)
+    for spec in pods.values():
+        assert spec["automountServiceAccountToken"] is False
+        for c in spec["containers"]:
+            assert SA_TOKEN_DIR not in {m["mountPath"] for m in c["volumeMounts"]}
+    (volume,) = [v for v in pods["head"]["volumes"] if v["name"] == "kube-api-access"]
+    token = {"serviceAccountToken": {"path": "token", "expirationSeconds": 3607}}
+    assert token in volume["projected"]["sources"]
+    mounts = _rayservice(name)["spec"]["rayClusterConfig"]["autoscalerOptions"]["volumeMounts"]
+    assert {"name": "kube-api-access", "mountPath": SA_TOKEN_DIR, "readOnly": True} in mounts
+    assert not [v for v in pods["worker"]["volumes"] if "projected" in v]
+
+
+@pytest.mark.parametrize("name", VALUE_SETS)
+def test_containers_run_read_only_unprivileged(name: str) -> None:
+    """Every Ray container and the autoscaler: read-only root filesystem, no capabilities, no
+    privilege escalation, non-root, RuntimeDefault seccomp; Ray writes to emptyDirs at /tmp
+    and ~/.cache (where Triton and the CUDA driver are pointed), the autoscaler to its own /tmp."""
+    cluster = _rayservice(name)["spec"]["rayClusterConfig"]
+    locked = {
+        "readOnlyRootFilesystem": True,
+        "allowPrivilegeEscalation": False,
+        "runAsNonRoot": True,
+        "capabilities": {"drop": ["ALL"]},
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+    autoscaler = cluster["autoscalerOptions"]
+    assert autoscaler["securityContext"] == locked
+    for spec in _pods(name).values():
+        assert spec["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+        pod = spec["securityContext"]
+        assert pod["runAsNonRoot"] is True and pod["runAsUser"] != 0
+        empty_dirs = {v["name"] for v in spec["volumes"] if "emptyDir" in v}
+        for c in spec["containers"]:
+            assert c["securityContext"] == locked
+            writable = {m["mountPath"] for m in c["volumeMounts"] if m["name"] in empty_dirs}
+            assert writable == {"/tmp", CACHE_DIR}
+            env = {e["name"]: e.get("value") for e in c["env"]}
+            assert env["TRITON_CACHE_DIR"].startswith(CACHE_DIR + "/")
+            assert env["CUDA_CACHE_PATH"].startswith(CACHE_DIR + "/")
+    head_empty = {v["name"] for v in _pods(name)["head"]["volumes"] if "emptyDir" in v}
+    assert {m["mountPath"] for m in autoscaler["volumeMounts"] if m["name"] in head_empty} == {"/tmp"}
+
+
+@pytest.mark.parametrize("name", [*VALUE_SETS, "ingress-defaults"])
+def test_ingress_routes_only_what_users_need(name: str) -> None:
+    """Every Ingress path leads to the OpenAI API (or /health): /, /metrics, /docs,
+    /openapi.json, /tokenize and /detokenize are not routed."""
+    docs = _render({"ingress": {"enabled": True}}) if name == "ingress-defaults" else _rendered(name)
+    for ingress in docs["swaserve/templates/ingress.yaml"]:
+        paths = [p for rule in ingress["spec"]["rules"] for p in rule["http"]["paths"]]
+        for url in USER_PATHS:
+            assert any(_route_matches(p, url) for p in paths), url
+        for url in CLOSED_PATHS:
+            assert not any(_route_matches(p, url) for p in paths), url
+        assert all(p["path"].startswith("/v1") or p["path"] == "/health" for p in paths), paths
+
+
+def test_notes_say_what_is_closed() -> None:
+    """NOTES.txt lists what is closed, warns when there is no API key, and tells how to get
+    Ray's token for the dashboard."""
+    notes = _rendered("default")["NOTES"]
+    assert "WARNING: no API key" in notes and "Ray token authentication on" in notes
+    assert "jsonpath='{.data.auth_token}'" in notes and "rayClusterName" in notes
+    notes = _rendered("pvc-ingress-values")["NOTES"]
+    assert "WARNING" not in notes and "get secret swaserve-ray-token" in notes
+    assert "The Ingress routes /v1, /health only." in notes
+
+
+def test_readme_says_what_is_closed_and_how_to_open_it() -> None:
+    """The chart README names each closed door and the value that opens it."""
+    text = (CHART / "README.md").read_text()
+    for needle in [
+        "networkPolicy.enabled",
+        "networkPolicy.extraIngress",
+        "networkPolicy.restrictEgress",
+        "rayAuth.mode",
+        "SWASERVE_API_KEY_FILE",
+        "automountServiceAccountToken",
+        "readOnlyRootFilesystem",
+        "ingress.hosts",
+    ]:
+        assert needle in text, needle
+
+
 # -- the values schema -------------------------------------------------------------------------
 
 
@@ -396,6 +633,17 @@ def test_values_schema_matches_serve_config() -> None:
             "raise workerGroup.resources cpu",
         ),
         ({"apiKey": {"existingSecret": "s", "value": "v"}}, helm.HelmRenderError, "not both"),
+        (
+            {"apiKey": {"value": "v"}, "podSecurityContext": {"fsGroup": None}},
+            helm.HelmRenderError,
+            "an API key needs podSecurityContext.fsGroup",
+        ),
+        (
+            {"networkPolicy": {"restrictEgress": True}},
+            helm.HelmRenderError,
+            "restrictEgress needs networkPolicy.extraEgress admitting the Kubernetes API server",
+        ),
+        ({"rayAuth": {"mode": "off"}}, helm.HelmValuesError, "rayAuth"),
         (
             {
                 "serve": {"config": {"tensor_parallel_size": 4, "rank_num_cpus": 2}},

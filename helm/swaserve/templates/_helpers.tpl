@@ -145,6 +145,12 @@ left out (Ray refuses them).
 {{- if and .Values.apiKey.existingSecret .Values.apiKey.value }}
 {{- fail "set apiKey.existingSecret or apiKey.value, not both" }}
 {{- end }}
+{{- if and (include "swaserve.apiKeyEnabled" .) (not (.Values.podSecurityContext | default dict).fsGroup) }}
+{{- fail "an API key needs podSecurityContext.fsGroup (the pods' group, 100 in the image): the key file is readable by that group only" }}
+{{- end }}
+{{- if and .Values.networkPolicy.enabled .Values.networkPolicy.restrictEgress (not .Values.networkPolicy.extraEgress) }}
+{{- fail "networkPolicy.restrictEgress needs networkPolicy.extraEgress admitting the Kubernetes API server (the autoscaler scales through it): e.g. an ipBlock of its endpoint, port 443 or 6443" }}
+{{- end }}
 {{- end }}
 
 {{/*
@@ -189,16 +195,72 @@ applications:
         {{- end }}
 {{- end }}
 
-{{/* Environment of every Ray container. RAY_worker_niceness=0: Ray starts actors (the replicas)
-at niceness 15 otherwise, behind every other process on the node. */}}
+{{/* Paths the chart owns inside the image: its user's ~/.cache, and where the API key file lies. */}}
+{{- define "swaserve.cacheDir" -}}/home/ray/.cache{{- end }}
+{{- define "swaserve.apiKeyDir" -}}/var/run/secrets/swaserve{{- end }}
+
+{{/*
+Environment of a Ray container: (list $root $role), role "head" or "worker".
+RAY_worker_niceness=0: Ray starts actors (the replicas) at niceness 15 otherwise, behind every
+other process on the node. Triton and the CUDA driver cache JIT code under ~/.triton and ~/.nv,
+which the read-only root filesystem refuses: both go to the cache emptyDir. The API key is a
+file on the workers only (the ingress replicas run there: the head has num-cpus 0).
+*/}}
 {{- define "swaserve.env" -}}
+{{- $root := index . 0 }}
+{{- $cache := include "swaserve.cacheDir" $root }}
 {{- $env := list (dict "name" "RAY_worker_niceness" "value" "0") }}
-{{- if include "swaserve.apiKeyEnabled" . }}
-{{- $ref := dict "name" (include "swaserve.apiKeySecretName" .) "key" .Values.apiKey.secretKey }}
-{{- $env = append $env (dict "name" "SWASERVE_API_KEY" "valueFrom" (dict "secretKeyRef" $ref)) }}
+{{- $env = append $env (dict "name" "TRITON_CACHE_DIR" "value" (printf "%s/triton" $cache)) }}
+{{- $env = append $env (dict "name" "CUDA_CACHE_PATH" "value" (printf "%s/nv" $cache)) }}
+{{- if and (eq (index . 1) "worker") (include "swaserve.apiKeyEnabled" $root) }}
+{{- $file := printf "%s/api-key" (include "swaserve.apiKeyDir" $root) }}
+{{- $env = append $env (dict "name" "SWASERVE_API_KEY_FILE" "value" $file) }}
 {{- end }}
-{{- $env = concat $env (.Values.env | default list) }}
-{{- if $env }}{{ toYaml $env }}{{ end }}
+{{- $env = concat $env ($root.Values.env | default list) }}
+{{- toYaml $env }}
+{{- end }}
+
+{{/*
+Volumes of a Ray pod: (list $root $role). The model; the writable scratch of the read-only root
+filesystem; on the head the autoscaler's /tmp and its API credentials (`kube-api-access`, what
+Kubernetes would automount, but here mounted into the autoscaler container only); on the
+workers the API key Secret (0440: root-owned, readable through fsGroup).
+*/}}
+{{- define "swaserve.volumes" -}}
+{{- $root := index . 0 }}
+{{- $volumes := list }}
+{{- with $root.Values.model.volume }}
+{{- $volumes = append $volumes (merge (dict "name" "model") (deepCopy .)) }}
+{{- end }}
+{{- $volumes = append $volumes (dict "name" "tmp" "emptyDir" ($root.Values.scratch.tmp | default dict)) }}
+{{- $volumes = append $volumes (dict "name" "cache" "emptyDir" ($root.Values.scratch.cache | default dict)) }}
+{{- if eq (index . 1) "head" }}
+{{- $volumes = append $volumes (dict "name" "autoscaler-tmp" "emptyDir" dict) }}
+{{- $token := dict "serviceAccountToken" (dict "path" "token" "expirationSeconds" 3607) }}
+{{- $ca := dict "configMap" (dict "name" "kube-root-ca.crt" "items" (list (dict "key" "ca.crt" "path" "ca.crt"))) }}
+{{- $ns := dict "downwardAPI" (dict "items" (list (dict "path" "namespace" "fieldRef" (dict "apiVersion" "v1" "fieldPath" "metadata.namespace")))) }}
+{{- $volumes = append $volumes (dict "name" "kube-api-access" "projected" (dict "defaultMode" 420 "sources" (list $token $ca $ns))) }}
+{{- else if include "swaserve.apiKeyEnabled" $root }}
+{{- $items := list (dict "key" $root.Values.apiKey.secretKey "path" "api-key") }}
+{{- $secret := dict "secretName" (include "swaserve.apiKeySecretName" $root) "items" $items "defaultMode" 288 }}
+{{- $volumes = append $volumes (dict "name" "api-key" "secret" $secret) }}
+{{- end }}
+{{- toYaml $volumes }}
+{{- end }}
+
+{{/* Volume mounts of a Ray container: (list $root $role). */}}
+{{- define "swaserve.volumeMounts" -}}
+{{- $root := index . 0 }}
+{{- $mounts := list }}
+{{- if $root.Values.model.volume }}
+{{- $mounts = append $mounts (dict "name" "model" "mountPath" $root.Values.model.mountPath "readOnly" true) }}
+{{- end }}
+{{- $mounts = append $mounts (dict "name" "tmp" "mountPath" "/tmp") }}
+{{- $mounts = append $mounts (dict "name" "cache" "mountPath" (include "swaserve.cacheDir" $root)) }}
+{{- if and (eq (index . 1) "worker") (include "swaserve.apiKeyEnabled" $root) }}
+{{- $mounts = append $mounts (dict "name" "api-key" "mountPath" (include "swaserve.apiKeyDir" $root) "readOnly" true) }}
+{{- end }}
+{{- toYaml $mounts }}
 {{- end }}
 
 {{- define "swaserve.probe" -}}
@@ -224,11 +286,16 @@ defaults 20 and 2 when unset) plus serve.shutdownMarginSeconds, so no drain is c
 {{- add (ceil (addf $timeout $loop) | int) (.Values.serve.shutdownMarginSeconds | int) }}
 {{- end }}
 
-{{/* Pod-level settings shared by head and workers: (list $root $groupValues). */}}
+{{/*
+Pod-level settings shared by head and workers: (list $root $groupValues $role). No pod gets the
+service account token automatically: only the head's autoscaler container needs the API, and it
+mounts `kube-api-access` itself (autoscalerOptions.volumeMounts).
+*/}}
 {{- define "swaserve.podCommon" -}}
 {{- $root := index . 0 }}
 {{- $group := index . 1 -}}
 terminationGracePeriodSeconds: {{ include "swaserve.terminationGraceSeconds" $root }}
+automountServiceAccountToken: false
 {{- with $root.Values.imagePullSecrets }}
 imagePullSecrets:
   {{- toYaml . | nindent 2 }}
@@ -249,29 +316,21 @@ tolerations:
 affinity:
   {{- toYaml . | nindent 2 }}
 {{- end }}
-{{- with $root.Values.model.volume }}
 volumes:
-  - name: model
-    {{- toYaml . | nindent 4 }}
-{{- end }}
+  {{- include "swaserve.volumes" (list $root (index . 2)) | nindent 2 }}
 {{- end }}
 
-{{/* Container settings shared by the head and worker Ray containers. */}}
+{{/* Container settings shared by the head and worker Ray containers: (list $root $role). */}}
 {{- define "swaserve.containerCommon" -}}
-image: {{ include "swaserve.image" . }}
-imagePullPolicy: {{ .Values.image.pullPolicy }}
-{{- with include "swaserve.env" . }}
+{{- $root := index . 0 -}}
+image: {{ include "swaserve.image" $root }}
+imagePullPolicy: {{ $root.Values.image.pullPolicy }}
 env:
-  {{- . | nindent 2 }}
-{{- end }}
-{{- with .Values.securityContext }}
+  {{- include "swaserve.env" . | nindent 2 }}
+{{- with $root.Values.securityContext }}
 securityContext:
   {{- toYaml . | nindent 2 }}
 {{- end }}
-{{- if .Values.model.volume }}
 volumeMounts:
-  - name: model
-    mountPath: {{ .Values.model.mountPath }}
-    readOnly: true
-{{- end }}
+  {{- include "swaserve.volumeMounts" . | nindent 2 }}
 {{- end }}

@@ -9,6 +9,9 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from deploy.config import API_KEY_FILE_ENV
+from deploy.openai.ingress import IngressOptions, with_key_file
+from deploy.openai.service import ServiceOptions
 from tests.deploy.openai.bad_inputs import bad_inputs, check_error
 from tests.deploy.openai.openai_harness import (
     MAX_MODEL_LEN,
@@ -215,6 +218,30 @@ def test_api_key_required_on_v1_only(tokenizer: Any) -> None:
     assert none.status_code == wrong.status_code == 401
     assert none.json()["error"]["type"] == "authentication_error"
     assert right.status_code == 200 and health.status_code == 200
+
+
+def test_api_key_from_the_key_file(
+    tokenizer: Any, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With no key in the options, the ingress takes the one in SWASERVE_API_KEY_FILE (the Helm
+    chart's way) and /v1/* needs it; a key in the options wins over the file."""
+    (tmp_path / "api-key").write_text("from-file\n")
+    monkeypatch.setenv(API_KEY_FILE_ENV, str(tmp_path / "api-key"))
+    service = ServiceOptions(model_name=MODEL)
+    explicit = IngressOptions(service=service, api_key="from-config")
+    assert with_key_file(explicit).api_key == "from-config"
+    h = make_harness(tokenizer, api_key=with_key_file(IngressOptions(service=service)).api_key)
+    req = {"model": MODEL, "prompt": "hi", "max_tokens": 1}
+
+    async def go() -> list[Any]:
+        async with h.client() as c:
+            return [
+                await c.post("/v1/completions", json=req),
+                await c.post("/v1/completions", json=req, headers={"Authorization": "Bearer from-file"}),
+            ]
+
+    none, right = run(go())
+    assert none.status_code == 401 and right.status_code == 200
 
 
 def test_body_limit_413_by_header_and_by_bytes(tokenizer: Any) -> None:
