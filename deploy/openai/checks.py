@@ -20,8 +20,8 @@ from deploy.openai.schema import (
     bad_request,
 )
 
-# A token id has at most this many digits (int() of a longer key could exceed Python's 4,300-digit
-# conversion limit, a ValueError: a 500 had it not been caught).
+# A longer logit_bias key is outside any vocabulary, refused without int() (which raises
+# ValueError past 4,300 digits: a 500 once).
 _ID_DIGITS = 18
 
 

@@ -3,11 +3,12 @@
 Workers stream token ids; the ingress turns them into text deltas. Decoding token by token is
 wrong for byte-level BPE (a character may span tokens) and for SentencePiece (leading spaces
 depend on the previous token), so the detokenizer keeps a small window of context tokens and
-emits only text that is stable (vLLM's prefix/read offset scheme):
+emits only text that is stable (vLLM's prefix/read offset scheme, the tokens before the window
+dropped):
 
-    tokens:  ...... [prefix_offset ........ read_offset) [new tokens ...]
-                     context, already emitted              decoded together with the context;
-                                                           the text beyond the context's is new
+    _ids:  [ context, already emitted ) [ held and new tokens ... ]
+           0                      _read
+           decoded together with the context; the text beyond the context's is new
 """
 
 from __future__ import annotations
@@ -36,7 +37,6 @@ class IncrementalDetokenizer:
         self._skip = skip_special_tokens
         # A few prompt tokens as context so the first generated token gets its leading space.
         self._ids: list[int] = list((context_ids or [])[-CONTEXT:])
-        self._prefix = 0
         self._read = len(self._ids)
 
     def _decode(self, ids: list[int]) -> str:
@@ -45,14 +45,14 @@ class IncrementalDetokenizer:
     def push(self, token_ids: list[int], final: bool = False) -> str:
         """Add tokens; return the newly stable text (everything left when `final`)."""
         self._ids.extend(token_ids)
-        prefix_text = self._decode(self._ids[self._prefix : self._read])
-        full_text = self._decode(self._ids[self._prefix :])
+        prefix_text = self._decode(self._ids[: self._read])
+        full_text = self._decode(self._ids)
         if final or _whole(full_text, prefix_text):
             return self._emit(len(self._ids), full_text, prefix_text)
         if len(self._ids) - self._read < MAX_HELD:
             return ""  # nothing stable yet (e.g. half of a multi-byte character)
         for end in range(len(self._ids) - 1, max(self._read, len(self._ids) - 5), -1):
-            text = self._decode(self._ids[self._prefix : end])
+            text = self._decode(self._ids[:end])
             if _whole(text, prefix_text):
                 return self._emit(end, text, prefix_text)
         return self._emit(len(self._ids), full_text, prefix_text)
@@ -62,7 +62,7 @@ class IncrementalDetokenizer:
         next push's context (all of them would make a large push costly for every later one)."""
         start = max(self._read, end - CONTEXT)
         del self._ids[:start]
-        self._prefix, self._read = 0, end - start
+        self._read = end - start
         return text[len(prefix_text) :]
 
 
