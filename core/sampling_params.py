@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Literal
 
 MAX_LOGPROBS = 20  # OpenAI's limit for top logprobs
@@ -90,6 +91,27 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    # What the step thread reads of a request every step, derived once. NOTE: cached_property
+    # writes the instance's __dict__ directly (the dataclass is frozen); the values are not
+    # fields, so equality, hashing and `dataclasses.replace` never see them.
+
+    @cached_property
+    def stop_token_set(self) -> frozenset[int]:
+        return frozenset(self.stop_token_ids)
+
+    @cached_property
+    def longest_stop(self) -> int:
+        """Characters in the longest stop string (0 without stop strings)."""
+        return max((len(s) for s in self.stop), default=0)
+
+    def banned_until_min_tokens(self, eos: frozenset[int]) -> frozenset[int]:
+        """EOS and the stop token ids, which may not be sampled before `min_tokens`. Built once
+        per `eos` object (an engine's never changes), so every step gets the same set."""
+        cached = self.__dict__.get("_banned")
+        if cached is None or cached[0] is not eos:
+            cached = self.__dict__["_banned"] = (eos, eos | self.stop_token_set)
+        return cached[1]
 
     @property
     def penalized(self) -> bool:

@@ -9,9 +9,9 @@ and tokenizes the result without adding special tokens again. GPT-OSS renders ha
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
+from deploy.openai.limits import parse_json
 from deploy.openai.schema import ChatCompletionRequest, ChatMessage, bad_request
 
 MAX_BATCH = 16  # prompts per /v1/completions request
@@ -104,6 +104,6 @@ def _as_dict(m: ChatMessage) -> dict[str, Any]:
 
 def _arguments(text: str) -> Any:
     try:
-        return json.loads(text)
-    except json.JSONDecodeError:
+        return parse_json(text)
+    except ValueError:  # not JSON (or nested too deep): the template gets the text
         return text

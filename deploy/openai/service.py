@@ -24,11 +24,12 @@ from cluster.messages import RoutedRequest, StreamStart
 from deploy.metrics import IngressMetrics
 from deploy.openai.bodies import ModelCard, ModelList
 from deploy.openai.chat_format import ChatFormat, TemplateChat
-from deploy.openai.checks import check_chat, check_completion, sampling_params, sibling_params
+from deploy.openai.checks import RequestChecks, sampling_params, sibling_params
 from deploy.openai.choices import ChoiceState, best_of, usage_of
 from deploy.openai.detokenize import StopTextStream
 from deploy.openai.fanout import Fanout, PromptStream
 from deploy.openai.headers import REPLICA_HEADER, prediction_headers, repaired_header
+from deploy.openai.limits import RequestLimits
 from deploy.openai.prompts import PromptBuilder
 from deploy.openai.responses import ResponseBuilder, Shape
 from deploy.openai.schema import (
@@ -72,6 +73,7 @@ class ServiceOptions:
     retry_after_s: int = 1
     default_max_tokens: int = 16  # /v1/completions without max_tokens (OpenAI's default)
     model_root: str | None = None  # what /v1/models reports as `root`: the model directory
+    limits: RequestLimits = RequestLimits()  # what one request may hold (README "Limits")
 
 
 @dataclass(frozen=True)
@@ -108,6 +110,7 @@ class OpenAIService:
         self._opts = options
         self.metrics = metrics or IngressMetrics()
         self._prompts = PromptBuilder(tokenizer)
+        self._checks = RequestChecks(options.model_name, len(tokenizer), options.limits)
         self._chat = chat_format or TemplateChat(tokenizer, "")
         self._inflight = 0
         self._created = int(time.time())
@@ -136,9 +139,9 @@ class OpenAIService:
         with_release = self._admit()
         try:
             req: CompletionRequest = parse_request(CompletionRequest, raw)
-            check_completion(req, self._opts.model_name)
+            self._checks.completion(req, await self.max_model_len())  # before tokenizing
             prompts = self._prompts.completion(req.prompt)
-            return await self._run(req, prompts, request_grammar(req), with_release)
+            return await self._run(req, prompts, request_grammar(req, self._opts.limits), with_release)
         except BaseException:
             with_release()
             raise
@@ -147,9 +150,9 @@ class OpenAIService:
         with_release = self._admit()
         try:
             req: ChatCompletionRequest = parse_request(ChatCompletionRequest, raw)
-            check_chat(req, self._opts.model_name)
+            self._checks.chat(req, await self.max_model_len())  # before templating
             prompts = [self._chat.prompt(req)]
-            grammar, forced = request_grammar(req), self._chat.grammar(req)
+            grammar, forced = request_grammar(req, self._opts.limits), self._chat.grammar(req)
             if grammar is not None and forced is not None:
                 raise bad_request("tool_choice required/named cannot be combined with an output format",
                                   param="tool_choice")  # fmt: skip

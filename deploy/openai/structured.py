@@ -2,8 +2,9 @@
 
 Spellings accepted: OpenAI's `response_format` (json_object, json_schema), vLLM's `guided_json`,
 `guided_regex`, `guided_choice`, `guided_grammar` (Lark) and their newer `structured_outputs`
-object. At most one may be given (a 400 names the second). Whether the grammar itself is valid
-is the worker's grammar engine's call; its refusal comes back as a 400 naming `grammar`.
+object. At most one may be given (a 400 names the second), of at most `grammar_bytes`
+(`RequestLimits`). Whether the grammar itself is valid is the worker's grammar engine's call; its
+refusal comes back as a 400 naming `grammar`.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import json
 from typing import Any
 
 from core.sampling_params import Grammar
+from deploy.openai.limits import RequestLimits, parse_json
 from deploy.openai.schema import ChatCompletionRequest, CompletionRequest, bad_request
 
 ANY_OBJECT = '{"type": "object"}'
@@ -20,8 +22,8 @@ ANY_OBJECT = '{"type": "object"}'
 def _schema_text(schema: dict[str, Any] | str, param: str) -> str:
     if isinstance(schema, str):
         try:
-            schema = json.loads(schema)
-        except json.JSONDecodeError as e:
+            schema = parse_json(schema)
+        except ValueError as e:  # malformed, or nested deeper than the parser allows
             raise bad_request(f"{param} is not valid JSON: {e}", param=param) from None
     if not isinstance(schema, dict):
         raise bad_request(f"{param} must be a JSON schema object", param=param)
@@ -41,8 +43,9 @@ def _from_response_format(req: CompletionRequest | ChatCompletionRequest) -> Gra
     return Grammar("json_schema", _schema_text(fmt.json_schema.schema_, "response_format.json_schema.schema"))
 
 
-def request_grammar(req: CompletionRequest | ChatCompletionRequest) -> Grammar | None:
-    """The request's output constraint, or None. Raises a 400 when two are given."""
+def request_grammar(req: CompletionRequest | ChatCompletionRequest, limits: RequestLimits) -> Grammar | None:
+    """The request's output constraint, or None. Raises a 400 when two are given, or one larger
+    than `limits.grammar_bytes`."""
     so = req.structured_outputs
     found: list[tuple[str, Grammar]] = []
 
@@ -72,6 +75,18 @@ def request_grammar(req: CompletionRequest | ChatCompletionRequest) -> Grammar |
         raise bad_request(
             f"{found[1][0]} conflicts with {found[0][0]}: give one output constraint", param=found[1][0]
         )
-    if found and found[0][1].kind == "choice" and not all(found[0][1].choices):
-        raise bad_request(f"{found[0][0]} needs non-empty strings", param=found[0][0])
-    return found[0][1] if found else None
+    if not found:
+        return None
+    param, grammar = found[0]
+    if grammar.kind == "choice" and not all(grammar.choices):
+        raise bad_request(f"{param} needs non-empty strings", param=param)
+    size = _size(grammar)
+    if size > limits.grammar_bytes:
+        raise bad_request(f"{param} is {size:,} bytes; grammars may have at most {limits.grammar_bytes:,}",
+                          param=param)  # fmt: skip
+    return grammar
+
+
+def _size(g: Grammar) -> int:
+    """UTF-8 bytes the grammar engine compiles (a choice: its strings, one separator each)."""
+    return len(g.text.encode()) + sum(len(c.encode()) + 1 for c in g.choices)

@@ -22,6 +22,7 @@ from typing import Any
 
 from core.sampling_params import Grammar
 from deploy.openai.bodies import FunctionCallOut, ToolCallDelta, ToolCallOut
+from deploy.openai.limits import parse_json
 from deploy.openai.schema import ChatCompletionRequest, NamedToolChoice, Tool, bad_request
 
 
@@ -156,8 +157,8 @@ class TaggedCallParser(ChatParser):
 
     def _parse(self, body: str, piece: ChatPiece) -> list[ToolCallDelta]:
         try:
-            value = json.loads(body.strip())
-        except json.JSONDecodeError:
+            value = parse_json(body.strip())
+        except ValueError:  # not JSON, or nested too deep to be a call
             value = None
         items = value if isinstance(value, list) else [value]
         if not items or not all(isinstance(v, dict) and isinstance(v.get("name"), str) for v in items):
@@ -183,8 +184,8 @@ class ForcedParser(ChatParser):
         if self.named is not None:
             return ChatPiece(tool_calls=[self._call(self.named, self._text)])
         try:
-            calls = json.loads(self._text)
-        except json.JSONDecodeError:  # cut by max_tokens: nothing parses
+            calls = parse_json(self._text)
+        except ValueError:  # cut by max_tokens (or nested too deep): nothing parses
             self.content = self._text
             return ChatPiece(content=self._text)
         return ChatPiece(tool_calls=[self._call(c["name"], c["parameters"]) for c in calls])

@@ -7,7 +7,11 @@ bound by memory (the pool is read, the copy written and read again). The kernel 
 and value row from its slot, only those a query row may see (causal, windowed), in one call per
 layer for the whole step. It is plain C, compiled by the system C compiler for this CPU
 (``-O3 -march=native``) into a cache directory keyed by the source, the flags, the compiler and
-the CPU, so a machine builds it once (about a second) and every process after loads it.
+the CPU, so a machine builds it once (about a second) and every process after loads it. The
+cache directory is created 0700 and used only while it (and the kernel in it) belongs to this
+user with no group/other write and is no symlink; otherwise the refusal is logged and the kernel
+is built in a fresh private temporary directory: loading a planted shared object would run
+someone else's code in the engine.
 
 Without a C compiler, or when the build fails, `attention_kernel` returns None once (logged) and
 the torch backend keeps its gather path: the kernel is a speed-up, never a requirement.
@@ -24,6 +28,7 @@ import logging
 import os
 import shlex
 import shutil
+import stat
 import subprocess
 import tempfile
 from pathlib import Path
@@ -75,29 +80,48 @@ def _cpu_signature() -> str:
     return "\n".join(keep)
 
 
-def _build(cc: str) -> Path:
-    """Compile the kernel into the cache (atomically: processes may build it at once)."""
+def kernel_name(cc: str) -> str:
+    """The cached kernel's file name: keyed by the source, the flags, the compiler and the CPU."""
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False)
     key = hashlib.sha256(
         "\0".join(
             [SOURCE.read_text(), *COMPILE_FLAGS, *LINK_FLAGS, version.stdout, _cpu_signature()]
         ).encode()
     ).hexdigest()[:20]
-    target = cache_dir() / f"attention-{key}.so"
-    if target.exists():
-        return target
-    try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        if not os.access(target.parent, os.W_OK):
-            raise PermissionError(f"{target.parent} is not writable")
-    except OSError as exc:  # a read-only home (a locked-down container): the temp dir instead
-        fallback = Path(tempfile.gettempdir()) / "swaserve-kernels" / target.name
-        logger.info("kernel cache %s unusable (%s); building into %s", target.parent, exc,
-                    fallback.parent)  # fmt: skip
-        target = fallback
-        if target.exists():
-            return target
-        target.parent.mkdir(parents=True, exist_ok=True)
+    return f"attention-{key}.so"
+
+
+class UntrustedCacheError(OSError):
+    """The kernel cache (or a kernel in it) could be written by someone else."""
+
+
+def _untrusted(st: os.stat_result, kind: str) -> str:
+    """Why a directory or file with this `lstat` may not be trusted ("" when it may)."""
+    if stat.S_ISLNK(st.st_mode):
+        return "a symlink"
+    if not (stat.S_ISDIR(st.st_mode) if kind == "directory" else stat.S_ISREG(st.st_mode)):
+        return f"not a {kind}"
+    if st.st_uid != os.geteuid():
+        return f"owned by uid {st.st_uid}, not {os.geteuid()}"
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return f"mode {stat.S_IMODE(st.st_mode):o}: others may write"
+    return ""
+
+
+def _private_cache() -> Path:
+    """The cache directory, created 0700; UntrustedCacheError when it exists but is not ours
+    alone (someone else could plant a kernel there), OSError when it cannot be made."""
+    directory = cache_dir()
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    directory.mkdir(mode=0o700, exist_ok=True)
+    why = _untrusted(os.lstat(directory), "directory")
+    if why:
+        raise UntrustedCacheError(f"kernel cache {directory} is {why}")
+    return directory
+
+
+def _compile(cc: str, target: Path) -> Path:
+    """Compile the kernel to `target`, atomically (processes may build it at once)."""
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         obj, lib = Path(tmp) / "k.o", Path(tmp) / "k.so"
         for cmd in (
@@ -113,6 +137,48 @@ def _build(cc: str) -> Path:
     return target
 
 
+def _build(cc: str) -> Path:
+    """The kernel in the private cache, compiled there unless a trusted one is already there.
+    Raises OSError when the cache is unusable (UntrustedCacheError: not ours alone)."""
+    target = _private_cache() / kernel_name(cc)
+    if target.exists():
+        why = _untrusted(os.lstat(target), "file")
+        if not why:
+            return target
+        logger.warning("cached kernel %s is %s; building it again", target, why)
+    return _compile(cc, target)
+
+
+def _open(path: Path) -> ctypes._CFuncPtr:  # type: ignore[name-defined]
+    """Load the kernel at `path`, checked again on the file actually opened (no symlink, ours,
+    not writable by others) so nothing swapped in after `_build` looked is loaded."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        why = _untrusted(os.fstat(fd), "file")
+        if why:
+            raise UntrustedCacheError(f"kernel {path} is {why}")
+        by_fd = Path(f"/proc/self/fd/{fd}")
+        return ctypes.CDLL(str(by_fd if by_fd.exists() else path))[SYMBOL]  # CDLL: calls release the GIL
+    finally:
+        os.close(fd)
+
+
+def _load_built(cc: str) -> tuple[ctypes._CFuncPtr, str]:  # type: ignore[name-defined]
+    """The kernel from the cache or, when the cache is unusable or not ours alone, built in a
+    fresh private temporary directory (removed once loaded; never a shared fixed path)."""
+    try:
+        path = _build(cc)
+        return _open(path), str(path)
+    except UntrustedCacheError as exc:
+        logger.warning("%s; refusing it and building the kernel in a private temporary directory", exc)
+    except OSError as exc:  # a read-only home (a locked-down container)
+        logger.info("kernel cache %s unusable (%s); building in a private temporary directory",
+                    cache_dir(), exc)  # fmt: skip
+    with tempfile.TemporaryDirectory(prefix="swaserve-kernel-") as tmp:  # mkdtemp: 0700, ours
+        path = _compile(cc, Path(tmp) / kernel_name(cc))
+        return _open(path), "a private temporary directory"
+
+
 @functools.lru_cache(maxsize=1)
 def _load() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
     cc = _compiler()
@@ -120,14 +186,13 @@ def _load() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
         logger.info("CPU attention kernel off: no C compiler (set CC); using torch ops")
         return None
     try:
-        path = _build(cc)
-        fn = ctypes.CDLL(str(path))[SYMBOL]  # CDLL: the call releases the GIL
+        fn, where = _load_built(cc)
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
         logger.warning("CPU attention kernel off (using torch ops): %s", exc)
         return None
     fn.argtypes = _ARGTYPES
     fn.restype = ctypes.c_int
-    logger.info("CPU attention kernel loaded from %s", path)
+    logger.info("CPU attention kernel loaded from %s", where)
     return fn
 
 

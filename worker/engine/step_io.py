@@ -24,9 +24,8 @@ from worker.scheduler.request import Req, ReqState
 
 def sample_row(req: Req, eos: frozenset[int]) -> SampleRow:
     p = req.params
-    banned: tuple[int, ...] = ()
-    if req.generated < p.min_tokens:
-        banned = tuple(sorted(eos | set(p.stop_token_ids)))
+    # The same set object every step (built once per request): the sampler keys its tensors on it.
+    banned = p.banned_until_min_tokens(eos) if req.generated < p.min_tokens else frozenset()
     history = p.penalized
     return SampleRow(
         params=p,

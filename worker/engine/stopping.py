@@ -1,5 +1,9 @@
 """When a request stops: max_tokens, EOS, stop token ids, stop strings (none of these three
-before `min_tokens`), a finished grammar."""
+before `min_tokens`), a finished grammar.
+
+Checked after every token on the step thread, so each check costs O(1) in the request's size:
+a set lookup for the ids, and one decode of a window as long as the longest stop string (whose
+length the ingress bounds, `RequestLimits.stop_chars`) for the strings."""
 
 from __future__ import annotations
 
@@ -23,7 +27,7 @@ class StopChecker:
         """Called after each new token of `req`."""
         p, last = req.params, req.output[-1]
         if len(req.output) >= p.min_tokens:
-            if last in p.stop_token_ids or (not p.ignore_eos and last in self.eos):
+            if last in p.stop_token_set or (not p.ignore_eos and last in self.eos):
                 return "stop"
             if p.stop and self._hits_stop_string(req):
                 return "stop"
@@ -39,11 +43,15 @@ class StopChecker:
             raise ValueError("stop strings need the model's tokenizer, which this engine lacks")
         # A token is at least one character, so the last len(stop)+1 tokens hold any match
         # that ends in the newest token.
-        span = max(len(s) for s in req.params.stop) + 1
-        tail = tok.decode(req.output[-span:], skip_special_tokens=False)
-        before = tok.decode(req.output[-span:-1], skip_special_tokens=False) if len(req.output) > 1 else ""
-        # Only matches that end in the new token count (earlier ones would have stopped before).
-        return any(s in tail and s not in before for s in req.params.stop)
+        stops, out = req.params.stop, req.output
+        tail = tok.decode(out[-(req.params.longest_stop + 1) :], skip_special_tokens=False)
+        found = [s for s in stops if s in tail]
+        if not found:
+            return False  # the common case: one decode
+        # Only matches that end in the new token count (earlier ones would have stopped before,
+        # or came before min_tokens).
+        before = tok.decode(out[-(req.params.longest_stop + 1) : -1], skip_special_tokens=False)
+        return any(s not in before for s in found)
 
     def check_stop_strings_supported(self) -> None:
         """Raise ValueError when stop strings cannot be checked (no tokenizer loads): refusing

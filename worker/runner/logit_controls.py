@@ -4,14 +4,70 @@ repetition penalties, and the grammar's token bitmask.
 
 Token histories arrive as Python lists (they live with each request); each control packs the
 rows that need it into one padded tensor and scatters, so a step costs a fixed number of tensor
-ops whatever the batch holds.
+ops whatever the batch holds. What does not change during a request (its logit bias, the tokens
+banned until min_tokens) is turned into tensors once (`RequestTensors`), so a step concatenates
+them instead of walking every entry in Python.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import weakref
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
 
 import torch
+
+from core.sampling_params import SamplingParams
+
+
+@dataclass
+class _Tensors:
+    vocab: int = 0
+    bias: tuple[torch.Tensor, torch.Tensor] | None = None  # CPU int64 token ids, float32 biases
+    banned_from: Collection[int] | None = None  # the set `banned` was built from
+    banned: torch.Tensor | None = None  # CPU int64 token ids
+
+
+class RequestTensors:
+    """Each request's logit-control tensors, built the first step that needs them and dropped
+    when its `SamplingParams` is collected (keyed by the object, which a request keeps)."""
+
+    def __init__(self) -> None:
+        self._by_params: dict[int, _Tensors] = {}
+
+    def _entry(self, params: SamplingParams, vocab: int) -> _Tensors:
+        key = id(params)
+        entry = self._by_params.get(key)
+        if entry is None or entry.vocab != vocab:
+            entry = self._by_params[key] = _Tensors(vocab)
+            # NOTE: runs as the params object dies, before its id can name another object.
+            weakref.finalize(params, self._by_params.pop, key, None)
+        return entry
+
+    def bias(self, params: SamplingParams, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The request's (token ids, biases); ids beyond the vocabulary are dropped."""
+        entry = self._entry(params, vocab)
+        if entry.bias is None:
+            pairs = [(t, float(b)) for t, b in params.logit_bias if 0 <= t < vocab]
+            tokens, biases = zip(*pairs) if pairs else ((), ())
+            entry.bias = (torch.tensor(tokens, dtype=torch.int64), torch.tensor(biases, dtype=torch.float32))
+        return entry.bias
+
+    def banned(self, params: SamplingParams, banned: Collection[int], vocab: int) -> torch.Tensor:
+        """`banned` (what the row may not pick) as token ids; rebuilt only when the row brings
+        another collection object (`SamplingParams.banned_until_min_tokens` keeps it the same)."""
+        entry = self._entry(params, vocab)
+        if entry.banned is None or entry.banned_from is not banned:
+            entry.banned_from = banned
+            entry.banned = torch.tensor(sorted(t for t in banned if 0 <= t < vocab), dtype=torch.int64)
+        return entry.banned
+
+
+def _scatter_index(rows: list[int], ids: list[torch.Tensor], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row, token) index pairs for each row's `ids`, on `device`."""
+    counts = torch.tensor([len(x) for x in ids])
+    row_index = torch.repeat_interleave(torch.tensor(rows, dtype=torch.int64), counts)
+    return row_index.to(device), torch.cat(ids).to(device)
 
 
 def _padded(lists: Sequence[Sequence[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -33,30 +89,19 @@ def _counts(lists: Sequence[Sequence[int]], vocab: int, device: torch.device) ->
     return torch.zeros(len(lists), vocab, device=device).scatter_add_(1, ids, valid)
 
 
-def apply_logit_bias(logits: torch.Tensor, rows: list[int], biases: list[Sequence[tuple[int, float]]]) -> None:
-    """Add each row's (token id, bias) pairs in place; ids beyond the vocabulary are ignored."""
-    vocab = logits.shape[-1]
-    r, t, b = [], [], []
-    for row, pairs in zip(rows, biases):
-        for token, bias in pairs:
-            if 0 <= token < vocab:
-                r.append(row)
-                t.append(token)
-                b.append(float(bias))
-    if r:
-        dev = logits.device
-        index = (torch.tensor(r, device=dev), torch.tensor(t, device=dev))
-        logits.index_put_(index, torch.tensor(b, device=dev), accumulate=True)
+def apply_logit_bias(logits: torch.Tensor, rows: list[int], biases: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Add each row's bias (`RequestTensors.bias`: token ids, biases) in place."""
+    if sum(len(ids) for ids, _ in biases):
+        index = _scatter_index(rows, [ids for ids, _ in biases], logits.device)
+        values = torch.cat([b for _, b in biases]).to(logits.device)
+        logits.index_put_(index, values, accumulate=True)
 
 
-def apply_banned(logits: torch.Tensor, rows: list[int], banned: list[Sequence[int]]) -> None:
-    """Tokens a row may not pick this step (min_tokens: EOS and stop ids) get -inf, in place."""
-    vocab = logits.shape[-1]
-    pairs = [(row, t) for row, ts in zip(rows, banned) for t in ts if 0 <= t < vocab]
-    if pairs:
-        r, t = zip(*pairs)
-        dev = logits.device
-        logits[torch.tensor(r, device=dev), torch.tensor(t, device=dev)] = float("-inf")
+def apply_banned(logits: torch.Tensor, rows: list[int], banned: list[torch.Tensor]) -> None:
+    """Tokens a row may not pick this step (`RequestTensors.banned`: min_tokens holds EOS and
+    the stop ids back) get -inf, in place."""
+    if sum(len(ids) for ids in banned):
+        logits[_scatter_index(rows, banned, logits.device)] = float("-inf")
 
 
 def apply_penalties(

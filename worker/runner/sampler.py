@@ -14,7 +14,7 @@ controls, temperature and filters), as vLLM reports them by default.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +22,7 @@ import torch
 from core.outputs import TokenLogprob
 from core.sampling_params import SamplingParams
 from worker.runner.logit_controls import (
+    RequestTensors,
     apply_banned,
     apply_bitmask,
     apply_logit_bias,
@@ -39,7 +40,7 @@ class SampleRow:
     step: int  # tokens generated so far: the draw's counter
     output_ids: Sequence[int] = ()  # for the penalties
     prompt_ids: Sequence[int] = ()  # for the repetition penalty
-    banned: Sequence[int] = ()  # may not be picked this step (min_tokens: EOS and stop ids)
+    banned: Collection[int] = ()  # may not be picked this step (min_tokens: EOS and stop ids)
     masked: bool = False  # its row of the step's grammar bitmask applies
 
 
@@ -80,8 +81,11 @@ def _min_p(logits: torch.Tensor, ms: list[float]) -> torch.Tensor:
     return logits.masked_fill(probs < floor, float("-inf"))
 
 
-def controlled(logits: torch.Tensor, rows: Sequence[SampleRow], bitmask: torch.Tensor | None) -> torch.Tensor:
-    """`logits` after every row's logit controls (a copy when any applies)."""
+def controlled(
+    logits: torch.Tensor, rows: Sequence[SampleRow], bitmask: torch.Tensor | None, tensors: RequestTensors
+) -> torch.Tensor:
+    """`logits` after every row's logit controls (a copy when any applies); `tensors` holds
+    what each request's controls need, built once per request."""
     biased = [i for i, r in enumerate(rows) if r.params.logit_bias]
     banned = [i for i, r in enumerate(rows) if r.banned]
     penal = [i for i, r in enumerate(rows) if r.params.penalized]
@@ -89,10 +93,11 @@ def controlled(logits: torch.Tensor, rows: Sequence[SampleRow], bitmask: torch.T
     if not (biased or banned or penal or masked):
         return logits
     out = logits.clone()
+    vocab = logits.shape[-1]
     if biased:
-        apply_logit_bias(out, biased, [rows[i].params.logit_bias for i in biased])
+        apply_logit_bias(out, biased, [tensors.bias(rows[i].params, vocab) for i in biased])
     if banned:
-        apply_banned(out, banned, [rows[i].banned for i in banned])
+        apply_banned(out, banned, [tensors.banned(rows[i].params, rows[i].banned, vocab) for i in banned])
     if penal:
         p = [rows[i].params for i in penal]
         apply_penalties(
@@ -107,7 +112,11 @@ def controlled(logits: torch.Tensor, rows: Sequence[SampleRow], bitmask: torch.T
 
 
 class Sampler:
-    """Stateless: per-request state (history, key, step) arrives in each `SampleRow`."""
+    """Per-request state (history, key, step) arrives in each `SampleRow`; the sampler keeps
+    only tensors derived from a request's parameters (`RequestTensors`)."""
+
+    def __init__(self) -> None:
+        self._tensors = RequestTensors()
 
     def sample(
         self, logits: torch.Tensor, rows: Sequence[SampleRow], bitmask: torch.Tensor | None = None
@@ -125,7 +134,7 @@ class Sampler:
         if logits.shape[0] != len(rows):
             raise ValueError(f"{logits.shape[0]} logits rows for {len(rows)} sampling rows")
         raw = logits.float()
-        work = controlled(raw, rows, bitmask)
+        work = controlled(raw, rows, bitmask, self._tensors)
         chosen = work.argmax(dim=-1)
         random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
         if random_rows:

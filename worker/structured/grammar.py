@@ -4,13 +4,13 @@
 to the model's vocabulary so masks cover every logit) and turns a `Grammar` into a
 `GrammarMatcher`: the per-request parser state the scheduler advances with each accepted token
 and the mask filler reads. Invalid grammars raise ValueError naming the parameter, when the
-request is validated, never inside a step. llguidance is imported on first use: engines that
-never see a grammar never load it.
+request is validated, never inside a step; so does one llguidance gives up on (`compile` walks
+its forced prefix). llguidance is imported on first use: engines that never see a grammar never
+load it.
 """
 
 from __future__ import annotations
 
-import json
 import re
 import threading
 from collections.abc import Callable
@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from core.sampling_params import Grammar
 
 if TYPE_CHECKING:
-    from llguidance import LLMatcher, LLTokenizer
+    from llguidance import LLMatcher, LLParserLimits, LLTokenizer
 
     from worker.models.model_dir import Tokenizer
 
@@ -27,6 +27,22 @@ if TYPE_CHECKING:
 # JSON as `json.dumps` writes it (no free whitespace: a model cannot pad forever); keywords the
 # compiler does not implement are ignored rather than refused (a schema's "x-guidance" overrides).
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": ", "lenient": True}
+
+# llguidance's resource limits, set here rather than inherited (its defaults in comments). Masks
+# are filled while the forward runs and the step waits for them, so the per-step budgets bound
+# what one request's grammar can add to every request's step; compile-time budgets bound the work
+# of validating a request (off the step thread). Speeds are llguidance's own figures.
+PARSER_LIMITS = {
+    "max_items_in_row": 2_000,  # (2,000) Earley items of one grammar row: ambiguity blow-up
+    "initial_lexer_fuel": 1_000_000,  # (1M) building the lexer at compile: ~20 ms at ~50k/ms
+    "step_lexer_fuel": 100_000,  # (200k) one mask's lexer work: ~7 ms at ~14k/ms
+    "step_max_items": 20_000,  # (50k) one mask's Earley items: ~1 ms at ~20k/ms
+    "max_lexer_states": 20_000,  # (250k) lexer states, built lazily, 1-2 kB each: <= ~40 MB
+    "max_grammar_size": 200_000,  # (500k) symbols after expansion; requests' grammars are <= 256 KiB
+    "precompute_large_lexemes": True,  # (True) big regexes run over the token trie at compile,
+    # off the step thread, so masks are cheaper in the steps
+    "verbose_errors": False,  # no parser state or grammar text in messages a client sees
+}
 
 
 class GrammarMatcher:
@@ -59,13 +75,14 @@ def grammar_source(g: Grammar) -> str:
     from llguidance import LLMatcher
 
     if g.kind == "json_schema":
-        try:
-            schema = json.loads(g.text)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"grammar json_schema is not valid JSON: {e}") from None
-        if not isinstance(schema, dict):
+        if not g.text.lstrip().startswith("{"):
             raise ValueError("grammar json_schema must be a JSON object")
-        return LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)  # type: ignore[arg-type]
+        # NOTE: the text goes to llguidance as is: its parser stops at 128 levels, where
+        # json.loads would recurse until RecursionError.
+        try:
+            return LLMatcher.grammar_from_json_schema(g.text, defaults=JSON_OPTIONS)  # type: ignore[arg-type]
+        except ValueError as e:
+            raise ValueError(f"grammar json_schema is invalid: {short_error(str(e))}") from None
     if g.kind == "regex":
         return LLMatcher.grammar_from_regex(g.text)
     if g.kind == "choice":
@@ -100,15 +117,35 @@ class GrammarCompiler:
             return self._tokenizer
 
     def compile(self, g: Grammar) -> GrammarMatcher:
-        """A fresh matcher for `g`. Raises ValueError (starting with "grammar") when invalid."""
-        from llguidance import LLMatcher, LLParserLimits
+        """A fresh matcher for `g`. Raises ValueError (starting with "grammar") when invalid, or
+        when llguidance gives up on it within `PARSER_LIMITS`."""
+        from llguidance import LLMatcher
 
         tokenizer = self._ll_tokenizer()
         source = grammar_source(g)
-        is_error, messages = LLMatcher.validate_grammar_with_warnings(source, tokenizer)
+        is_error, messages = LLMatcher.validate_grammar_with_warnings(source, tokenizer, limits=_limits())
         if is_error:
-            raise ValueError(f"grammar ({g.kind}) is invalid: {messages[0].strip()}")
-        matcher = LLMatcher(tokenizer, source, log_level=0, limits=LLParserLimits(verbose_errors=False))
-        if matcher.is_error():
-            raise ValueError(f"grammar ({g.kind}) is invalid: {short_error(matcher.get_error())}")
+            raise ValueError(f"grammar ({g.kind}) is invalid: {short_error(messages[0])}")
+        matcher = LLMatcher(tokenizer, source, log_level=0, limits=_limits())
+        error = matcher.get_error() if matcher.is_error() else _forced_prefix_error(matcher)
+        if error:
+            raise ValueError(f"grammar ({g.kind}) is invalid: {short_error(error)}")
         return GrammarMatcher(matcher)
+
+
+def _limits() -> LLParserLimits:
+    from llguidance import LLParserLimits
+
+    return LLParserLimits(**PARSER_LIMITS)  # type: ignore[arg-type]
+
+
+def _forced_prefix_error(matcher: LLMatcher) -> str:
+    """llguidance's error on consuming, on a copy, the tokens every output must start with ("":
+    none). A grammar whose forced prefix never ends (a required property whose schema is its
+    own, `{"x": {"x": ...`) exhausts llguidance's budget here, refused with the request, not in
+    its first steps after it was accepted."""
+    probe = matcher.deep_copy()
+    forced = probe.compute_ff_tokens()
+    if forced and not probe.is_error():
+        probe.consume_tokens(forced)
+    return probe.get_error() if probe.is_error() else ""

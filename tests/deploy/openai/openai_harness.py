@@ -9,6 +9,7 @@ from typing import Any
 import httpx
 
 from deploy.openai.ingress import IngressOptions, create_app
+from deploy.openai.limits import RequestLimits
 from deploy.openai.service import OpenAIService, ServiceOptions
 from deploy.replica.deployment import WorkerDeployment
 from tests.fakes.fake_engine import FakeEngine
@@ -43,6 +44,7 @@ def make_harness(
     script: list[int] | None = None,
     chat_format: Any = None,
     max_model_len: int = MAX_MODEL_LEN,
+    limits: RequestLimits | None = None,
 ) -> Harness:
     engines: list[FakeEngine] = []
 
@@ -52,7 +54,7 @@ def make_harness(
 
     cfg = EngineConfig(page_size=4, max_model_len=max_model_len)
     deployments = [WorkerDeployment(cfg, engine_factory=factory, replica_id=f"w{i}") for i in range(workers)]
-    options = ServiceOptions(model_name=MODEL, max_inflight=max_inflight)
+    options = ServiceOptions(model_name=MODEL, max_inflight=max_inflight, limits=limits or RequestLimits())
     service = OpenAIService(tokenizer, InProcessWorkerClient(deployments), options, chat_format=chat_format)
     app = create_app(service, IngressOptions(service=options, api_key=api_key, max_request_bytes=max_request_bytes))
     return Harness(app, service, deployments, engines, tokenizer)

@@ -1,4 +1,5 @@
-"""Incremental detokenization and stop strings at the ingress."""
+"""Incremental detokenization and stop strings at the ingress: equal to a full decode on text,
+linear in the tokens whatever they are."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from deploy.openai.detokenize import IncrementalDetokenizer, StopTextStream
+from deploy.openai.detokenize import CONTEXT, MAX_HELD, IncrementalDetokenizer, StopTextStream
 from tests.fakes.tokenizer import make_tokenizer_dir
 
 TEXT = "Héllo wörld — 😀 sliding windows ✓ done."
@@ -66,3 +67,57 @@ def test_stop_strings_count_after_min_tokens_and_can_be_kept(tokenizer: Any, ste
     assert run() == "ab"
     assert run(min_tokens=first_dot + 1) == "ab. cd"
     assert run(min_tokens=first_dot + 1, include_stop=True) == "ab. cd."
+
+
+MIXED = "Naïve café — 中文字符测试, 😀😀 emoji; ✓✓ done. Ünïcödé " * 6
+
+
+@pytest.mark.parametrize("sizes", [[1], [7, 1, 1, 2], [40, 1], [1, 3, 25]])
+def test_pushes_of_any_size_equal_the_full_decode(tokenizer: Any, sizes: list[int]) -> None:
+    """Multi-byte text pushed in chunks of varying size (bigger than the kept context too)
+    comes out exactly as a full decode, no replacement character ever emitted."""
+    ids = tokenizer(MIXED)["input_ids"]
+    detok, pieces, i, k = IncrementalDetokenizer(tokenizer, [5, 6]), [], 0, 0
+    while i < len(ids):
+        n = sizes[k % len(sizes)]
+        pieces.append(detok.push(ids[i : i + n], final=i + n >= len(ids)))
+        i, k = i + n, k + 1
+    assert "".join(pieces) == tokenizer.decode(ids)
+    assert not any("\ufffd" in p for p in pieces)
+
+
+class CountingTokenizer:
+    """A tokenizer that counts its decode calls and the tokens they decode."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer, self.calls, self.tokens = tokenizer, 0, 0
+
+    def decode(self, ids: list[int], **kw: Any) -> str:
+        self.calls += 1
+        self.tokens += len(ids)
+        return str(self.tokenizer.decode(ids, **kw))
+
+
+def test_a_run_of_byte_tokens_costs_linear_work(tokenizer: Any) -> None:
+    """2,000 tokens that never complete a character (a UTF-8 continuation byte, as a logit_bias
+    can force) cost O(n): about two decodes per push, of a bounded window each; their text comes
+    out as it goes (replacement characters), at least every MAX_HELD tokens."""
+    continuation = tokenizer("é")["input_ids"][-1]
+    counting, n = CountingTokenizer(tokenizer), 2000
+    detok = IncrementalDetokenizer(counting, [5, 6, 7])
+    pieces = [detok.push([continuation]) for _ in range(n)]
+    assert counting.calls <= 3 * n
+    assert counting.tokens <= 2 * (CONTEXT + MAX_HELD) * n
+    assert sum(1 for p in pieces if p) >= n // MAX_HELD and set("".join(pieces)) == {"\ufffd"}
+
+
+def test_stop_search_keeps_only_the_held_back_tail(tokenizer: Any) -> None:
+    """A long output with stop strings that never appear: the text matches a full decode, and
+    the stream keeps (and searches) only the held-back tail plus the newest text."""
+    ids = tokenizer(MIXED * 4)["input_ids"]
+    stream = StopTextStream(tokenizer, ["<never>", "zz top"])
+    out = ""
+    for i, t in enumerate(ids):
+        out += stream.feed([t], final=i == len(ids) - 1).text
+        assert len(stream._buf) <= 2 * len("<never>") + 8
+    assert out == stream.text == tokenizer.decode(ids) and not stream.stopped

@@ -51,3 +51,13 @@ def test_forced_named_and_required() -> None:
     assert named == [("f", '{"x": 1}')]
     _, required = _feed(ForcedParser(None), '[{"name": "g", "parameters": {"y": 2}}]', 4)
     assert required == [("g", json.dumps({"y": 2}))]
+
+
+def test_model_output_nested_too_deep_is_content_not_a_crash() -> None:
+    """A tool call (or a forced call list) nested 5,000 deep in the model's output is not parsed
+    with a recursion that blows the stack: it stays content."""
+    deep = "[" * 5000 + "]" * 5000
+    content, calls = _feed(TaggedCallParser("<tool_call>", "</tool_call>"), f"<tool_call>{deep}</tool_call>", 1000)
+    assert calls == [] and content == f"<tool_call>{deep}</tool_call>"
+    content, calls = _feed(ForcedParser(None), deep, 1000)
+    assert calls == [] and content == deep

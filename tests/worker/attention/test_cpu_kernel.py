@@ -1,9 +1,13 @@
 """The CPU attention kernel: equal to the groups path on random batches, built once per machine
-into its cache, and never required (no compiler, a failed build, the off switch)."""
+into its private cache (a planted kernel is never loaded), and never required (no compiler, a
+failed build, the off switch)."""
 
 from __future__ import annotations
 
 import logging
+import os
+import stat
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -147,17 +151,87 @@ def test_built_once_into_the_cache(fresh_load: Path, monkeypatch: pytest.MonkeyP
 
 
 @needs_kernel
-def test_unwritable_cache_builds_into_the_temp_dir(fresh_load, tmp_path, monkeypatch) -> None:
+def test_unwritable_cache_builds_into_a_private_temp_dir(fresh_load, tmp_path, monkeypatch, caplog) -> None:
+    """A cache that cannot be made: the kernel is built in a fresh private temporary directory,
+    loaded, and the directory removed (no shared fixed path under the temp dir)."""
     blocker = tmp_path / "file"
     blocker.write_text("")  # the cache "directory" lies under a file: it cannot be made
     monkeypatch.setenv("SWASERVE_KERNEL_CACHE", str(blocker / "cache"))
-    monkeypatch.setattr(cpu_kernel.tempfile, "tempdir", str(tmp_path / "tmp"))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
     (tmp_path / "tmp").mkdir()
+    with caplog.at_level(logging.INFO, logger=cpu_kernel.__name__):
+        assert TorchBackend(_pool()).kernel is not None  # type: ignore[arg-type]
+    assert "private temporary directory" in caplog.text
+    assert list((tmp_path / "tmp").iterdir()) == []
+
+
+@needs_kernel
+def test_the_cache_directory_is_created_private(fresh_load: Path) -> None:
+    """A new cache directory is 0700 whatever the umask allows."""
     cc = cpu_kernel._compiler()
     assert cc is not None
-    built = cpu_kernel._build(cc)
-    assert built.parent == tmp_path / "tmp" / "swaserve-kernels" and built.exists()
-    assert TorchBackend(_pool()).kernel is not None  # type: ignore[arg-type]
+    cpu_kernel._build(cc)
+    assert stat.S_IMODE(os.lstat(fresh_load).st_mode) == 0o700
+
+
+def _plant(directory: Path) -> Path:
+    """Garbage under the kernel's exact name: loading it would fail (and run it, were it real)."""
+    cc = cpu_kernel._compiler()
+    assert cc is not None
+    planted = directory / cpu_kernel.kernel_name(cc)
+    planted.write_bytes(b"not a shared object")
+    return planted
+
+
+def _other_owner(monkeypatch: pytest.MonkeyPatch, path: Path) -> None:
+    """`path` appears owned by another user (chown needs root; lstat is what the cache reads)."""
+    real = os.lstat
+
+    def lstat(p: object, *args: object, **kw: object) -> os.stat_result:
+        st = real(p, *args, **kw)  # type: ignore[arg-type]
+        if Path(str(p)) != path:
+            return st
+        fields = list(st[:10])
+        fields[4] = os.geteuid() + 1
+        return os.stat_result(fields)
+
+    monkeypatch.setattr(os, "lstat", lstat)
+
+
+@needs_kernel
+@pytest.mark.parametrize("how", ["group/other writable", "a symlink", "another owner"])
+def test_a_planted_kernel_in_an_untrusted_cache_is_never_loaded(
+    fresh_load: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, how: str
+) -> None:
+    """A cache directory others could write to, a symlink or another user's is refused with a
+    log line; its planted kernel is left alone and a privately built one is loaded instead."""
+    real_dir = tmp_path / "elsewhere" if how == "a symlink" else fresh_load
+    real_dir.mkdir(mode=0o700)
+    planted = _plant(real_dir)
+    if how == "group/other writable":
+        os.chmod(fresh_load, 0o777)
+    elif how == "a symlink":
+        fresh_load.symlink_to(real_dir)
+    else:
+        _other_owner(monkeypatch, fresh_load)
+    with caplog.at_level(logging.WARNING, logger=cpu_kernel.__name__):
+        assert TorchBackend(_pool()).kernel is not None  # type: ignore[arg-type]
+    assert "refusing it" in caplog.text
+    assert planted.read_bytes() == b"not a shared object"
+
+
+@needs_kernel
+def test_a_kernel_others_may_write_is_rebuilt(fresh_load: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """In a private cache, a kernel file with group/other write (or a symlink) is not trusted:
+    it is built again in its place."""
+    fresh_load.mkdir(mode=0o700)
+    planted = _plant(fresh_load)
+    os.chmod(planted, 0o666)
+    with caplog.at_level(logging.WARNING, logger=cpu_kernel.__name__):
+        assert TorchBackend(_pool()).kernel is not None  # type: ignore[arg-type]
+    assert "others may write" in caplog.text
+    assert planted.read_bytes() != b"not a shared object"
+    assert not stat.S_IMODE(os.lstat(planted).st_mode) & 0o022
 
 
 def _pool() -> FakePool:

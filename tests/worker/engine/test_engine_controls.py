@@ -1,6 +1,6 @@
 """Logit controls through the engine on the built-in tiny model: penalties change greedy
-output the way they should, min_tokens holds EOS back, logit_bias steers, and a seeded request
-samples the same tokens alone and in a mixed batch."""
+output the way they should, min_tokens holds EOS back, logit_bias steers, a seeded request
+samples the same tokens alone and in a mixed batch, and a stop string costs one decode a token."""
 
 from __future__ import annotations
 
@@ -48,3 +48,20 @@ def test_seeded_request_alone_and_in_a_batch(engine: Engine) -> None:
     others = [SamplingParams(max_tokens=12, temperature=1.0), SamplingParams(max_tokens=5, temperature=0.0)]
     mixed = engine.generate([PROMPT[:3], PROMPT, PROMPT[2:]], [others[0], seeded, others[1]])[1].token_ids
     assert alone == mixed
+
+
+def test_a_stop_string_that_never_appears_costs_one_decode_per_token(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each new token's stop-string check decodes one window as long as the longest stop
+    string (+1 token); the window without the new token is decoded only when a stop string is
+    in the window."""
+    tok = engine.stopper._get_tokenizer()
+    assert tok is not None
+    windows: list[int] = []
+    real = tok.decode
+    monkeypatch.setattr(tok, "decode", lambda ids, **kw: windows.append(len(ids)) or real(ids, **kw))
+    stop = "\x00never"
+    out = _tokens(engine, max_tokens=20, stop=[stop])
+    assert len(out) == 20
+    assert len(windows) == 20 and max(windows) == len(stop) + 1

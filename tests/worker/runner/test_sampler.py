@@ -159,6 +159,38 @@ def test_logit_bias_and_banned_tokens() -> None:
     assert Sampler().sample(LOGITS[None], banned).token_ids == [1]
 
 
+def test_a_request_s_bias_and_bans_become_tensors_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """1,000 logit_bias entries and 500 banned ids become tensors on a request's first step;
+    later steps hand torch a few numbers (rows, counts), not every entry again, and sample the
+    same as a fresh sampler."""
+    params = SamplingParams(temperature=0.0, logit_bias=[(t, 1.0 + t / 1000) for t in range(1000)])
+    rows = [SampleRow(params, 0, 0, banned=frozenset(range(1000, 1500)))]
+    logits = torch.randn(1, 2000, generator=torch.Generator().manual_seed(0))
+    want = Sampler().sample(logits, rows).token_ids
+    sampler, handed = Sampler(), []
+    real = torch.tensor
+
+    def spy(data: object, *args: object, **kw: object) -> torch.Tensor:
+        handed.append(len(data) if isinstance(data, (list, tuple)) else 1)
+        return real(data, *args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(torch, "tensor", spy)
+    per_step = []
+    for _ in range(3):
+        handed.clear()
+        assert sampler.sample(logits, rows).token_ids == want
+        per_step.append(sum(handed))
+    assert per_step[0] >= 1500 and max(per_step[1:]) <= 8, per_step
+
+
+def test_banned_until_min_tokens_is_one_set_per_request() -> None:
+    """EOS plus the stop ids, built once: every step gets the same set object."""
+    params, eos = SamplingParams(stop_token_ids=[9, 4, 9]), frozenset({2})
+    first = params.banned_until_min_tokens(eos)
+    assert first == {2, 4, 9} and params.banned_until_min_tokens(eos) is first
+    assert params.stop_token_set == {4, 9} and SamplingParams(stop=["ab", "abcd"]).longest_stop == 4
+
+
 def test_penalties_push_away_seen_tokens() -> None:
     """Frequency/presence penalties lower generated tokens; repetition also covers the prompt."""
     logits = torch.tensor([[2.0, 1.9, 1.0, -1.0]])

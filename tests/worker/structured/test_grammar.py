@@ -85,3 +85,35 @@ def test_a_matcher_out_of_step_with_the_output_denies_its_row(engine: Engine) ->
     bitmask = future.result()
     filler.close()
     assert int(bitmask[0].count_nonzero()) > 0 and int(bitmask[2].count_nonzero()) == 0
+
+
+SELF_REFERENCE = {"$defs": {"a": {"type": "object", "properties": {"x": {"$ref": "#/$defs/a"}}, "required": ["x"]}},
+                  "$ref": "#/$defs/a"}  # fmt: skip
+
+
+def test_a_grammar_llguidance_gives_up_on_is_refused_up_front(engine: Engine) -> None:
+    """A schema whose every output must open itself forever ({"x": {"x": ...) exhausts
+    llguidance's budget while its forced prefix is walked at add time: a ValueError naming the
+    grammar, not a request failing in its first steps."""
+    with pytest.raises(ValueError, match=r"^grammar \(json_schema\) is invalid: .*Too many items"):
+        engine.add_request([5, 6, 7], SamplingParams(grammar=Grammar("json_schema", json.dumps(SELF_REFERENCE))))
+    assert not engine.has_work()
+
+
+def test_a_deeply_nested_schema_is_refused_not_a_recursion_error(engine: Engine) -> None:
+    """A schema text nested 5,000 deep is a ValueError naming the grammar (json.loads would
+    recurse until RecursionError)."""
+    deep = '{"type": "array", "items": ' * 5000 + "{}" + "}" * 5000
+    with pytest.raises(ValueError, match=r"^grammar json_schema is invalid"):
+        engine.add_request([5, 6, 7], SamplingParams(grammar=Grammar("json_schema", deep)))
+    assert not engine.has_work()
+
+
+def test_parser_limits_are_set_explicitly() -> None:
+    """Every llguidance limit is chosen here, not inherited from its defaults."""
+    from llguidance import LLParserLimits
+
+    from worker.structured.grammar import PARSER_LIMITS
+
+    fields = {name for name in dir(LLParserLimits) if not name.startswith("_")}
+    assert fields == set(PARSER_LIMITS)
