@@ -8,7 +8,7 @@ Who sends what:
 | `CacheSnapshot`, `WorkerMeta`, `WorkerResync` | worker replica → index actor | a resync after a gap or restart |
 | `WorkerRemoved` | router / replica → index actor | a replica left |
 | `PushAck`, `Delta` | index actor → worker / router | push answer; a router's pull |
-| routing stats (`make_routing_stats`, `WorkerLoad`) | worker replica → Serve → routers | load and both pools' headroom |
+| routing stats (`routing_stats` of an engine sample, `make_routing_stats`, `WorkerLoad`) | worker replica → Serve → routers | load and both pools' headroom |
 | `RoutedRequest` | ingress → router → worker replica | the prompt, its sampling params, replicas to avoid |
 | `StreamStart`, `WorkerInfo` | worker replica → ingress | who serves, or why refused; model facts |
 
@@ -25,6 +25,7 @@ from typing import Any, Literal
 
 from core.events import CacheEvent, PageState
 from core.geometry import Geometry
+from core.outputs import EngineStats, PoolStats
 from core.sampling_params import SamplingParams
 
 # ---- cache events between worker, index actor and routers ----------------------------------
@@ -248,6 +249,26 @@ def make_routing_stats(
         STAT_SWA_EVICTABLE_TOKENS: swa.evictable,
         STAT_SWA_TOTAL_TOKENS: swa.total,
     }
+
+
+def routing_stats(stats: EngineStats, worker_id: str, timestamp_s: float) -> StatsDict:
+    """The routing stats of one engine sample: the one place that maps an engine's stats to
+    them. Both the deployed worker (`WorkerDeployment.record_routing_stats`) and the routing
+    simulator (`bench.routing.sim`) call it, so the benchmark measures the load signal the
+    deployed router sees."""
+    return make_routing_stats(
+        worker_id=worker_id,
+        timestamp_s=timestamp_s,
+        queue_len=stats.waiting,
+        queued_prefill_tokens=stats.queued_prefill_tokens,
+        running_decodes=stats.running_decodes,
+        full=_headroom(stats.full),
+        swa=_headroom(stats.swa),
+    )
+
+
+def _headroom(pool: PoolStats) -> PoolHeadroom:
+    return PoolHeadroom(pool.free, pool.evictable, pool.total)
 
 
 def _non_negative_int(key: str, value: Any) -> int:

@@ -55,7 +55,7 @@ _TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.
 def flatten_stats(stats: EngineStats) -> dict[str, float]:
     """EngineStats -> flat numbers (`full_free_tokens`, `swa_evictable_tokens`, `waiting`, …).
 
-    The pool keys match `cluster.load`'s routing-stats keys where they overlap."""
+    The pool keys match `cluster.messages`' routing-stats keys where they overlap."""
     out: dict[str, float] = {}
     for pool in POOLS:
         p = getattr(stats, pool)

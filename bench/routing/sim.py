@@ -10,7 +10,7 @@ One discrete-event loop drives everything, the way the deployed system is wired:
                 finished requests are recorded, `complete(rid)` tells the router, a closed-loop
                 workload sends its follow-up; the next step starts if the engine has work
     stats tick: every `stats_period_s` each worker's routing stats are sampled (Serve polls
-                `record_routing_stats` on that period) with `cluster.load.routing_stats`,
+                `record_routing_stats` on that period) with `cluster.messages.routing_stats`,
                 the function the deployed worker's `record_routing_stats` calls
 
 NOTE: `engine.step()` runs at the start of its virtual step, so the engine's own state is one
@@ -29,8 +29,14 @@ from dataclasses import dataclass, field
 from bench.routing.workloads import SimRequest, Workload
 from bench.sim_runner import SimRunner, StepCost, build_sim_engine
 from cluster.index import ApplyOutcome, ClusterIndex
-from cluster.load import routing_stats
-from cluster.messages import CacheSnapshot, EventBatch, WorkerLoad, WorkerMeta, WorkerResync
+from cluster.messages import (
+    CacheSnapshot,
+    EventBatch,
+    WorkerLoad,
+    WorkerMeta,
+    WorkerResync,
+    routing_stats,
+)
 from core.events import EventKind
 from core.geometry import Geometry
 from core.outputs import StreamDelta

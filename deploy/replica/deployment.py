@@ -25,13 +25,13 @@ from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from cluster.load import routing_stats
 from cluster.messages import (
     RoutedRequest,
     StatsDict,
     StreamStart,
     WorkerInfo,
     WorkerUnavailableError,
+    routing_stats,
 )
 from core.outputs import StreamDelta
 from core.sampling_params import SamplingParams
@@ -255,7 +255,7 @@ class WorkerDeployment:
         )
 
     async def record_routing_stats(self) -> StatsDict:
-        """`cluster.load`'s routing stats (the router's contract) plus every engine number for
+        """`cluster.messages.routing_stats` (the router's contract) plus every engine number for
         `/metrics`; all values are flat numbers except `worker_id`. Serve calls this on RUNNING
         replicas only, so it also (re)registers the replica with the index actor's stats board."""
         if self._events is not None:

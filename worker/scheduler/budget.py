@@ -1,4 +1,5 @@
-"""Admission math for hybrid SWA (docs/design.md §11.3), as pure functions.
+"""Admission math for hybrid SWA (docs/design.md §11.3), as pure functions, and the stall guard
+(the request refused when two steps in a row schedule nothing).
 
 The scheduler keeps the running budgets (`rem_total` over the full pool, `rem_swa` over the SWA
 pool, both = available + evictable - what admitted requests will still take) and asks these
@@ -15,6 +16,7 @@ SWA charges take the worker's `Geometry`, whose window must be set (an SWA pool 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from core.geometry import Geometry, ceil_page
@@ -124,3 +126,34 @@ def swa_budget(
     headroom = limits.swa_eviction_interval + limits.geometry.page_size
     pending = sum(headroom for r in running if r.generated)
     return allocator.swa_available_size() + cache.swa_evictable - pending
+
+# ---- the stall guard ------------------------------------------------------------------------
+# Scheduling is deterministic and only a forward or an abort frees memory, so two steps in a row
+# that schedule nothing while requests exist will repeat forever. The newest request is refused
+# with a clear error instead of hanging (e.g. an SWA pool barely above W + P whose window locks
+# leave a lone request no room).
+
+
+class StallGuard:
+    def __init__(self) -> None:
+        self._idle_steps = 0  # consecutive steps that scheduled nothing while requests existed
+
+    def victim(self, progressed: bool, running: Sequence[Req], waiting: Sequence[Req]) -> Req | None:
+        """The request to refuse after this step, if scheduling is stuck."""
+        if progressed or not (running or waiting):
+            self._idle_steps = 0
+            return None
+        self._idle_steps += 1
+        if self._idle_steps < 2:
+            return None
+        self._idle_steps = 0
+        return running[-1] if running else waiting[0]
+
+
+def stall_error(a: HybridAllocator, limits: SchedulerLimits) -> str:
+    g = limits.geometry
+    return (
+        f"the KV pools cannot hold this request's next step (full pool {a.full_size} tokens, "
+        f"SWA pool {a.swa_size} tokens, window {g.window}, page {g.page_size}); raise "
+        "swa_full_tokens_ratio or the KV budget, or lower chunked_prefill_size"
+    )

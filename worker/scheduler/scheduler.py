@@ -29,12 +29,14 @@ from worker.cache.base import MatchResult, PrefixCache
 from worker.cache.req_kv import ReqKV
 from worker.kv.hybrid_allocator import HybridAllocator
 from worker.scheduler.budget import (
+    StallGuard,
     continuing_chunk_len,
     first_chunk_len,
     full_admits,
     full_budget,
     future_tokens,
     repair_swa_charge,
+    stall_error,
     swa_budget,
 )
 from worker.scheduler.kv_state import (
@@ -46,7 +48,6 @@ from worker.scheduler.kv_state import (
 )
 from worker.scheduler.plan import SchedulerCounters, SchedulerLimits, StepWork
 from worker.scheduler.request import Req, ReqState
-from worker.scheduler.stall import StallGuard, stall_error
 
 # Decode tokens a running request is assumed to still need, at most (SGLang clips the same way):
 # beyond this, retraction handles the rare request that really runs that long.
@@ -153,7 +154,7 @@ class Scheduler:
 
     def refuse_if_stalled(self, progressed: bool) -> Req | None:
         """Finish the newest request, with a clear error, when scheduling is stuck
-        (`worker.scheduler.stall`). Returns the request refused."""
+        (`worker.scheduler.budget`). Returns the request refused."""
         victim = self._stall.victim(progressed, self.running, self.waiting)
         if victim is not None:
             self.finish(victim, "abort", error=stall_error(self.allocator, self.limits))

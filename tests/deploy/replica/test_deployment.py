@@ -40,7 +40,7 @@ def test_worker_refuses_invalid_and_draining() -> None:
 
 
 def test_worker_stream_and_routing_stats() -> None:
-    """A stream is StreamStart then deltas summing to max_tokens; routing stats follow cluster.load."""
+    """A stream is StreamStart then deltas summing to max_tokens; routing stats follow cluster.messages.routing_stats."""
     from cluster.messages import WorkerLoad
 
     w, engine = _worker()
