@@ -1,16 +1,33 @@
 """Cache events out of the tree (docs/design.md §4.3): a buffer the engine drains.
 
 Events name pages by chained page hash (`core.events.page_hashes`); each node keeps its
-pages' hashes, so the tree emits an event per node state change:
+pages' hashes, so the tree emits an event per node state change. A page's state says where each
+of its components lives: its FULL KV on the device or on the host tier, its SWA KV on the
+device, on the host tier, or nowhere (a tombstone):
 
-| tree change                              | event              | page state after |
-|------------------------------------------|--------------------|------------------|
-| live node created                        | STORED             | LIVE             |
-| node created without SWA (tombstone)     | STORED_FULL_ONLY   | TOMBSTONE        |
-| node deleted (full eviction)             | REMOVED            | absent           |
-| node tombstoned (SWA eviction / release) | SWA_REMOVED        | TOMBSTONE        |
-| tombstone revived by an insert           | SWA_RESTORED       | LIVE             |
-| cache emptied                            | CLEARED            | all absent       |
+| state            | full KV | SWA KV |
+|------------------|---------|--------|
+| LIVE             | device  | device |
+| TOMBSTONE        | device  | freed  |
+| SWA_HOST         | device  | host   |
+| HOST             | host    | host   |
+| HOST_TOMBSTONE   | host    | freed  |
+
+| tree change                                   | event             | state before → after             |
+|-----------------------------------------------|-------------------|----------------------------------|
+| live node created                             | STORED            | absent → LIVE                    |
+| node created without SWA (tombstone)          | STORED_FULL_ONLY  | absent → TOMBSTONE               |
+| node deleted (its full KV dropped, any tier)  | REMOVED           | any → absent                     |
+| SWA KV freed (device eviction without a host  | SWA_REMOVED       | LIVE, SWA_HOST → TOMBSTONE;      |
+| tier, or dropped from the host tier)          |                   | HOST → HOST_TOMBSTONE            |
+| tombstone revived (insert, repair)            | SWA_RESTORED      | TOMBSTONE → LIVE                 |
+| SWA KV moved to the host tier                 | SWA_OFFLOADED     | LIVE → SWA_HOST                  |
+| SWA KV loaded back                            | SWA_LOADED        | SWA_HOST → LIVE                  |
+| full KV moved to the host tier (device SWA    | OFFLOADED         | LIVE, SWA_HOST → HOST;           |
+| moves with it)                                |                   | TOMBSTONE → HOST_TOMBSTONE       |
+| full KV loaded back (SWA stays where it is)   | LOADED            | HOST → SWA_HOST;                 |
+|                                               |                   | HOST_TOMBSTONE → TOMBSTONE       |
+| cache emptied                                 | CLEARED           | all absent                       |
 
 Splits emit nothing (the pages do not change). The engine stamps sequence numbers per drain.
 """
@@ -45,11 +62,15 @@ def page_hashes(tokens: Sequence[int], page_size: int, parent: int = ROOT_HASH) 
 
 
 class EventKind(str, enum.Enum):
-    STORED = "stored"  # full and SWA KV now present for these pages
-    REMOVED = "removed"  # full eviction: the pages are gone
-    SWA_REMOVED = "swa_removed"  # became tombstones: full KV kept, SWA KV freed
+    STORED = "stored"  # full and SWA KV now present (on the device) for these pages
+    REMOVED = "removed"  # the pages are gone (full KV dropped from whichever tier held it)
+    SWA_REMOVED = "swa_removed"  # SWA KV freed (from either tier): full KV kept
     SWA_RESTORED = "swa_restored"  # tombstones revived with fresh SWA KV
     STORED_FULL_ONLY = "stored_full_only"  # stored as tombstones (SWA already out of window)
+    SWA_OFFLOADED = "swa_offloaded"  # SWA KV moved from the device to the host tier
+    SWA_LOADED = "swa_loaded"  # SWA KV moved from the host tier back to the device
+    OFFLOADED = "offloaded"  # full KV (and device SWA KV) moved to the host tier
+    LOADED = "loaded"  # full KV moved back to the device (SWA KV stays where it is)
     CLEARED = "cleared"  # the whole cache was emptied
 
 
@@ -60,17 +81,57 @@ class CacheEvent:
 
 
 class PageState(str, enum.Enum):
-    LIVE = "live"  # full + SWA KV present
-    TOMBSTONE = "tombstone"  # full KV present, SWA KV freed
+    LIVE = "live"  # full + SWA KV on the device
+    TOMBSTONE = "tombstone"  # full KV on the device, SWA KV freed
+    SWA_HOST = "swa_host"  # full KV on the device, SWA KV on the host tier
+    HOST = "host"  # full + SWA KV on the host tier
+    HOST_TOMBSTONE = "host_tombstone"  # full KV on the host tier, SWA KV freed
+
+    @property
+    def has_swa(self) -> bool:
+        """SWA KV exists on some tier: the window rule counts the page as live."""
+        return self not in (PageState.TOMBSTONE, PageState.HOST_TOMBSTONE)
+
+    @property
+    def full_on_host(self) -> bool:
+        return self in (PageState.HOST, PageState.HOST_TOMBSTONE)
+
+    @property
+    def swa_on_host(self) -> bool:
+        return self in (PageState.SWA_HOST, PageState.HOST)
 
 
-_STATE_AFTER: dict[EventKind, PageState | None] = {
-    EventKind.STORED: PageState.LIVE,
-    EventKind.STORED_FULL_ONLY: PageState.TOMBSTONE,
-    EventKind.SWA_RESTORED: PageState.LIVE,
-    EventKind.SWA_REMOVED: PageState.TOMBSTONE,
-    EventKind.REMOVED: None,
+_L, _T, _SH, _H, _HT = (PageState.LIVE, PageState.TOMBSTONE, PageState.SWA_HOST, PageState.HOST,
+                        PageState.HOST_TOMBSTONE)  # fmt: skip
+# (event, state before) -> state after; None: the page is gone. A pair missing here is an event
+# that contradicts the state: such a stream cannot come from one tree.
+_AFTER: dict[tuple[EventKind, PageState | None], PageState | None] = {
+    (EventKind.STORED, None): _L,
+    (EventKind.STORED_FULL_ONLY, None): _T,
+    **{(EventKind.REMOVED, s): None for s in PageState},
+    (EventKind.SWA_REMOVED, _L): _T,
+    (EventKind.SWA_REMOVED, _SH): _T,
+    (EventKind.SWA_REMOVED, _H): _HT,
+    (EventKind.SWA_RESTORED, _T): _L,
+    (EventKind.SWA_OFFLOADED, _L): _SH,
+    (EventKind.SWA_LOADED, _SH): _L,
+    (EventKind.OFFLOADED, _L): _H,
+    (EventKind.OFFLOADED, _SH): _H,
+    (EventKind.OFFLOADED, _T): _HT,
+    (EventKind.LOADED, _H): _SH,
+    (EventKind.LOADED, _HT): _T,
 }
+
+
+def state_after(kind: EventKind, before: PageState | None, page_hash: int) -> PageState | None:
+    """The page's state after `kind` (None: gone). Raises ValueError on a transition no tree
+    makes (the consumer must resync)."""
+    key = (kind, before)
+    if key not in _AFTER:
+        raise ValueError(
+            f"event {kind.value} for page {page_hash:#x} in state {before}: stream out of sync"
+        )
+    return _AFTER[key]
 
 
 class EventLog:
@@ -105,25 +166,10 @@ def replay(
         if ev.kind is EventKind.CLEARED:
             pages.clear()
             continue
-        after = _STATE_AFTER[ev.kind]
         for h in ev.page_hashes:
-            _check_transition(ev.kind, pages.get(h), h)
+            after = state_after(ev.kind, pages.get(h), h)
             if after is None:
                 del pages[h]
             else:
                 pages[h] = after
     return pages
-
-
-def _check_transition(kind: EventKind, before: PageState | None, h: int) -> None:
-    ok = {
-        EventKind.STORED: before is None,
-        EventKind.STORED_FULL_ONLY: before is None,
-        EventKind.REMOVED: before is not None,
-        EventKind.SWA_REMOVED: before is PageState.LIVE,
-        EventKind.SWA_RESTORED: before is PageState.TOMBSTONE,
-    }[kind]
-    if not ok:
-        raise ValueError(
-            f"event {kind.value} for page {h:#x} in state {before}: stream out of sync"
-        )

@@ -190,7 +190,7 @@ class RouterCore:
         reused, full, repaired = match.valid_pages * page, match.full_pages * page, 0
         if meta.tombstone_repair and meta.hybrid and full > reused:
             # The worker's own rule (core/reuse.py): the prediction is its decision.
-            reused, repaired = plan_reuse(full, reused, geometry, repair=True)
+            reused, repaired = plan_reuse(full, reused, geometry, repair=True)[:2]
         # Positional: WorkerView(worker_id, valid_cached, full_cached, load, extra_prefill_tokens,
         # extra_requests, geometry, hybrid, repaired); keywords cost a third more.
         return WorkerView(
