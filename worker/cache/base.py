@@ -180,6 +180,19 @@ class PrefixCache(abc.ABC):
         """The full-KV match (tombstones included), ending at a node: what a repair locks."""
         return self.match_prefix(tokens)
 
+    def prepare_load(self, tokens: Sequence[int], length: int, swa_from: int | None) -> LoadPlan:
+        """Host tier (docs/design.md §9.9): pin the cached prefix `tokens[:length]` and lock its
+        device part; the plan says what loading it (SWA from `swa_from` on) takes per pool."""
+        raise NotImplementedError(f"{type(self).__name__} has no host tier")
+
+    def load(self, plan: LoadPlan) -> MatchResult:
+        """Load a prepared plan (room made): returns the device match of its prefix."""
+        raise NotImplementedError(f"{type(self).__name__} has no host tier")
+
+    def cancel_load(self, plan: LoadPlan) -> None:
+        """Release a prepared plan without loading."""
+        raise NotImplementedError(f"{type(self).__name__} has no host tier")
+
     def finish_repair(self, req: ReqKV) -> KVUpdate:
         """A repair's rows are computed (docs/design.md §9.8): revive the tombstoned pages of
         the tail window before `cache_protected_len` with the request's private SWA slots, free

@@ -282,9 +282,9 @@ class RadixTree:
             node = node.parent  # type: ignore[assignment]
         for n in reversed(path):
             n.last_access = self.tick()
-            self.host_leaves.touched(n)
-            self.host_swa_order.touched(n)
-        self.leaves.touched(end)
+            # (with a host tier a device leaf may sit above `end`, host nodes below it)
+            for order in (self.leaves, self.host_leaves, self.host_swa_order):
+                order.touched(n)
         budget = (1 << 62) if self.window is None else self.window + self.page_size
         for n in self.swa_lru.refresh_upward(end, budget):  # top first: the deepest ends newest
             n.swa_tick = self.tick()
