@@ -31,8 +31,8 @@ FULL, SWA = LayerKind.FULL, LayerKind.SWA
 class HostTier:
     def __init__(self, host: HostAllocator, queue: TransferQueue) -> None:
         self.host, self.queue = host, queue
-        self.offloaded_tokens = 0  # tokens any of whose KV moved to the host (monotonic)
-        self.loaded_tokens = 0  # tokens any of whose KV came back (monotonic)
+        self.tokens_offloaded = 0  # tokens any of whose KV moved to the host (monotonic)
+        self.tokens_loaded = 0  # tokens any of whose KV came back (monotonic)
 
     # ---- device eviction: offload instead of drop ---------------------------------------------
 
@@ -55,7 +55,7 @@ class HostTier:
             self.queue.add(Move.OFFLOAD, SWA, node.swa, host_swa)
         ops.free.append(node.full)
         tree.offload(node, host_full, host_swa)
-        self.offloaded_tokens += n
+        self.tokens_offloaded += n
         return True
 
     def offload_swa(self, tree: RadixTree, node: Node, ops: AllocOps) -> bool:
@@ -68,7 +68,7 @@ class HostTier:
         self.queue.add(Move.OFFLOAD, SWA, node.swa, host_swa)
         ops.free_swa.append(node.full)
         tree.offload_swa(node, host_swa)
-        self.offloaded_tokens += n
+        self.tokens_offloaded += n
         return True
 
     def drop_below(self, tree: RadixTree, node: Node) -> None:

@@ -184,7 +184,7 @@ class RadixCache(PrefixCache):
         for n in plan.swa_nodes:
             ok = self.tier.load_swa(self.tree, self.allocator, n)
             assert ok, "load: the device SWA pool is short (room was not made)"
-        self.tier.loaded_tokens += plan.tokens
+        self.tier.tokens_loaded += plan.tokens
         self.cancel_load(plan)
         end = plan.path[-1] if plan.path else self.tree.root
         length = sum(len(n) for n in plan.path)

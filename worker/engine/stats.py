@@ -67,11 +67,11 @@ def host_stats(host: HostParts | None) -> dict[str, object]:
         return int(sum(moved[move, k] * host.bytes_per_token(k) for k in LayerKind))
 
     return pools | dict(
-        loaded_tokens=tier.loaded_tokens,
+        loaded_tokens=tier.tokens_loaded,
         loaded_full_tokens=moved[Move.LOAD, LayerKind.FULL],
         loaded_swa_tokens=moved[Move.LOAD, LayerKind.SWA],
         loaded_bytes=nbytes(Move.LOAD),
-        offloaded_tokens=tier.offloaded_tokens,
+        offloaded_tokens=tier.tokens_offloaded,
         offloaded_bytes=nbytes(Move.OFFLOAD),
     )
 

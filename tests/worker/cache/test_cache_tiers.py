@@ -80,7 +80,7 @@ def test_full_eviction_offloads_and_a_load_brings_back_only_the_window_swa() -> 
     kinds = [e.kind for e in cache.drain_events()]  # the node split at the window: two LOADED
     assert kinds == [EventKind.LOADED, EventKind.LOADED, EventKind.SWA_LOADED]
     tier = cache.tier
-    assert tier is not None and tier.loaded_tokens == 8 and tier.offloaded_tokens == 8
+    assert tier is not None and tier.tokens_loaded == 8 and tier.tokens_offloaded == 8
     assert tier.queue.moved[Move.LOAD, LayerKind.FULL] == 8
     assert tier.queue.moved[Move.LOAD, LayerKind.SWA] == 4
     cache.check_integrity()
