@@ -103,6 +103,7 @@ def _overlap(
         return node  # shared: the request's slots are the tree's
     live_from = max(lo, evicted)
     if node.full_on_host:
+        assert lo == pos, "a host node inside the request's locked prefix"
         return _adopt(tree, node, pos, full, swa, live_from, ops)
     if node.swa is not None or live_from >= end:
         ops.free.append(full[lo:end])
