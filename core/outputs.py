@@ -29,6 +29,7 @@ class Output:
     # One per prompt token when asked for (SamplingParams.prompt_logprobs); the first is None.
     prompt_logprobs: list[TokenLogprob | None] | None = None
     repaired_tokens: int = 0  # tokens recomputed to repair a tombstoned prefix (design.md §9.8)
+    loaded_tokens: int = 0  # prompt tokens whose KV came back from the host tier (design.md §9.9)
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,7 @@ class StreamDelta:
     # Sent once, in the first delta after the prompt is computed (see Output.prompt_logprobs).
     prompt_logprobs: list[TokenLogprob | None] | None = None
     repaired_tokens: int = 0  # of the prompt after `cached_tokens`, recomputed as a repair
+    loaded_tokens: int = 0  # of `cached_tokens`, whose KV came back from the host tier
 
 
 @dataclass(frozen=True)
@@ -56,6 +58,14 @@ class PoolStats:
     evictable: int  # held only by the radix cache
     used: int  # total - free - evictable (held by requests)
     peak_used: int
+
+
+@dataclass(frozen=True)
+class TierStats:
+    """One pool of the host KV tier (docs/design.md §9.9): tokens it holds, tokens in use."""
+
+    total: int = 0
+    used: int = 0
 
 
 @dataclass(frozen=True)
@@ -85,3 +95,12 @@ class EngineStats:
     last_step_seconds: float
     repairs: int = 0  # admissions through a tombstone repair
     repaired_tokens: int = 0  # tokens those repairs recomputed
+    # The host tier (docs/design.md §9.9); all zero without one.
+    host_full: TierStats = TierStats()
+    host_swa: TierStats = TierStats()
+    loaded_tokens: int = 0  # tokens any of whose KV came back from the host tier
+    loaded_full_tokens: int = 0  # of those, full KV loaded (every full layer)
+    loaded_swa_tokens: int = 0  # SWA KV loaded (every SWA layer)
+    loaded_bytes: int = 0
+    offloaded_tokens: int = 0  # tokens any of whose KV moved to the host tier
+    offloaded_bytes: int = 0

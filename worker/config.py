@@ -143,6 +143,34 @@ class EngineConfig:
         "it saves; off: reuse only the window-valid prefix.",
         choices=TOMBSTONE_REPAIR_MODES,
     )
+    # docs/design.md §9.9
+    host_kv_bytes: int | None = knob(
+        None,
+        "Host-memory KV tier of one worker, in bytes: device eviction moves KV there instead of "
+        "dropping it, and a request loads it back instead of recomputing it when that is "
+        "cheaper; 0: no tier; unset: on CUDA 4x the device KV budget, at most half the node's "
+        "available host memory divided by its visible GPUs; on CPU 0.",
+        ge=0,
+    )
+    host_swa_full_tokens_ratio: float | None = knob(
+        None,
+        "The host tier's SWA tokens = ratio x its full tokens, in (0, 1]; unset: "
+        "swa_full_tokens_ratio.",
+        gt=0,
+        le=1,
+    )
+    host_link_gbps: float = knob(
+        50.0,
+        "Host-to-device copy bandwidth in gigabytes (not bits) per second, for the load-or-"
+        "recompute choice; 50: PCIe Gen5 x16 with pinned memory.",
+        gt=0,
+    )
+    prefill_tflops: float = knob(
+        400.0,
+        "Effective prefill compute in TFLOP/s (2 x active parameters per token), for the "
+        "load-or-recompute choice; 400: an H200's dense bf16 prefill.",
+        gt=0,
+    )
     max_model_len: int | None = knob(
         None, "Longest prompt + completion; unset: the model's max_position_embeddings.", gt=0,
     )
@@ -226,6 +254,16 @@ def _rule_problems(config: EngineConfig) -> list[str]:
         problems.append("set one of kv_cache_bytes or max_total_tokens, not both")
     if config.max_total_tokens is not None and config.max_total_tokens < page:
         problems.append(f"max_total_tokens ({config.max_total_tokens}) is less than one page (page_size={page})")
+    if config.host_kv_bytes and n > 1:
+        problems.append(
+            f"host_kv_bytes={config.host_kv_bytes} with tensor_parallel_size={n}: the host KV "
+            "tier runs on one rank only for now; set host_kv_bytes: 0 or tensor_parallel_size: 1"
+        )
+    if config.host_kv_bytes and not config.enable_radix_cache:
+        problems.append(
+            "host_kv_bytes needs the radix cache (enable_radix_cache: true): the host tier holds "
+            "what the prefix cache evicts"
+        )
     if config.max_num_batched_tokens < config.max_running_requests:
         problems.append(
             f"max_num_batched_tokens ({config.max_num_batched_tokens}) is below max_running_requests "

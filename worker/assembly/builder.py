@@ -1,8 +1,9 @@
 """`build_engine_parts`: an `EngineParts` from an `EngineConfig`, built as rank 0 of
 `tensor_parallel_size` ranks (one device is rank 0 of 1). Rank 0 checks the split before anything
 starts, starts the other ranks, builds its share the way every rank does (`rank.py`), then adds
-what exists once: the cache over its allocator, the stop tokens, the tokenizer and, with N > 1,
-a `TPRunner` and the other ranks (docs/design.md §17)."""
+what exists once: the cache over its allocator (with the host tier, docs/design.md §9.9), the
+stop tokens, the tokenizer and, with N > 1, a `TPRunner` and the other ranks (docs/design.md
+§17)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import dataclasses
 import json
 from pathlib import Path
 
+from worker.assembly.host import build_host
 from worker.assembly.parts import EngineParts, cache_geometry
 from worker.assembly.rank import build_rank, max_model_len
 from worker.assembly.rank_processes import ProcessLauncher
@@ -46,12 +48,17 @@ def build_engine_parts(config: EngineConfig, launcher: RankLauncher | None = Non
     if ranks is not None:
         tp = TensorParallel(TPRunner(built.runner, group, spec.vocab_size, spec), ranks)
         runner = tp.runner
+    host = None
+    if ranks is None:  # NOTE: one rank only (the config refuses a tier under tensor parallelism)
+        pool, model = built.runner.pool, built.runner.model
+        host = build_host(config, built.spec, built.plan, pool, allocator, model)
     cache = create_cache(
         allocator,
         cache_geometry(spec, allocator),
         enable_radix_cache=config.enable_radix_cache,
         eager_swa_free=config.eager_swa_free,
         swa_eviction_policy=config.swa_eviction_policy,
+        tier=None if host is None else host.tier,
     )
     return EngineParts(
         spec=spec,
@@ -64,6 +71,7 @@ def build_engine_parts(config: EngineConfig, launcher: RankLauncher | None = Non
         model_dir=model_dir,
         plan=built.plan,
         tp=tp,
+        host=host,
     )
 
 

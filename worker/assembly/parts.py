@@ -9,6 +9,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from core.geometry import Geometry
+from core.reuse import TierCosts
+from worker.assembly.host import HostParts
 from worker.assembly.ranks import TensorParallel
 from worker.cache.base import PrefixCache
 from worker.kv.hybrid_allocator import HybridAllocator
@@ -30,6 +32,12 @@ class EngineParts:
     model_dir: Path | None = None
     plan: PoolPlan | None = None  # with tensor parallelism: one rank's pools
     tp: TensorParallel | None = None  # the other ranks (tensor_parallel_size > 1)
+    host: HostParts | None = None  # the host KV tier (docs/design.md §9.9)
+
+    @property
+    def tier_costs(self) -> TierCosts | None:
+        """What a token costs to prefill or load here (None: no host tier)."""
+        return None if self.host is None else self.host.costs
 
     @property
     def cache_window(self) -> int | None:

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from core.geometry import Geometry
     from worker.cache.base import PrefixCache
+    from worker.cache.host_tier import HostTier
     from worker.kv.hybrid_allocator import HybridAllocator
 
 
@@ -18,9 +19,11 @@ def create_cache(
     enable_radix_cache: bool = True,
     eager_swa_free: bool = False,
     swa_eviction_policy: str = "tail_first",
+    tier: HostTier | None = None,
 ) -> PrefixCache:
     """The cache the engine config asks for over `allocator` (implementations import lazily);
-    `geometry`: page size, the window the cache applies (None without a separate SWA pool)."""
+    `geometry`: page size, the window the cache applies (None without a separate SWA pool);
+    `tier`: the host tier (radix cache only)."""
     if enable_radix_cache:
         from worker.cache.radix_cache import RadixCache
 
@@ -29,7 +32,9 @@ def create_cache(
             geometry,
             eager_swa_free=eager_swa_free,
             swa_eviction_policy=swa_eviction_policy,
+            tier=tier,
         )
+    assert tier is None, "the host tier holds what a radix cache evicts"
     from worker.cache.chunk_cache import ChunkCache
 
     return ChunkCache(allocator, geometry)

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from core.events import CacheEvent, PageState
+from core.reuse import TieredMatch
 
 if TYPE_CHECKING:
     from worker.cache.node import Node
@@ -32,12 +33,30 @@ class MatchResult:
 
     `length` is the window-valid match; `full_length` (≥ `length`) counts every token whose
     FULL KV is cached, tombstones included: the `p_full` of a repair (docs/design.md §9.8).
+    With a host tier (docs/design.md §9.9) `length`, `indices` and `node` are the match that
+    needs no load (`p_device`), and `tiered` says what the tiers hold (None: no host tier).
     """
 
     indices: torch.Tensor
     length: int
     node: Node
     full_length: int = 0
+    tiered: TieredMatch | None = None
+
+
+@dataclass(frozen=True)
+class LoadPlan:
+    """A load in preparation (`RadixCache.prepare_load`): the path is pinned and its device
+    part locked by `receipt` until `load` or `cancel_load`. `full_tokens` / `swa_tokens`: the
+    device tokens per pool the load takes; `tokens`: prompt tokens any of whose KV it loads."""
+
+    path: tuple[Node, ...]
+    receipt: LockReceipt | None
+    full_nodes: tuple[Node, ...]
+    swa_nodes: tuple[Node, ...]
+    full_tokens: int
+    swa_tokens: int
+    tokens: int
 
 
 @dataclass(frozen=True)
@@ -160,6 +179,19 @@ class PrefixCache(abc.ABC):
     def match_full(self, tokens: Sequence[int]) -> MatchResult:
         """The full-KV match (tombstones included), ending at a node: what a repair locks."""
         return self.match_prefix(tokens)
+
+    def prepare_load(self, tokens: Sequence[int], length: int, swa_from: int | None) -> LoadPlan:
+        """Host tier (docs/design.md §9.9): pin the cached prefix `tokens[:length]` and lock its
+        device part; the plan says what loading it (SWA from `swa_from` on) takes per pool."""
+        raise NotImplementedError(f"{type(self).__name__} has no host tier")
+
+    def load(self, plan: LoadPlan) -> MatchResult:
+        """Load a prepared plan (room made): returns the device match of its prefix."""
+        raise NotImplementedError(f"{type(self).__name__} has no host tier")
+
+    def cancel_load(self, plan: LoadPlan) -> None:
+        """Release a prepared plan without loading."""
+        raise NotImplementedError(f"{type(self).__name__} has no host tier")
 
     def finish_repair(self, req: ReqKV) -> KVUpdate:
         """A repair's rows are computed (docs/design.md §9.8): revive the tombstoned pages of

@@ -17,6 +17,13 @@
 
       leaf [=========== head ===========|== T ==]   →   [tombstone (SWA_REMOVED) ][== T ==]
 
+With a host tier (`tier`, docs/design.md §9.9) every phase offloads what it would drop: a
+device leaf's full KV (and its device SWA) moves to the host, SWA — interior and tails, under
+either policy — moves to the host instead of being tombstoned; only what the host tier cannot
+take is dropped as above. A device leaf is a node whose full KV is on the device and none of
+its children's (without a tier: a leaf). Nodes an admission is loading through (`pinned`) are
+skipped like SWA-locked ones.
+
 Cost: O(log n) per deleted leaf or interior head (heaps), O(T/P) re-classification per
 tombstone, plus skipped SWA-locked nodes (bounded by the running requests' windows).
 """
@@ -25,6 +32,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from worker.cache.host_tier import HostTier
 from worker.cache.node import Node
 from worker.cache.retention import TailRetention
 from worker.cache.tree import AllocOps, RadixTree
@@ -32,19 +40,22 @@ from worker.cache.tree import AllocOps, RadixTree
 
 @dataclass(slots=True)
 class _Tally:
+    tier: HostTier | None
     full: int = 0
     swa: int = 0
     ops: AllocOps = field(default_factory=AllocOps)
 
 
-def evict(tree: RadixTree, full_tokens: int, swa_tokens: int) -> tuple[int, int, AllocOps]:
-    """Returns (full tokens freed, SWA tokens freed, allocator work)."""
-    tally = _Tally()
+def evict(
+    tree: RadixTree, full_tokens: int, swa_tokens: int, tier: HostTier | None = None
+) -> tuple[int, int, AllocOps]:
+    """Returns (device full tokens freed, device SWA tokens freed, allocator work)."""
+    tally = _Tally(tier)
     while tally.full < full_tokens:
         leaf = tree.leaves.pop_oldest()
         if leaf is None:
             break
-        _delete_with_tombstone_ancestors(tree, leaf, tally)
+        _take_leaf(tree, leaf, tally)
     if tree.window is None or tally.swa >= swa_tokens:
         return tally.full, tally.swa, tally.ops
     if tree.retention is None:
@@ -63,10 +74,10 @@ def _swa_lru_phase(tree: RadixTree, swa_tokens: int, tally: _Tally) -> None:
     for node in tree.swa_lru.iter_oldest():
         if tally.swa >= swa_tokens:
             break
-        if node.swa_lock > 0:
+        if node.swa_lock > 0 or node.pinned:
             continue
-        if node.is_leaf and node.full_lock == 0:
-            _delete_with_tombstone_ancestors(tree, node, tally)
+        if node.full_lock == 0 and node.is_device_leaf:
+            _take_leaf(tree, node, tally)
         else:
             _tombstone(tree, node, tally)
 
@@ -79,7 +90,7 @@ def _interior_phase(
         node = retention.interior.pop_oldest()
         if node is None:
             break
-        if node.swa_lock > 0:
+        if node.swa_lock > 0 or node.pinned:
             locked.append(node)
             continue
         keep = retention.keep(node)
@@ -94,7 +105,7 @@ def _one_tail(tree: RadixTree, retention: TailRetention, tally: _Tally) -> bool:
     least recently used SWA-unlocked live node; False when there is none."""
     locked: list[Node] = []
     node = retention.probation.pop_oldest()
-    while node is not None and node.swa_lock > 0:
+    while node is not None and (node.swa_lock > 0 or node.pinned):
         locked.append(node)
         node = retention.probation.pop_oldest()
     for n in locked:
@@ -103,27 +114,44 @@ def _one_tail(tree: RadixTree, retention: TailRetention, tally: _Tally) -> bool:
         _tombstone(tree, node, tally)
         return True
     for node in tree.swa_lru.iter_oldest():
-        if node.swa_lock == 0:
+        if node.swa_lock == 0 and not node.pinned:
             _tombstone(tree, node, tally)
             return True
     return False
 
 
 def _tombstone(tree: RadixTree, node: Node, tally: _Tally) -> None:
+    """Device SWA goes: to the host tier when it takes it, else freed."""
+    tally.swa += len(node)
+    if tally.tier is not None and tally.tier.offload_swa(tree, node, tally.ops):
+        return
     tree.tombstone(node)
     tally.ops.free_swa.append(node.full)
-    tally.swa += len(node)
+
+
+def _take_leaf(tree: RadixTree, leaf: Node, tally: _Tally) -> None:
+    """A device leaf's KV goes: to the host tier when it takes it, else deleted (with what
+    hangs below it on the host, and its childless tombstone ancestors)."""
+    tally.full += len(leaf)
+    if leaf.swa is not None:
+        tally.swa += len(leaf)
+    if tally.tier is not None:
+        if tally.tier.offload_leaf(tree, leaf, tally.ops):
+            return
+        tally.tier.drop_below(tree, leaf)
+    _delete_with_tombstone_ancestors(tree, leaf, tally)
 
 
 def _delete_with_tombstone_ancestors(tree: RadixTree, leaf: Node, tally: _Tally) -> None:
     parent = leaf.parent
-    _delete(tree, leaf, tally)
+    tally.ops.free.append(leaf.full)
+    tree.delete_leaf(leaf)
     # NOTE: only SWA-*less* ancestors cascade; a live parent stays (it is matchable itself).
     while (
         parent is not None
         and not parent.is_root
         and parent.is_leaf
-        and parent.swa is None
+        and not parent.has_swa
         and parent.full_lock == 0
     ):
         grand = parent.parent
@@ -133,7 +161,5 @@ def _delete_with_tombstone_ancestors(tree: RadixTree, leaf: Node, tally: _Tally)
 
 def _delete(tree: RadixTree, node: Node, tally: _Tally) -> None:
     tally.full += len(node)
-    if node.swa is not None:
-        tally.swa += len(node)
     tally.ops.free.append(node.full)
     tree.delete_leaf(node)

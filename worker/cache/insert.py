@@ -25,6 +25,10 @@ The unmatched suffix ``[pos, n)`` becomes a tombstone node ``[pos, swa_evicted)`
 frontier is inside it) then a live leaf, capped to one page-aligned window (the part above the
 cap becomes its parent). If the whole suffix is out of window it becomes one FULL-only leaf
 (the unified tree's choice: full KV stays reusable, e.g. for a later revival).
+
+A matched node whose KV is on the host tier (docs/design.md §9.9) adopts the request's device
+KV instead (`_adopt`): the request just computed it, so it is loaded without a copy. A node with
+device full KV and host SWA is revived like a tombstone (its host SWA superseded, SWA_LOADED).
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ import torch
 
 from worker.cache.node import Key, Node
 from worker.cache.tree import AllocOps, RadixTree
+from worker.models.spec import LayerKind
 
 
 @dataclass(frozen=True)
@@ -97,6 +102,9 @@ def _overlap(
     if lo >= end:
         return node  # shared: the request's slots are the tree's
     live_from = max(lo, evicted)
+    if node.full_on_host:
+        assert lo == pos, "a host node inside the request's locked prefix"
+        return _adopt(tree, node, pos, full, swa, live_from, ops)
     if node.swa is not None or live_from >= end:
         ops.free.append(full[lo:end])
         return node
@@ -116,13 +124,42 @@ def _revive(
     )
     if node.full_lock == 0:
         ops.free.append(node.full)  # a tombstone's mapping is 0: frees full only
-        tree.revive(node, req_full, req_swa)
+        _superseded(tree.revive(node, req_full, req_swa), ops)
         return
     # NOTE: another request reads node.full right now; freeing it would corrupt that request.
     ops.remap.append((node.full, req_swa))
     ops.remap.append((req_full, torch.zeros_like(req_full)))
     ops.free.append(req_full)  # its mapping is zeroed first, so only the full slots go
-    tree.revive(node, node.full, req_swa)
+    _superseded(tree.revive(node, node.full, req_swa), ops)
+
+
+def _adopt(
+    tree: RadixTree,
+    node: Node,
+    pos: int,
+    full: torch.Tensor,
+    swa: torch.Tensor,
+    live_from: int,
+    ops: AllocOps,
+) -> Node:
+    """A node whose full KV is on the host and that the request recomputed: the request's
+    device KV becomes the node's (LOADED, then SWA_LOADED / SWA_RESTORED where the request
+    has live SWA), the host copies are freed. No request locks a host node, so the request
+    owns every slot here (`pos >= prev_prefix_len`)."""
+    end = pos + len(node)
+    if pos < live_from < end:
+        upper = tree.split(node, live_from - pos)  # stays without the request's SWA
+        ops.host_free.append((LayerKind.FULL, tree.load(upper, full[pos:live_from])))
+        pos = live_from
+    ops.host_free.append((LayerKind.FULL, tree.load(node, full[pos:end])))
+    if live_from < end:
+        _superseded(tree.revive(node, node.full, swa[pos:end]), ops)
+    return node
+
+
+def _superseded(host_swa: torch.Tensor | None, ops: AllocOps) -> None:
+    if host_swa is not None:
+        ops.host_free.append((LayerKind.SWA, host_swa))
 
 
 def _add_suffix(

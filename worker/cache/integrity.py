@@ -11,8 +11,11 @@ from typing import TYPE_CHECKING, NoReturn
 import torch
 
 from core.events import page_hashes
+from worker.cache.host_tier import host_slots
+from worker.models.spec import LayerKind
 
 if TYPE_CHECKING:
+    from worker.cache.host_tier import HostTier
     from worker.cache.node import Node
     from worker.cache.req_kv import ReqKV
     from worker.cache.tree import RadixTree
@@ -23,15 +26,23 @@ def _fail(msg: str) -> NoReturn:
     raise AssertionError(f"radix cache integrity: {msg}")
 
 
-def check_tree(tree: RadixTree, allocator: HybridAllocator, running: Sequence[ReqKV] = ()) -> None:
+def check_tree(
+    tree: RadixTree,
+    allocator: HybridAllocator,
+    running: Sequence[ReqKV] = (),
+    tier: HostTier | None = None,
+) -> None:
     """Raise AssertionError naming the first broken invariant."""
     nodes = tree.iter_nodes()
     for n in nodes:
         _check_node(tree, n)
+        _check_tiers(n, tier)
     _check_counters(tree, nodes)
     _check_orders(tree, nodes)
     _check_slots(tree, allocator, nodes)
     allocator.check_integrity()
+    if tier is not None:
+        _check_host(tier, nodes)
     if running:
         _check_pools(tree, allocator, running)
 
@@ -41,8 +52,9 @@ def _check_node(tree: RadixTree, n: Node) -> None:
     parent = n.parent
     if parent is None or parent.children.get(n.key[:p]) is not n or not n.attached:
         _fail(f"{n} is not reachable from its parent under its first page")
-    if not n.key or len(n.key) % p or len(n.full) != len(n.key):
-        _fail(f"{n}: key of {len(n.key)} tokens / {len(n.full)} slots is not page aligned")
+    slots = len(n.full) if n.host_full is None else len(n.host_full)
+    if not n.key or len(n.key) % p or slots != len(n.key):
+        _fail(f"{n}: key of {len(n.key)} tokens / {slots} slots is not page aligned")
     if n.swa is not None and len(n.swa) != len(n.key):
         _fail(f"{n}: {len(n.swa)} SWA slots for {len(n.key)} tokens")
     if not n.full_lock >= n.swa_lock >= 0:
@@ -53,9 +65,44 @@ def _check_node(tree: RadixTree, n: Node) -> None:
         _fail(f"{n}: page hashes are not chained from its parent")
 
 
+def _check_tiers(n: Node, tier: HostTier | None) -> None:
+    """Where each component lives (docs/design.md §9.9): one tier per component, host nodes
+    unlocked with only host nodes below, nothing pinned outside an admission."""
+    if tier is None and (n.host_full is not None or n.host_swa is not None):
+        _fail(f"{n}: host slots without a host tier")
+    if n.pinned:
+        _fail(f"{n}: still pinned after an admission")
+    if n.swa is not None and n.host_swa is not None:
+        _fail(f"{n}: SWA KV on both tiers")
+    if n.host_swa is not None and len(n.host_swa) != len(n.key):
+        _fail(f"{n}: {len(n.host_swa)} host SWA slots for {len(n.key)} tokens")
+    if n.full_on_host and (len(n.full) or n.swa is not None or n.full_lock):
+        _fail(f"{n}: full KV on the host but device slots or a lock too")
+    if not n.full_on_host and n.parent is not None and n.parent.full_on_host:
+        _fail(f"{n}: device KV below a node whose full KV is on the host")
+
+
+def _check_host(tier: HostTier, nodes: list[Node]) -> None:
+    """Host allocator free + held == total per kind; no host slot held twice."""
+    tier.host.check_integrity()
+    for kind in LayerKind:
+        held = host_slots(nodes, kind)
+        if torch.unique(held).numel() != held.numel() or bool((held <= 0).any()):
+            _fail(f"a host {kind.value} slot is held by two nodes (or is a dummy slot)")
+        used = tier.host.size(kind) - tier.host.available(kind)
+        if used != held.numel():
+            _fail(f"host {kind.value} pool: {used} tokens allocated but nodes hold {held.numel()}")
+
+
 def _check_counters(tree: RadixTree, nodes: list[Node]) -> None:
+    hf = sum(len(n) for n in nodes if n.full_on_host)
+    hs = sum(len(n) for n in nodes if n.host_swa is not None)
+    if (tree.host_full, tree.host_swa) != (hf, hs):
+        _fail(f"host counters (full, swa) {(tree.host_full, tree.host_swa)} != recount {(hf, hs)}")
     fe = fp = se = sp = 0
     for n in nodes:
+        if n.full_on_host:
+            continue
         if n.full_lock:
             fp += len(n)
         else:
@@ -89,15 +136,22 @@ def _check_orders(tree: RadixTree, nodes: list[Node]) -> None:
         probation = {n for n in live if not n.swa_hit}
         if ret.probation.members != probation or not {id(n) for n in probation} <= ret.probation.valid_entries():
             _fail(f"probation heap holds {len(ret.probation)} nodes, {len(probation)} are on probation")
-    leaves = {n for n in nodes if n.is_leaf and n.full_lock == 0}
+    leaves = {n for n in nodes if n.is_device_leaf and n.full_lock == 0}
     if tree.leaves.members != leaves:
-        _fail(f"leaf heap members ({len(tree.leaves)}) != unlocked leaves ({len(leaves)})")
+        _fail(f"leaf heap members ({len(tree.leaves)}) != unlocked device leaves ({len(leaves)})")
     keyed = tree.leaves.valid_entries()
     if any(id(n) not in keyed for n in leaves):
         _fail("an unlocked leaf has no up-to-date entry in the leaf heap")
+    host_leaves = {n for n in nodes if n.full_on_host and n.is_leaf}
+    host_swa = {n for n in nodes if n.host_swa is not None}
+    for heap, want, what in ((tree.host_leaves, host_leaves, "host leaf"),
+                             (tree.host_swa_order, host_swa, "host SWA")):  # fmt: skip
+        if heap.members != want or not {id(n) for n in want} <= heap.valid_entries():
+            _fail(f"{what} order holds {len(heap)} nodes (up to date?), {len(want)} qualify")
 
 
 def _check_slots(tree: RadixTree, allocator: HybridAllocator, nodes: list[Node]) -> None:
+    nodes = [n for n in nodes if not n.full_on_host]  # (host slots: `_check_host`)
     if not nodes:
         return
     full = torch.cat([n.full for n in nodes])

@@ -3,6 +3,12 @@
 A node owns `len(key)` tokens. Its FULL component is `full` (full-pool slots, one per token);
 its SWA component is `swa` (SWA-pool slots, ``translate(full)`` at the time the node got them)
 or None: an SWA *tombstone* — the full KV is still valid, the SWA KV was freed.
+
+With a host tier (docs/design.md §9.9) each component may live on the host instead:
+`host_full` (host full slots; then `full` is empty) and `host_swa` (host SWA slots; then `swa`
+is None). A node whose full KV is on the host has no KV on the device, and its descendants
+are on the host too (device-resident nodes are a top part of the tree). `state` names the five
+combinations as `core.events.PageState` does.
 `hashes` holds the chained page hashes of its pages (docs/design.md §4.3); a split slices it.
 
 Nothing here touches an allocator; the tree (`tree.py`) keeps the counters and LRUs.
@@ -14,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from core.events import ROOT_HASH
+from core.events import ROOT_HASH, PageState
 
 Key = tuple[int, ...]
 
@@ -31,6 +37,9 @@ class Node:
     hashes: list[int]  # chained page hash per page
     parent: Node | None = None
     children: dict[Key, Node] = field(default_factory=dict)  # keyed by the child's first page
+    host_full: torch.Tensor | None = None  # int64, CPU: host full slots (full KV on the host)
+    host_swa: torch.Tensor | None = None  # int64, CPU: host SWA slots (SWA KV on the host)
+    pinned: bool = False  # an admission is loading through it: no eviction takes it (§9.9)
     full_lock: int = 0  # requests holding this node's full KV
     swa_lock: int = 0  # requests holding this node's SWA KV (<= full_lock)
     boundary_id: int | None = None  # set on the topmost SWA-locked node of some lock
@@ -61,6 +70,28 @@ class Node:
         return not self.children
 
     @property
+    def full_on_host(self) -> bool:
+        return self.host_full is not None
+
+    @property
+    def has_swa(self) -> bool:
+        """SWA KV exists on some tier: the window rule counts the node as live."""
+        return self.swa is not None or self.host_swa is not None
+
+    @property
+    def is_device_leaf(self) -> bool:
+        """Full KV on the device, none of its children's: what device full eviction takes."""
+        return not self.full_on_host and all(c.full_on_host for c in self.children.values())
+
+    @property
+    def state(self) -> PageState:
+        if self.full_on_host:
+            return PageState.HOST if self.host_swa is not None else PageState.HOST_TOMBSTONE
+        if self.swa is not None:
+            return PageState.LIVE
+        return PageState.SWA_HOST if self.host_swa is not None else PageState.TOMBSTONE
+
+    @property
     def last_hash(self) -> int:
         """Chained hash of the prefix ending at this node (ROOT_HASH for the root)."""
         return self.hashes[-1] if self.hashes else ROOT_HASH
@@ -69,8 +100,7 @@ class Node:
         return len(self.key)
 
     def __repr__(self) -> str:  # keep reprs short: tensors and parents would recurse
-        state = "tomb" if self.swa is None else "live"
-        return f"Node(len={len(self.key)}, {state}, lock={self.full_lock}/{self.swa_lock})"
+        return f"Node(len={len(self.key)}, {self.state.value}, lock={self.full_lock}/{self.swa_lock})"
 
 
 def split_off_head(node: Node, at: int, page_size: int) -> Node:
@@ -92,6 +122,9 @@ def split_off_head(node: Node, at: int, page_size: int) -> Node:
         key=node.key[:at],
         full=node.full[:at],
         swa=None if node.swa is None else node.swa[:at],
+        host_full=None if node.host_full is None else node.host_full[:at],
+        host_swa=None if node.host_swa is None else node.host_swa[:at],
+        pinned=node.pinned,
         hashes=node.hashes[:pages],
         parent=parent,
         full_lock=node.full_lock,
@@ -104,6 +137,8 @@ def split_off_head(node: Node, at: int, page_size: int) -> Node:
     node.key = node.key[at:]
     node.full = node.full[at:]
     node.swa = None if node.swa is None else node.swa[at:]
+    node.host_full = None if node.host_full is None else node.host_full[at:]
+    node.host_swa = None if node.host_swa is None else node.host_swa[at:]
     node.hashes = node.hashes[pages:]
     parent.children[upper.key[:page_size]] = upper
     upper.children[node.key[:page_size]] = node

@@ -1,8 +1,11 @@
-"""`RadixCache`: the façade the scheduler uses; the only cache code that touches the allocator.
+"""`RadixCache`: the façade the scheduler uses; with the host tier's component (host_tier.py)
+the only cache code that touches an allocator.
 
 It composes the tree state (tree.py) with the algorithms (match.py, insert.py, evict.py),
 applies the allocator work they return, and implements the request hooks. With `window` None
-(no SWA layer) or a non-hybrid allocator it is a plain radix cache: no tombstones ever.
+(no SWA layer) or a non-hybrid allocator it is a plain radix cache: no tombstones ever. With a
+host tier (`tier`, docs/design.md §9.9) eviction offloads, a match reports both tiers, and an
+admission loads through `prepare_load` / `load`.
 """
 
 from __future__ import annotations
@@ -13,12 +16,21 @@ from dataclasses import replace
 import torch
 
 from core.events import CacheEvent, EventKind, EventLog, PageState
-from core.geometry import Geometry, floor_page
-from worker.cache.base import EvictResult, KVUpdate, LockReceipt, MatchResult, PrefixCache
+from core.geometry import Geometry, ceil_page, floor_page
+from core.reuse import TieredMatch
+from worker.cache.base import (
+    EvictResult,
+    KVUpdate,
+    LoadPlan,
+    LockReceipt,
+    MatchResult,
+    PrefixCache,
+)
 from worker.cache.evict import evict as evict_tree
+from worker.cache.host_tier import HostTier
 from worker.cache.insert import InsertOutcome, insert
 from worker.cache.integrity import check_tree
-from worker.cache.match import match_path, match_walk
+from worker.cache.match import Walk, match_path, match_walk
 from worker.cache.node import Node, path_to_root
 from worker.cache.repair import revive_tail
 from worker.cache.req_kv import ReqKV
@@ -26,6 +38,7 @@ from worker.cache.tree import AllocOps, RadixTree
 from worker.config import SWA_EVICTION_POLICIES
 from worker.kv.frontier import free_out_of_window
 from worker.kv.hybrid_allocator import HybridAllocator
+from worker.models.spec import LayerKind
 
 _I64 = torch.int64
 
@@ -43,6 +56,7 @@ class RadixCache(PrefixCache):
         swa_eviction_policy: "tail_first" (interior SWA first, tails last, tails tombstoned
             in place) or "lru" (SGLang's plain SWA LRU; docs/design.md §9.5).
         emit_events: buffer cache events for `drain_events` (off: benchmarks).
+        tier: the host tier's component (None: no host tier; needs separate SWA pools).
     """
 
     def __init__(
@@ -53,6 +67,7 @@ class RadixCache(PrefixCache):
         eager_swa_free: bool = False,
         swa_eviction_policy: str = "tail_first",
         emit_events: bool = True,
+        tier: HostTier | None = None,
     ) -> None:
         if geometry.page_size != allocator.page_size:
             raise ValueError(f"page_size {geometry.page_size} != the allocator's {allocator.page_size}")
@@ -66,6 +81,9 @@ class RadixCache(PrefixCache):
         self.geometry = geometry if allocator.hybrid else replace(geometry, window=None)
         self.eager_swa_free = eager_swa_free
         self.tail_first = swa_eviction_policy == "tail_first"
+        if tier is not None and self.geometry.window is None:
+            raise ValueError("the host tier needs separate full and SWA pools and a window")
+        self.tier = tier
         self.events = EventLog(emit_events)
         self.tree = self._new_tree()
 
@@ -100,17 +118,92 @@ class RadixCache(PrefixCache):
 
     # ---- match / insert / locks -----------------------------------------------------------
     def match_prefix(self, tokens: Sequence[int]) -> MatchResult:
-        key = self._key(tokens)
-        path, length, full_length = match_walk(self.tree, key)
-        end = path[-1] if path else self.tree.root
-        self.tree.touch(end, hit=True)
-        return MatchResult(_cat([n.full for n in path]), length, end, full_length)
+        walk = match_walk(self.tree, self._key(tokens))
+        device = walk.path[: walk.device_nodes]
+        self.tree.touch(walk.path[-1] if walk.path else self.tree.root, hit=True)
+        tiered = None if self.tier is None else self._tiered(walk)
+        end = device[-1] if device else self.tree.root
+        return MatchResult(_cat([n.full for n in device]), walk.device, end, walk.full, tiered)
+
+    def _tiered(self, walk: Walk) -> TieredMatch:
+        assert self.window is not None
+        lo = walk.valid - ceil_page(self.window, self.page_size)
+        host_full = host_swa = pos = 0
+        for n in walk.path:
+            host_full += len(n) if n.full_on_host else 0
+            if n.host_swa is not None:
+                host_swa += max(0, pos + len(n) - max(pos, lo))
+            pos += len(n)
+        return TieredMatch(
+            walk.full, walk.valid, walk.device, host_full, host_swa, walk.host_full_all
+        )
 
     def match_full(self, tokens: Sequence[int]) -> MatchResult:
         path, length = match_path(self.tree, self._key(tokens), window_rule=False)
+        assert not any(n.full_on_host for n in path), "load a repair's prefix before locking it"
         end = path[-1] if path else self.tree.root
         self.tree.touch(end, hit=True)
         return MatchResult(_cat([n.full for n in path]), length, end, length)
+
+    # ---- loads from the host tier (docs/design.md §9.9) -----------------------------------
+    def prepare_load(self, tokens: Sequence[int], length: int, swa_from: int | None) -> LoadPlan:
+        """Get the cached prefix `tokens[:length]` ready to load: its nodes pinned (no eviction
+        takes them), its device part locked, a node split at `swa_from` (the first position
+        whose host SWA is loaded; None: full KV only). Make room for the plan's tokens, then
+        `load` it (or `cancel_load`)."""
+        assert self.tier is not None, "no host tier"
+        key = self._key(tokens)[:length]
+        path, got = match_path(self.tree, key, window_rule=False)
+        assert got == length, f"the prefix to load is not cached ({got} < {length})"
+        if swa_from is not None and swa_from > 0:
+            self._split_at(path, swa_from)
+            path, _ = match_path(self.tree, key, window_rule=False)
+        device = [n for n in path if not n.full_on_host]
+        receipt = self.tree.lock(device[-1]) if device else None
+        for n in path:
+            n.pinned = True
+        full_nodes = tuple(n for n in path if n.full_on_host)
+        swa_nodes, pos, loaded = [], 0, 0
+        for n in path:
+            takes_swa = swa_from is not None and pos >= swa_from and n.host_swa is not None
+            swa_nodes += [n] if takes_swa else []
+            loaded += len(n) if n.full_on_host or takes_swa else 0
+            pos += len(n)
+        full = sum(len(n) for n in full_nodes)
+        swa = sum(len(n) for n in swa_nodes)
+        return LoadPlan(tuple(path), receipt, full_nodes, tuple(swa_nodes), full, swa, loaded)
+
+    def load(self, plan: LoadPlan) -> MatchResult:
+        """Load the plan (the caller made room for its tokens in both device pools): device
+        slots taken, copies queued, the nodes moved; returns the device match of the prefix.
+        The loaded KV is the tree's, like any cached KV."""
+        assert self.tier is not None
+        for n in plan.full_nodes:
+            ok = self.tier.load_full(self.tree, self.allocator, n)
+            assert ok, "load: the device full pool is short (room was not made)"
+        for n in plan.swa_nodes:
+            ok = self.tier.load_swa(self.tree, self.allocator, n)
+            assert ok, "load: the device SWA pool is short (room was not made)"
+        self.tier.tokens_loaded += plan.tokens
+        self.cancel_load(plan)
+        end = plan.path[-1] if plan.path else self.tree.root
+        length = sum(len(n) for n in plan.path)
+        return MatchResult(_cat([n.full for n in plan.path]), length, end, length)
+
+    def cancel_load(self, plan: LoadPlan) -> None:
+        """Unpin the plan's nodes and drop its lock (nothing else changes)."""
+        for n in plan.path:
+            n.pinned = False
+        if plan.receipt is not None:
+            self.tree.unlock(plan.receipt)
+
+    def _split_at(self, path: list[Node], at: int) -> None:
+        pos = 0
+        for n in path:
+            if pos < at < pos + len(n):
+                self.tree.split(n, at - pos)
+                return
+            pos += len(n)
 
     def insert(
         self,
@@ -242,20 +335,26 @@ class RadixCache(PrefixCache):
             full, _, ops = evict_tree(self.tree, max(full_tokens, swa_tokens), 0)
             self._apply(ops)
             return EvictResult(full, full)
-        full, swa, ops = evict_tree(self.tree, full_tokens, swa_tokens)
+        full, swa, ops = evict_tree(self.tree, full_tokens, swa_tokens, self.tier)
         self._apply(ops)
         return EvictResult(full, swa)
 
     def reset(self) -> None:
-        """Free everything unlocked. With no lock held the tree is emptied in one step and a
-        single CLEARED event replaces per-page REMOVED events."""
+        """Free everything unlocked, on both tiers. With no lock held the tree is emptied in
+        one step and a single CLEARED event replaces per-page REMOVED events."""
         if self.tree.full_protected == 0:
             nodes = self.tree.iter_nodes()
-            self._apply(AllocOps(free=[n.full for n in nodes]))
+            device = [n for n in nodes if not n.full_on_host]
+            self._apply(AllocOps(free=[n.full for n in device]))
+            if self.tier is not None:
+                self.tier.free_all(nodes)
             self.tree = self._new_tree()
             self.events.emit(EventKind.CLEARED)
             return
-        self.evict(self.tree.full_evictable, self.tree.swa_evictable)
+        if self.tier is not None:  # the host first: device leaves then have no host children
+            self.tier.evict(self.tree, self.tier.host.size(LayerKind.FULL), self.tier.host.size(LayerKind.SWA))
+        full, swa, ops = evict_tree(self.tree, self.tree.full_evictable, self.tree.swa_evictable)
+        self._apply(ops)
 
     # ---- events / checks ------------------------------------------------------------------
     def drain_events(self) -> list[CacheEvent]:
@@ -264,12 +363,11 @@ class RadixCache(PrefixCache):
     def snapshot_pages(self) -> dict[int, PageState]:
         pages: dict[int, PageState] = {}
         for n in self.tree.iter_nodes():
-            state = PageState.TOMBSTONE if n.swa is None else PageState.LIVE
-            pages.update(dict.fromkeys(n.hashes, state))
+            pages.update(dict.fromkeys(n.hashes, n.state))
         return pages
 
     def check_integrity(self, running_reqs: Sequence[ReqKV] = ()) -> None:
-        check_tree(self.tree, self.allocator, running_reqs)
+        check_tree(self.tree, self.allocator, running_reqs, self.tier)
 
     # ---- helpers --------------------------------------------------------------------------
     def _key(self, tokens: Sequence[int]) -> tuple[int, ...]:
@@ -286,6 +384,9 @@ class RadixCache(PrefixCache):
             self.allocator.free_swa(_cat(ops.free_swa))
         if ops.free:
             self.allocator.free(_cat(ops.free))
+        if ops.host_free:
+            assert self.tier is not None, "host slots without a host tier"
+            self.tier.free(ops)
 
 
 def _unchanged(req: ReqKV, frontier: int) -> KVUpdate:

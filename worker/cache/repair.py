@@ -21,6 +21,7 @@ import torch
 
 from worker.cache.node import Node, path_to_root
 from worker.cache.tree import AllocOps, RadixTree
+from worker.models.spec import LayerKind
 
 
 def revive_tail(
@@ -50,7 +51,9 @@ def revive_tail(
             part = slice(first - start, pos - start)
             ops.remap.append((node.full, scratch_swa[part]))
             ops.remap.append((scratch[part], torch.zeros_like(scratch[part])))
-            tree.revive(node, node.full, scratch_swa[part])
+            host_swa = tree.revive(node, node.full, scratch_swa[part])
+            if host_swa is not None:  # SWA_HOST: the host copy is superseded (§9.9)
+                ops.host_free.append((LayerKind.SWA, host_swa))
         pos = first
     ops.free.append(scratch)  # adopted pairs are unmapped above: only their full slots go
     tree.touch(end_node)

@@ -50,7 +50,7 @@ class TailRetention:
         dist, cur = 0, node
         while len(cur.children) == 1:
             (child,) = cur.children.values()
-            if child.swa is None:
+            if not child.has_swa:  # (SWA on the host still serves a match: §9.9)
                 return 0
             dist += len(child)
             if dist >= self.tail:

@@ -6,7 +6,8 @@ evict.py) decide *what* changes; they never touch a counter. Nothing here touche
 allocator: operations that release KV return the slots (`AllocOps`) to the façade.
 
 Counters (tokens), per pool: a node is *protected* while its lock count for that pool is > 0,
-else *evictable*; a tombstone counts for neither SWA counter.
+else *evictable*; a tombstone counts for neither SWA counter. KV on the host tier (docs/design.md
+§9.9) counts in none of them (`host_full`, `host_swa`: tokens held there): it is never locked.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from worker.cache.base import LockReceipt
 from worker.cache.lru import LeafHeap, LRUList
 from worker.cache.node import Key, Node, split_off_head
 from worker.cache.retention import TailRetention
+from worker.models.spec import LayerKind
 
 
 @dataclass(slots=True)
@@ -31,6 +33,7 @@ class AllocOps:
     remap: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # set_mapping
     free_swa: list[torch.Tensor] = field(default_factory=list)  # full slots: free their SWA only
     free: list[torch.Tensor] = field(default_factory=list)  # full slots (+ their mapped SWA)
+    host_free: list[tuple[LayerKind, torch.Tensor]] = field(default_factory=list)  # host slots
 
 
 class RadixTree:
@@ -54,9 +57,12 @@ class RadixTree:
         self.retention = (
             TailRetention(self.tail) if tail_first and self.tail is not None else None
         )
-        self.leaves = LeafHeap()  # unlocked leaves: full-eviction order
+        self.leaves = LeafHeap()  # unlocked device leaves: full-eviction order
+        self.host_leaves = LeafHeap()  # host-resident leaves: the host tier's full order
+        self.host_swa_order = LeafHeap()  # nodes holding host SWA, by last access
         self.full_evictable = self.full_protected = 0
         self.swa_evictable = self.swa_protected = 0
+        self.host_full = self.host_swa = 0  # tokens held on the host tier
         self._clock = 0
         self._next_boundary_id = 1
 
@@ -84,6 +90,8 @@ class RadixTree:
         upper = split_off_head(node, at, self.page_size)
         if node.in_lru:
             self.swa_lru.insert_older_than(node, upper)
+        if upper.host_swa is not None:
+            self.host_swa_order.add(upper)
         if self.retention is not None:  # lengths changed; the ancestors' walks did not
             self.retention.classify(upper)
             self.retention.classify(node)
@@ -95,6 +103,7 @@ class RadixTree:
         """Attach a new unlocked leaf; `swa` None creates it as a tombstone (FULL only)."""
         p = self.page_size
         assert key and len(key) % p == 0 and len(full) == len(key), (len(key), len(full), p)
+        assert not parent.full_on_host, "a device node under a host node"
         node = Node(
             key=key,
             full=full,
@@ -119,27 +128,45 @@ class RadixTree:
         return node
 
     def delete_leaf(self, node: Node) -> None:
-        """Detach an unlocked leaf; the caller frees `node.full` (and with it any live SWA)."""
+        """Detach an unlocked leaf (either tier); the caller frees its slots (device: `full`,
+        and with it any live SWA; host: `host_full` and `host_swa`)."""
         assert node.is_leaf and node.full_lock == 0 and not node.is_root, node
         parent = node.parent
         assert parent is not None
         del parent.children[node.key[: self.page_size]]
-        self.leaves.discard(node)
-        self.full_evictable -= len(node)
+        if node.full_on_host:
+            self.host_leaves.discard(node)
+            self.host_full -= len(node)
+        else:
+            self.leaves.discard(node)
+            self.full_evictable -= len(node)
         if node.swa is not None:
             self.swa_evictable -= len(node)
             self.swa_lru.remove(node)
+        if node.host_swa is not None:
+            self._forget_host_swa(node)
         node.attached = False
         self.events.emit(EventKind.REMOVED, node.hashes)
-        if parent.is_leaf and parent.full_lock == 0:
-            self.leaves.add(parent)
+        self._reclassify_leaf(parent)
         if self.retention is not None:
             self.retention.forget(node)
             self.retention.classify_up(parent)
 
+    def _reclassify_leaf(self, node: Node) -> None:
+        """`node`'s children changed: its place in the device or host leaf order."""
+        if node.is_root:
+            return
+        if node.full_on_host:
+            if node.is_leaf:
+                self.host_leaves.add(node)
+        elif node.full_lock == 0 and node.is_device_leaf:
+            self.leaves.add(node)
+        else:
+            self.leaves.discard(node)
+
     def tombstone(self, node: Node) -> None:
         """Drop the SWA component; the caller frees SWA of `node.full`."""
-        assert node.swa is not None and node.swa_lock == 0, node
+        assert node.swa is not None and node.swa_lock == 0 and not node.pinned, node
         assert self.window is not None, "no SWA rule: nothing may be tombstoned"
         node.swa = None
         self.swa_evictable -= len(node)
@@ -148,15 +175,91 @@ class RadixTree:
         if self.retention is not None:
             self.retention.classify_up(node)
 
-    def revive(self, node: Node, full: torch.Tensor, swa: torch.Tensor) -> None:
-        """Give a tombstone fresh SWA (and maybe new full slots: unlocked revival)."""
-        assert node.swa is None and node.swa_lock == 0, node
+    def revive(self, node: Node, full: torch.Tensor, swa: torch.Tensor) -> torch.Tensor | None:
+        """Give a device node without device SWA fresh SWA (and maybe new full slots: unlocked
+        revival). Its host SWA, if any, is superseded: returned for the caller to free."""
+        assert node.swa is None and node.swa_lock == 0 and not node.full_on_host, node
+        old = node.host_swa
+        if old is not None:
+            self._forget_host_swa(node)
         node.full, node.swa = full, swa
         self.swa_evictable += len(node)
         self._push_live(node)
-        self.events.emit(EventKind.SWA_RESTORED, node.hashes)
+        kind = EventKind.SWA_RESTORED if old is None else EventKind.SWA_LOADED
+        self.events.emit(kind, node.hashes)
         if self.retention is not None:
             self.retention.classify_up(node)
+        return old
+
+    # ---- the host tier (docs/design.md §9.9): the caller moves the slots ------------------
+
+    def offload_swa(self, node: Node, host_swa: torch.Tensor) -> None:
+        """Device SWA -> host (LIVE -> SWA_HOST); the caller frees SWA of `node.full`."""
+        assert node.swa is not None and node.swa_lock == 0 and not node.pinned, node
+        node.swa = None
+        self.swa_evictable -= len(node)
+        self.swa_lru.remove(node)
+        self._hold_host_swa(node, host_swa)
+        self.events.emit(EventKind.SWA_OFFLOADED, node.hashes)
+        if self.retention is not None:
+            self.retention.classify(node)
+
+    def offload(self, node: Node, host_full: torch.Tensor, host_swa: torch.Tensor | None) -> None:
+        """A device leaf's full KV -> host, its device SWA with it (`host_swa`: where; None only
+        without device SWA). The caller frees `node.full` (and its mapped SWA)."""
+        assert node.full_lock == 0 and node.is_device_leaf and not node.pinned, node
+        assert (host_swa is None) == (node.swa is None), "device SWA moves with the full KV"
+        self.leaves.discard(node)
+        self.full_evictable -= len(node)
+        if node.swa is not None:
+            self.swa_evictable -= len(node)
+            self.swa_lru.remove(node)
+            node.swa = None
+        if host_swa is not None:
+            self._hold_host_swa(node, host_swa)
+        node.full, node.host_full = _EMPTY, host_full
+        self.host_full += len(node)
+        self.events.emit(EventKind.OFFLOADED, node.hashes)
+        self._reclassify_leaf(node)
+        assert node.parent is not None
+        self._reclassify_leaf(node.parent)
+        if self.retention is not None:
+            self.retention.classify(node)
+
+    def load(self, node: Node, full: torch.Tensor) -> torch.Tensor:
+        """Host full KV -> the device slots `full` (SWA stays where it is); returns the host
+        slots for the caller to free. The parent must be on the device already."""
+        assert node.host_full is not None and node.parent is not None, node
+        assert not node.parent.full_on_host, "load from the root down"
+        old, node.host_full, node.full = node.host_full, None, full
+        self.host_full -= len(node)
+        self.full_evictable += len(node)
+        self.host_leaves.discard(node)
+        self.events.emit(EventKind.LOADED, node.hashes)
+        self._reclassify_leaf(node)
+        self._reclassify_leaf(node.parent)
+        return old
+
+    def drop_host_swa(self, node: Node) -> torch.Tensor:
+        """Host SWA freed (SWA_HOST -> TOMBSTONE, HOST -> HOST_TOMBSTONE); returns the host
+        slots for the caller to free."""
+        old = node.host_swa
+        assert old is not None and not node.pinned, node
+        self._forget_host_swa(node)
+        self.events.emit(EventKind.SWA_REMOVED, node.hashes)
+        if self.retention is not None:
+            self.retention.classify_up(node)
+        return old
+
+    def _hold_host_swa(self, node: Node, host_swa: torch.Tensor) -> None:
+        node.host_swa = host_swa
+        self.host_swa += len(node)
+        self.host_swa_order.add(node)
+
+    def _forget_host_swa(self, node: Node) -> None:
+        node.host_swa = None
+        self.host_swa -= len(node)
+        self.host_swa_order.discard(node)
 
     def _push_live(self, node: Node) -> None:
         self.swa_lru.push_newest(node)
@@ -179,7 +282,9 @@ class RadixTree:
             node = node.parent  # type: ignore[assignment]
         for n in reversed(path):
             n.last_access = self.tick()
-        self.leaves.touched(end)
+            # (with a host tier a device leaf may sit above `end`, host nodes below it)
+            for order in (self.leaves, self.host_leaves, self.host_swa_order):
+                order.touched(n)
         budget = (1 << 62) if self.window is None else self.window + self.page_size
         for n in self.swa_lru.refresh_upward(end, budget):  # top first: the deepest ends newest
             n.swa_tick = self.tick()
@@ -196,6 +301,7 @@ class RadixTree:
         if node.is_root:
             return LockReceipt(node, None)
         assert node.attached, "lock of an evicted node: lock a match before anything can evict"
+        assert not node.full_on_host, "locks hold device KV only: load first"
         self.leaves.discard(node)
         top: Node | None = None
         acc = 0
@@ -231,7 +337,7 @@ class RadixTree:
             if n.full_lock == 0:
                 self.full_protected -= len(n)
                 self.full_evictable += len(n)
-        if node.is_leaf and node.full_lock == 0 and node.attached:
+        if node.full_lock == 0 and node.attached and node.is_device_leaf:
             self.leaves.add(node)
 
     def release_window(self, receipt: LockReceipt) -> LockReceipt:
@@ -278,6 +384,9 @@ class RadixTree:
             out.append(n)
             stack.extend(n.children.values())
         return out
+
+
+_EMPTY = torch.empty(0, dtype=torch.int64)
 
 
 def _up(node: Node) -> list[Node]:

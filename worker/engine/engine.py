@@ -27,6 +27,7 @@ from collections.abc import Callable, Sequence
 from core.events import CacheEvent, PageState
 from core.geometry import ceil_page
 from core.outputs import EngineStats, Output, StreamDelta, TokenLogprob
+from core.reuse import TierCosts
 from core.sampling_params import SamplingParams
 from worker.assembly.builder import build_engine_parts
 from worker.assembly.parts import EngineParts
@@ -83,6 +84,7 @@ class Engine:
                 radix=config.enable_radix_cache,
                 tombstone_repair=repairs_tombstones(config),
                 max_num_batched_tokens=config.max_num_batched_tokens,
+                tier_costs=p.tier_costs,
             ),
             self.allocator,
             self.cache,
@@ -191,6 +193,8 @@ class Engine:
             deltas += self._process(previous)
         if self._inflight is not None and not self._inflight.overlapped:
             deltas += self._settle()
+        if self._inflight is None and (copy := self._copies()) is not None:
+            copy()  # no forward to run them before, none in flight: now (docs/design.md §9.9)
         # Processing the step that was in flight commits a forward: progress, like a new step.
         refused = self.scheduler.refuse_if_stalled(bool(work) or bool(deltas) or previous is not None)
         if refused is not None:
@@ -209,13 +213,23 @@ class Engine:
         masks = self.masks.start([(w.req.grammar, w.req.generated) for w in samplers])
         index = sample_index(fwd, [w.samples for w in work])
         result, overlapped = self.forwarder.submit(
-            self.runner, ForwardBatch(fwd), index, rows, masks, previous.result if previous else None
-        )
+            self.runner, ForwardBatch(fwd), index, rows, masks, previous.result if previous else None,
+            before=self._copies(),
+        )  # fmt: skip
         self.scheduler.commit(work)
         self.scheduler.launched(work)
         history = any(w.req.grammar is not None or w.req.params.penalized for w in samplers)
         rows_of = {w.req: i for i, w in enumerate(samplers)}
         return Launched(work, fwd, samplers, prompt_only, result, rows_of, history, overlapped)
+
+    def _copies(self) -> Callable[[], None] | None:
+        """The KV copies between tiers the step decided, to run just before its forward."""
+        host = self.parts.host
+        batch = host.tier.queue.take() if host is not None else None
+        if host is None or batch is None:
+            return None
+        copier = host.copier
+        return lambda: copier.issue(batch)
 
     def _settle(self) -> list[StreamDelta]:
         """Process the step in flight, if any (waits for its forward)."""
@@ -329,7 +343,12 @@ class Engine:
         return self._stats
 
     def _snapshot(self) -> EngineStats:
-        return snapshot(self.scheduler, self.peaks, self.counters, self.last_step_seconds)
+        return snapshot(self.scheduler, self.peaks, self.counters, self.last_step_seconds, self.parts.host)
+
+    @property
+    def tier_costs(self) -> TierCosts | None:
+        """What a token costs this worker to prefill or load (None: no host tier)."""
+        return self.parts.tier_costs
 
     def check_integrity(self) -> None:
         """Raise when any pool/cache invariant breaks (docs/design.md §12), incl. the leak identity."""
@@ -395,4 +414,5 @@ def _output(req: Req) -> Output:
         error=req.error,
         prompt_logprobs=None if req.prompt_logprobs is None else [None, *req.prompt_logprobs],
         repaired_tokens=req.repaired_tokens,
+        loaded_tokens=req.loaded_tokens,
     )

@@ -18,7 +18,7 @@ half, e.g. tensor parallelism): the same `Launched` step is run inline and proce
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
@@ -95,18 +95,23 @@ class Forwarder:
         rows: list[SampleRow],
         masks: Future[torch.Tensor] | None,
         previous: Future[StepResult] | None,
+        before: Callable[[], None] | None = None,
     ) -> tuple[Future[StepResult], bool]:
-        """The step's result, and whether it runs on the forward thread (else it is done)."""
+        """The step's result, and whether it runs on the forward thread (else it is done).
+        `before` runs just before the forward, on the thread that runs it (the step's KV
+        copies between tiers, docs/design.md §9.9)."""
         from worker.runner.model_runner import ModelRunner  # (the engine imports no model code)
 
         if not (self.overlap and isinstance(runner, ModelRunner)):
+            if before is not None:
+                before()
             done: Future[StepResult] = Future()
             done.set_result(self._sample(runner, runner.forward(batch), index, rows, masks))
             return done, False
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, "swaserve-forward")
         step = runner.prepare(batch)  # the host half, here on the step thread
-        return self._pool.submit(self._run, runner, step, index, rows, masks, previous), True
+        return self._pool.submit(self._run, runner, step, index, rows, masks, previous, before), True
 
     def _run(
         self,
@@ -116,8 +121,11 @@ class Forwarder:
         rows: list[SampleRow],
         masks: Future[torch.Tensor] | None,
         previous: Future[StepResult] | None,
+        before: Callable[[], None] | None,
     ) -> StepResult:
         future = previous.result().tokens if previous is not None else None  # done: one thread
+        if before is not None:
+            before()
         return self._sample(runner, runner.run_prepared(step, future), index, rows, masks)
 
     def _sample(

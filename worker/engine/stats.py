@@ -9,9 +9,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from core.outputs import EngineStats, PoolStats
+from core.outputs import EngineStats, PoolStats, TierStats
+from worker.assembly.host import HostParts
 from worker.cache.base import PrefixCache
 from worker.kv.hybrid_allocator import HybridAllocator
+from worker.kv.transfer import Move
+from worker.models.spec import LayerKind
 from worker.scheduler.scheduler import Scheduler
 
 
@@ -50,11 +53,35 @@ def tombstone_tokens(allocator: HybridAllocator, cache: PrefixCache) -> int:
     return cached - cache.swa_evictable - cache.swa_protected
 
 
+def host_stats(host: HostParts | None) -> dict[str, object]:
+    """The host tier's part of `EngineStats` (nothing without a tier: the defaults)."""
+    if host is None:
+        return {}
+    tier, moved = host.tier, host.tier.queue.moved
+    pools = {}
+    for kind, name in ((LayerKind.FULL, "host_full"), (LayerKind.SWA, "host_swa")):
+        size = tier.host.size(kind)
+        pools[name] = TierStats(size, size - tier.host.available(kind))
+
+    def nbytes(move: Move) -> int:
+        return int(sum(moved[move, k] * host.bytes_per_token(k) for k in LayerKind))
+
+    return pools | dict(
+        loaded_tokens=tier.tokens_loaded,
+        loaded_full_tokens=moved[Move.LOAD, LayerKind.FULL],
+        loaded_swa_tokens=moved[Move.LOAD, LayerKind.SWA],
+        loaded_bytes=nbytes(Move.LOAD),
+        offloaded_tokens=tier.tokens_offloaded,
+        offloaded_bytes=nbytes(Move.OFFLOAD),
+    )
+
+
 def snapshot(
     scheduler: Scheduler,
     peaks: PoolPeaks,
     counters: EngineCounters,
     last_step_seconds: float,
+    host: HostParts | None = None,
 ) -> EngineStats:
     """Everything `Engine.stats()` reports, copied out of the live state (step thread only)."""
     a, c, s = scheduler.allocator, scheduler.cache, scheduler.counters
@@ -84,4 +111,5 @@ def snapshot(
         aborts=s.aborts,
         steps=counters.steps,
         last_step_seconds=last_step_seconds,
+        **host_stats(host),  # type: ignore[arg-type]
     )

@@ -96,4 +96,5 @@ def stream_delta(req: Req, cursor: StreamCursor) -> StreamDelta:
         error=req.error,
         prompt_logprobs=prompt_lps,
         repaired_tokens=req.repaired_tokens,
+        loaded_tokens=req.loaded_tokens,
     )

@@ -121,6 +121,35 @@ class HybridAllocator:
         self._map_fresh(full_pages, full, swa)
         return full
 
+    def alloc_full(self, n: int) -> torch.Tensor | None:
+        """`n` tokens (whole pages) on fresh full pages without SWA slots (mapping 0): full KV
+        coming back from the host tier, its SWA KV elsewhere. None (no change) when short."""
+        P = self.page_size
+        assert n % P == 0, f"alloc_full takes whole pages, got {n} tokens"
+        pages = self.full.alloc(n // P)
+        if pages is None:
+            return None
+        full = page_slots(pages, P)
+        if self.hybrid:
+            self.mapping[full] = 0
+        return full
+
+    def attach_swa(self, full: torch.Tensor) -> torch.Tensor | None:
+        """Fresh SWA pages for the (whole, unmapped) full pages of `full`, mapped slot by slot:
+        SWA KV coming back from the host tier. Returns the SWA slots; None (no change) when
+        the SWA pool is short."""
+        P = self.page_size
+        full = torch.as_tensor(full, dtype=_I64).reshape(-1)
+        assert self.hybrid and full.numel() % P == 0, "attach_swa: whole pages of a hybrid pool"
+        if bool((self.mapping[full] != 0).any()):
+            raise ValueError("attach_swa: a full slot already has an SWA slot")
+        pages = self.swa.alloc(full.numel() // P)
+        if pages is None:
+            return None
+        swa = page_slots(pages, P)
+        self.mapping[full] = swa
+        return swa
+
     def alloc_extend(
         self, prefix_lens: Sequence[int], seq_lens: Sequence[int], last_locs: Sequence[int]
     ) -> torch.Tensor | None:

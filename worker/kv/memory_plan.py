@@ -211,3 +211,63 @@ def _check_swa_floor(plan: PoolPlan, window: int, ratio: float) -> None:
             f"= {window} + {plan.page_size} = {floor} (the prefill admission floor); raise "
             f"kv_cache_bytes or max_total_tokens, or swa_full_tokens_ratio (now {ratio})"
         )
+
+
+# ---------------------------------------------------------------- the host tier (§9.9)
+
+
+@dataclass(frozen=True)
+class HostPlan:
+    """Token slots and bytes of the host tier, one pool per device pool (docs/design.md §9.9).
+    `full_tokens` of an all-SWA model are addresses without buffers (as on the device)."""
+
+    full_tokens: int
+    swa_tokens: int
+    page_size: int
+    full_bytes: int
+    swa_bytes: int
+
+    @property
+    def total_bytes(self) -> int:
+        return self.full_bytes + self.swa_bytes
+
+    def describe(self) -> str:
+        return (
+            f"host full_tokens={self.full_tokens} swa_tokens={self.swa_tokens} "
+            f"total={self.total_bytes / _GIB:.2f} GiB"
+        )
+
+
+def plan_host_pools(
+    spec: ModelSpec, device: PoolPlan, *, dtype_bytes: int, host_kv_bytes: int, ratio: float
+) -> HostPlan:
+    """Split `host_kv_bytes` between a host full pool and a host SWA pool as the device split
+    is made (`ratio` = SWA tokens / full tokens). Needs separate SWA pools on the device (the
+    tier moves each pool's KV on its own); raises ConfigError when it holds no page."""
+    if not device.hybrid:
+        raise ConfigError(
+            "host_kv_bytes needs separate full and SWA pools (a model with sliding-window layers, "
+            "disable_hybrid_swa_memory: false); set host_kv_bytes: 0"
+        )
+    if not 0.0 < ratio <= 1.0:
+        raise ConfigError(f"host_swa_full_tokens_ratio must be in (0, 1], got {ratio}")
+    sizing = _Sizing(spec, device.page_size, dtype_bytes, host_kv_bytes, None)
+    if spec.is_all_swa:
+        swa = sizing.tokens(sizing.s)
+        full = swa * HOST_ALL_SWA_VIRTUAL_FULL
+    else:
+        full = sizing.tokens(sizing.f + ratio * sizing.s)
+        swa = floor_page(int(full * ratio), device.page_size)
+        if swa <= 0:
+            raise ConfigError(
+                f"the host tier's SWA pool holds no page ({full} full tokens x ratio {ratio}); "
+                "raise host_kv_bytes or host_swa_full_tokens_ratio"
+            )
+    plan = HostPlan(full, swa, device.page_size, full * sizing.f, swa * sizing.s)
+    logger.info("KV host tier: %s", plan.describe())
+    return plan
+
+
+# All-SWA models: host full slots are plain addresses (no full layer), several per SWA slot so
+# host tombstones have room, as on the device (worker/assembly/pools.py).
+HOST_ALL_SWA_VIRTUAL_FULL = 4

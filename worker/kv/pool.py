@@ -103,6 +103,12 @@ class HybridKVPool:
         kind, i = self._locate(layer_id)
         return self._k[kind][i], self._v[kind][i]
 
+    def pool_buffers(self, pool: LayerKind) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The K and the V buffer of every layer whose KV lives in the full (FULL) or SWA (SWA)
+        pool, in layer order: what the host tier copies (`worker/kv/transfer.py`)."""
+        assert self.hybrid, "the host tier moves the KV of separate full and SWA pools"
+        return self._k[pool], self._v[pool]
+
     def layers_in_pool(self, pool: LayerKind) -> int:
         """How many layers keep their KV in the full (FULL) or SWA (SWA) pool."""
         if not self.hybrid:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from core.geometry import Geometry
+from core.reuse import TierCosts
 from worker.runner.forward_batch import ForwardReq, RepairRows
 from worker.scheduler.request import Req
 
@@ -20,6 +21,7 @@ class SchedulerLimits:
     radix: bool  # False: chunk cache (frees SWA before each chunk with the exact window)
     tombstone_repair: bool = False  # repair tombstoned prefixes (docs/design.md §9.8)
     max_num_batched_tokens: int = 1 << 62  # tokens per step, decodes included (§11.7)
+    tier_costs: TierCosts | None = None  # a host tier's prices (docs/design.md §9.9); None: none
 
 
 @dataclass(frozen=True)
@@ -68,3 +70,4 @@ class SchedulerCounters:
     cache_hit_tokens: int = 0  # of those, served from the prefix cache at first admission
     repairs: int = 0  # admissions through a tombstone repair (docs/design.md §9.8)
     repaired_tokens: int = 0  # repair rows those admissions recomputed
+    loads: int = 0  # admissions that loaded KV from the host tier (docs/design.md §9.9)

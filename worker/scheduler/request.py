@@ -48,6 +48,7 @@ class Req:
     state: ReqState = ReqState.WAITING
     cached_tokens: int = -1  # prompt tokens whose forward was skipped at first admission; -1 = not yet
     repaired_tokens: int = 0  # tokens recomputed at first admission to repair a tombstoned prefix
+    loaded_tokens: int = 0  # prompt tokens whose KV came back from the host tier (first admission)
     finish_reason: FinishReason | None = None
     error: str | None = None
     retractions: int = 0

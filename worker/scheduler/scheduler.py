@@ -12,8 +12,8 @@ token (out-of-window SWA freed per request every `swa_eviction_interval`; when t
 take the decode tokens even after evicting the tree and freeing everything out of the window,
 the most recently admitted requests are retracted); then prefilling requests get their next
 chunk and waiting requests are admitted FIFO while the step's prefill budget lasts, within both
-pools' budgets (`worker.scheduler.budget`), through a tombstone repair when the shared rule
-says so (`core.reuse`, docs/design.md §9.8).
+pools' budgets (`worker.scheduler.budget`), through a tombstone repair or a load from the host
+tier when the shared rule says so (`core.reuse`, docs/design.md §9.8, §9.9).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import torch
 
 from core.geometry import ceil_page
 from core.outputs import FinishReason, TokenLogprob
-from core.reuse import Reuse, plan_reuse
+from core.reuse import Reuse, choose_reuse, plan_reuse
 from worker.cache.base import MatchResult, PrefixCache
 from worker.cache.req_kv import ReqKV
 from worker.kv.hybrid_allocator import HybridAllocator
@@ -281,12 +281,14 @@ class Scheduler:
     def _admit(self, req: Req, budget: int) -> StepWork | None:
         tokens = req.all_tokens()
         match = self.cache.match_prefix(tokens[: req.reusable])
-        lim = self.limits
-        reuse = plan_reuse(match.full_length, match.length, lim.geometry, repair=lim.tombstone_repair and lim.radix)
-        if reuse.repaired:
-            admitted, item = self._admit_repair(req, tokens, reuse, budget)
+        reuse = self._reuse(match)
+        if reuse.repaired or reuse.loaded_full or reuse.loaded_swa:
+            admit = self._admit_repair if reuse.repaired else self._admit_load
+            admitted, item = admit(req, tokens, reuse, budget)
             if admitted:
                 return item
+            if reuse.loaded_full or reuse.loaded_swa:  # alone, no room: what the device holds
+                match = self.cache.match_prefix(tokens[: req.reusable])
         kv = self._new_kv(req, tokens, match)
         n = self._admissible_chunk(req, len(tokens) - match.length, budget)
         if n <= 0:
@@ -299,13 +301,74 @@ class Scheduler:
             req.cached_tokens = match.length
         return item
 
+    def _reuse(self, match: MatchResult) -> Reuse:
+        """The shared rule (`core.reuse`): with a host tier, the cheapest of load / repair /
+        recompute at this worker's prices; without one, `plan_reuse` exactly."""
+        lim = self.limits
+        repair = lim.tombstone_repair and lim.radix
+        if match.tiered is None or lim.tier_costs is None:
+            return plan_reuse(match.full_length, match.length, lim.geometry, repair=repair)
+        return choose_reuse(match.tiered, lim.geometry, lim.tier_costs, repair=repair)
+
+    def _admit_load(
+        self, req: Req, tokens: list[int], reuse: Reuse, budget: int
+    ) -> tuple[bool, StepWork | None]:
+        """Admit through a load from the host tier (docs/design.md §9.9): the full KV of the
+        used prefix and the SWA KV of the window before its end come back, then the forward
+        starts at `reuse.reused`. (False, None): not now and nothing running (fall back)."""
+        g = self.limits.geometry
+        assert g.window is not None
+        extend = len(tokens) - reuse.reused
+        swa_from = reuse.reused - g.ceil(g.window)
+        loaded = self._load(req, tokens, reuse.reused, swa_from, extend, budget)
+        if loaded is None:
+            return bool(self.running), None
+        match, count = loaded
+        kv = self._new_kv(req, tokens, match)
+        n = self._admissible_chunk(req, extend, budget)
+        item = self._start(req, kv, n) if n > 0 else None
+        if item is None:  # (the checks said yes: the loaded KV stays the tree's either way)
+            if n <= 0:
+                record(kv, self.cache.cache_finished_req(kv, insert=False))
+                drop_row(kv, self._rows)
+            return True, None
+        if req.cached_tokens < 0:
+            req.cached_tokens, req.loaded_tokens = reuse.reused, count
+        return True, item
+
+    def _load(
+        self, req: Req, tokens: list[int], length: int, swa_from: int | None, extend: int, budget: int
+    ) -> tuple[MatchResult, int] | None:
+        """Load the host-resident part of `tokens[:length]` (SWA from `swa_from` on) when the
+        admission's budgets hold with the loaded tokens counted and the pools make room;
+        returns the device match and the tokens loaded, or None (nothing changed)."""
+        g = self.limits.geometry
+        plan = self.cache.prepare_load(tokens[: req.reusable], length, swa_from)
+        future = future_tokens(req, CLIP_MAX_NEW_TOKENS)
+        fits = not self.running or full_admits(extend + plan.full_tokens, future, g.page_size, self.rem_full())
+        if fits and self.swa_budgeted and swa_from is not None:
+            alone = not self.running
+            fits = first_chunk_len(extend, budget, self.rem_swa() - plan.swa_tokens, g, alone=alone) > 0
+        if not (fits and self._make_room(plan.full_tokens, plan.swa_tokens)):
+            self.cache.cancel_load(plan)
+            return None
+        self.counters.loads += 1
+        return self.cache.load(plan), plan.tokens
+
     def _admit_repair(
         self, req: Req, tokens: list[int], reuse: Reuse, budget: int
     ) -> tuple[bool, StepWork | None]:
         """Admit through a repair (docs/design.md §9.8): lock the full match, take scratch pairs
         for the repair rows, start the forward at `reuse.reused`. (False, None): not now and
-        nothing running, so fall back to the valid match (alone, nothing will free more)."""
+        nothing running, so fall back to the valid match (alone, nothing will free more). A
+        full match partly on the host tier is loaded first (full KV only)."""
         g, rows = self.limits.geometry, reuse.repaired
+        loaded = 0
+        if reuse.loaded_full:
+            got = self._load(req, tokens, reuse.reused + rows, None, len(tokens) - reuse.reused, budget)
+            if got is None:
+                return bool(self.running), None
+            loaded = got[1]
         kv = self._new_kv(req, tokens, self.cache.match_full(tokens[: req.reusable]))
         assert kv.cache_protected_len == reuse.reused + rows, "the full match moved"
         extend = len(tokens) - reuse.reused  # the scratch rows + the new slots after p_full
@@ -324,7 +387,7 @@ class Scheduler:
             self.counters.repairs += 1
             self.counters.repaired_tokens += rows
             if req.cached_tokens < 0:
-                req.cached_tokens, req.repaired_tokens = reuse.reused, rows
+                req.cached_tokens, req.repaired_tokens, req.loaded_tokens = reuse.reused, rows, loaded
         return True, item
 
     def _new_kv(self, req: Req, tokens: list[int], match: MatchResult) -> ReqKV:

@@ -7,13 +7,16 @@ from collections.abc import Sequence
 import torch
 
 from core.geometry import Geometry
+from worker.cache.host_tier import HostTier
 from worker.cache.insert import InsertOutcome
 from worker.cache.match import match_path
 from worker.cache.node import Node
 from worker.cache.radix_cache import RadixCache
 from worker.cache.req_kv import ReqKV
 from worker.kv.frontier import free_out_of_window
+from worker.kv.host_pool import HostAllocator
 from worker.kv.hybrid_allocator import HybridAllocator
+from worker.kv.transfer import TransferQueue
 
 # The policy `make_cache` uses when none is given (conftest's `both_policies` switches it).
 DEFAULT_SWA_POLICY = "lru"
@@ -28,13 +31,20 @@ def make_cache(
     hybrid: bool = True,
     eager_swa_free: bool = False,
     swa_eviction_policy: str | None = None,
+    host: tuple[int, int] | None = None,
 ) -> RadixCache:
-    """A radix cache over a real allocator; pool sizes in tokens."""
+    """A radix cache over a real allocator; pool sizes in tokens; `host`: a host tier of
+    (full, SWA) tokens (its copies are queued, never run: nothing reads KV here)."""
+    allocator = HybridAllocator(full, swa, page_size, hybrid)
+    tier = None
+    if host is not None:
+        tier = HostTier(HostAllocator(host[0], host[1], page_size), TransferQueue(allocator))
     return RadixCache(
-        HybridAllocator(full, swa, page_size, hybrid),
+        allocator,
         Geometry(page_size, window),
         eager_swa_free=eager_swa_free,
         swa_eviction_policy=swa_eviction_policy or DEFAULT_SWA_POLICY,
+        tier=tier,
     )
 
 

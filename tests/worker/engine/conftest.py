@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.worker.models.hf_tiny import CONFIGS, hf_greedy, randomize
+from tests.worker.models.hf_tiny import ARCHS, CONFIGS, TinyHF, hf_greedy, make_tiny, randomize
 from worker.config import EngineConfig
 from worker.engine.engine import Engine
 
@@ -63,6 +63,13 @@ def overlap(request: pytest.FixtureRequest, oracle: Oracle) -> Iterator[str]:
     oracle.overlap = request.param
     yield request.param
     oracle.overlap = "off"
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, TinyHF]:
+    """Every supported architecture as a tiny random transformers model (fp32) on disk."""
+    root = tmp_path_factory.mktemp("archs")
+    return {a: make_tiny(a, root) for a in ARCHS}
 
 
 @pytest.fixture(scope="session")

@@ -15,7 +15,7 @@ from core.geometry import Geometry
 from core.reuse import plan_reuse, repair_rows
 from core.sampling_params import SamplingParams
 from tests.worker.engine.conftest import Oracle, assert_all_free, run_checked, tokens
-from tests.worker.models.hf_tiny import ARCHS, TinyHF, hf_greedy, make_tiny
+from tests.worker.models.hf_tiny import ARCHS, TinyHF, hf_greedy
 from worker.config import EngineConfig
 from worker.engine.engine import Engine
 from worker.runner.forward_batch import ForwardBatch
@@ -61,12 +61,6 @@ def run(engine: Engine, prompts: Sequence[list[int]]) -> list[str]:
     rids = [engine.add_request(p, SamplingParams(max_tokens=MAX_NEW, **GREEDY)) for p in prompts]
     run_checked(engine)
     return rids
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, TinyHF]:
-    root = tmp_path_factory.mktemp("repair_archs")
-    return {a: make_tiny(a, root) for a in ARCHS}
 
 
 def swa_kv(engine: Engine, prefix: list[int], lo: int) -> list[torch.Tensor]:
