@@ -1,29 +1,40 @@
-"""The valid match per worker (docs/design.md §4.4), for all workers in one walk of the hash chain.
+"""The tiered match per worker (docs/design.md §4.4), for all workers in one walk of the hash chain.
 
-The worker's rule, mirrored exactly: for a chain h_0..h_{n-1}, k pages are a *valid match* when
-pages 0..k-1 are all present (LIVE or TOMBSTONE) and either none of them is a TOMBSTONE or the
-run of LIVE pages ending at page k-1 covers at least `window` tokens (run = pages × page_size,
-reset to 0 at every tombstone). The answer is the largest valid k (k = 0 is always valid);
-`window=None` (no SWA layer) is plain full presence. P and the window are the worker's
-`Geometry`.
+The worker's rule, mirrored exactly (`core.reuse.tiered_match` is the reference): for a chain
+h_0..h_{n-1}, k pages are a *valid match* when pages 0..k-1 are all present and either none of
+them lacks SWA KV (TOMBSTONE, HOST_TOMBSTONE) or the run of pages with SWA KV (on the device or
+the host tier) ending at page k-1 covers at least `window` tokens (run = pages × page_size,
+reset to 0 at every page without SWA). The *device* match applies the same rule to what needs no
+load: it stops at the first page whose full KV is on the host, and only LIVE pages count in the
+run. `window=None` (no SWA layer) is plain presence. P and the window are the worker's `Geometry`.
 
-    pages:   L  L  T  L  L  L  T  L  L      full presence: 9 pages
+    pages:   L  L  T  L  SH SH L  H  H      present: 9 pages
              0  1  2  3  4  5  6  7  8
-    k = 9:   run ending at page 8 = pages 7..8 (2 pages)  → valid iff 2·P ≥ window
-    k = 6:   run ending at page 5 = pages 3..5 (3 pages)  → valid iff 3·P ≥ window
-    k = 2:   no tombstone in pages 0..1                    → always valid
+    p_valid:  run ending at page 8 = pages 3..8 (6 pages: SWA on either tier) → valid iff 6·P ≥ W
+    p_device: stops before page 7 (full on the host); LIVE run ending at page 6 = 1 page
+              → 7 iff P ≥ W, else 2 (no page without SWA KV before page 2)
+    loads:    host_full = pages 7..8 below p_valid; host_swa = the host SWA among the
+              ceil_P(W)/P pages before p_valid; host_full_all = every host-full page
 
-`deepest_valid` jumps from tombstone to tombstone instead of testing every k: between two
-tombstones the run only grows with k, so the deepest candidate of each stretch is the only one
-worth testing.
+The walk records, per worker, only where its page state *changes* (one record per run of equal
+states: a prefix is a few long runs), then each worker's numbers come from its runs. A worker
+whose pages are all LIVE has no record at all; its answer is its depth.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import NamedTuple, Protocol
+from typing import Protocol
 
 from core.geometry import Geometry
+from core.reuse import TieredMatch
+
+# A run's state, from the PageMap bitsets (cluster/page_map.py): bit 0 SWA KV freed (tomb),
+# bit 1 full KV on the host, bit 2 SWA KV on the host. 0 = LIVE.
+_TOMB, _HOST_FULL, _HOST_SWA = 1, 2, 4
+_NO_DEVICE_SWA = _TOMB | _HOST_SWA  # TOMBSTONE, SWA_HOST (and the host-full states)
+
+Run = tuple[int, int]  # [start, end) in pages
 
 
 class PageSource(Protocol):
@@ -34,33 +45,26 @@ class PageSource(Protocol):
     def lookup(self) -> Callable[[int], list[int] | None]: ...
 
 
-class WorkerMatch(NamedTuple):
-    """NOTE: NamedTuple, not a frozen dataclass: one per worker per request, and a frozen
-    dataclass costs twice as much to build (it adds up to a third of a 64-worker decision)."""
-
-    full_pages: int  # pages present from the root: what an SWA-unaware router would count
-    valid_pages: int  # pages the worker can really reuse (≤ full_pages)
-
-
-def deepest_valid(full_pages: int, tombstones: Sequence[int], geometry: Geometry) -> int:
-    """Largest valid k ≤ full_pages, given the ascending tombstone positions below full_pages."""
-    window = geometry.window
-    if window is None or not tombstones:
-        return full_pages
-    page_size = geometry.page_size
-    upper = full_pages
-    for tomb in reversed(tombstones):  # `tomb` is the last tombstone below `upper`
-        if (upper - 1 - tomb) * page_size >= window:
+def deepest_valid(limit: int, bad: Sequence[Run], page_size: int, window: int | None) -> int:
+    """Largest valid k ≤ limit, given the ascending runs of pages that break the run of SWA KV
+    (all below `limit`). Between two bad runs the run of good pages only grows with k, so the
+    deepest candidate of each stretch is the only one worth testing, last first."""
+    if window is None:
+        return limit
+    upper = limit
+    for start, end in reversed(bad):  # the last bad run below `upper`
+        if (upper - end) * page_size >= window:
             return upper
-        upper = tomb  # k ≤ tomb: pages 0..k-1 exclude this tombstone
-    return upper  # no tombstone below: valid
+        upper = start  # k ≤ start: pages 0..k-1 exclude this run
+    return upper  # no bad page below: valid
 
 
 def match_chain(
     hashes: Iterable[int], page_map: PageSource, geometries: Mapping[int, Geometry]
-) -> dict[int, WorkerMatch]:
+) -> dict[int, TieredMatch]:
     """Match one chain for the workers `geometries` names (worker bit → its geometry; all share
-    the page size `hashes` was cut with) → bit → WorkerMatch, with one dict get per page.
+    the page size `hashes` was cut with) → bit → `TieredMatch` (tokens), with one dict get per
+    page.
 
     `hashes` may be lazy: the walk stops pulling as soon as no target holds the next page.
     """
@@ -68,9 +72,10 @@ def match_chain(
     for bit in geometries:
         alive |= bit
     full_at: dict[int, int] = {}
-    tombs: dict[int, list[int]] = {}
+    changes: dict[int, list[tuple[int, int]]] = {}  # bit → (page, state from it on)
     depth = 0
     get = page_map.lookup
+    tomb0 = full0 = swa0 = 0  # the previous page's tomb / host_full / host_swa bits
     if alive:
         for page_hash in hashes:
             entry = get(page_hash)
@@ -82,19 +87,61 @@ def match_chain(
                 alive = still
                 if not alive:
                     break  # before pulling (hashing) the next page
-            tomb = entry[1]
-            if tomb:
-                tomb &= alive
-            while tomb:
-                low = tomb & -tomb
-                tombs.setdefault(low, []).append(depth)
-                tomb ^= low
+            _, tomb, full, swa = entry
+            if tomb != tomb0 or full != full0 or swa != swa0:
+                _record_changes(
+                    ((tomb ^ tomb0) | (full ^ full0) | (swa ^ swa0)) & alive,
+                    depth, tomb, full, swa, changes,
+                )  # fmt: skip
+                tomb0, full0, swa0 = tomb, full, swa
             depth += 1
     _record_depth(alive, depth, full_at)
-    return {
-        bit: WorkerMatch(full, deepest_valid(full, tombs.get(bit, ()), geometries[bit]))
-        for bit, full in full_at.items()
-    }
+    out: dict[int, TieredMatch] = {}
+    for bit, pages in full_at.items():
+        geometry = geometries[bit]
+        marks = changes.get(bit)
+        if marks is None:  # LIVE all the way
+            n = pages * geometry.page_size
+            out[bit] = TieredMatch(n, n, n, 0, 0, 0)
+        else:
+            out[bit] = tiered_from_runs(pages, marks, geometry)
+    return out
+
+
+def tiered_from_runs(pages: int, marks: list[tuple[int, int]], g: Geometry) -> TieredMatch:
+    """One worker's `TieredMatch` from its depth and where its page state changes (ascending
+    `(page, state)` below `pages`, LIVE before the first)."""
+    ends = [page for page, _ in marks[1:]] + [pages]
+    runs = [(start, end, state) for (start, state), end in zip(marks, ends)]  # non-empty
+    P, W = g.page_size, g.window
+    valid = deepest_valid(pages, [(s, e) for s, e, state in runs if state & _TOMB], P, W)
+    device_end = next((s for s, _, state in runs if state & _HOST_FULL), pages)
+    device_bad = [(s, e) for s, e, state in runs if state & _NO_DEVICE_SWA and e <= device_end]
+    device = deepest_valid(device_end, device_bad, P, W)
+    window_start = valid - (0 if W is None else g.ceil(W) // P)
+    host_full = host_full_all = host_swa = 0
+    for s, e, state in runs:
+        if state & _HOST_FULL:
+            host_full += _overlap(s, e, 0, valid)
+            host_full_all += e - s
+        if state & _HOST_SWA:
+            host_swa += _overlap(s, e, window_start, valid)
+    return TieredMatch(pages * P, valid * P, device * P, host_full * P, host_swa * P, host_full_all * P)
+
+
+def _overlap(start: int, end: int, lo: int, hi: int) -> int:
+    n = min(end, hi) - max(start, lo)
+    return n if n > 0 else 0
+
+
+def _record_changes(
+    bits: int, depth: int, tomb: int, full: int, swa: int, out: dict[int, list[tuple[int, int]]]
+) -> None:
+    while bits:
+        low = bits & -bits
+        state = (_TOMB if tomb & low else 0) | (_HOST_FULL if full & low else 0)
+        out.setdefault(low, []).append((depth, state | (_HOST_SWA if swa & low else 0)))
+        bits ^= low
 
 
 def _record_depth(bits: int, depth: int, out: dict[int, int]) -> None:
