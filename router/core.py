@@ -22,6 +22,13 @@ from router.match import match_chain
 from router.pending import PendingPages
 from router.policies import Policy, RequestView
 
+# NOTE: `tuple.__new__(NamedTupleClass, values)` builds the same value as the class call at a
+# third of its cost (one `WorkerView` and one `RankedWorker` per candidate per request); every
+# field is given, in declaration order. WorkerView: worker_id, valid_cached, full_cached, load,
+# extra_prefill_tokens, extra_requests, geometry, hybrid, repaired, loaded_full, loaded_swa,
+# host_load_cost.
+_new = tuple.__new__
+
 
 class Candidate(NamedTuple):  # one per replica per request: a NamedTuple is cheap to build
     worker_id: str  # the id the replica stamps on its cache events
@@ -100,7 +107,7 @@ class RouterCore:
         decision = RoutingDecision(
             policy.name,
             tuple(
-                RankedWorker(v.worker_id, predicted(v), r.cost, repaired(v), loaded(v))
+                _new(RankedWorker, (v.worker_id, predicted(v), r.cost, repaired(v), loaded(v)))
                 for r in ranked
                 for v in (views[r.position],)
             ),
@@ -189,34 +196,24 @@ class RouterCore:
             return WorkerView(cand.worker_id, 0, 0, load, extra_tokens, extra_requests)
         meta, m = matched[0].meta, matched[1]
         geometry = meta.geometry
+        p_full, p_valid, p_device = m[0], m[1], m[2]
         repair = meta.tombstone_repair and meta.hybrid
+        if p_device == p_valid and (p_full == p_valid or not repair):
+            # Nothing to load or repair: what every rule returns.
+            return _new(WorkerView, (cand.worker_id, p_valid, p_full, load, extra_tokens, extra_requests,
+                                     geometry, meta.hybrid, 0, 0, 0, 0.0))  # fmt: skip
         costs = meta.tier_costs
         host_cost = 0.0
-        if m.p_device == m.p_valid and (not repair or m.p_full == m.p_valid):
-            reuse = Reuse(m.p_valid)  # nothing to load or repair: what every rule returns
-        elif costs is None:  # no host tier: the repair rule alone
-            reuse = plan_reuse(m.p_full, m.p_valid, geometry, repair=repair)
+        if costs is None or (p_device == p_valid and not m[5] and costs.prefill > 0):
+            # No host KV along the match: `choose_reuse` is `plan_reuse` (core/reuse.py), cheaper.
+            reuse = plan_reuse(p_full, p_valid, geometry, repair=repair)
         else:  # the worker's own rule (core/reuse.py): the prediction is its decision
             reuse = choose_reuse(m, geometry, costs, repair=repair)
             if costs.prefill > 0:  # in tokens of prefill, the cost model's unit
                 host_cost = (reuse.loaded_full * costs.load_full + reuse.loaded_swa * costs.load_swa) / costs.prefill
-        # Positional: WorkerView(worker_id, valid_cached, full_cached, load, extra_prefill_tokens,
-        # extra_requests, geometry, hybrid, repaired, loaded_full, loaded_swa, host_load_cost);
-        # keywords cost a third more.
-        return WorkerView(
-            cand.worker_id,
-            reuse.reused,
-            m.p_full,
-            load,
-            extra_tokens,
-            extra_requests,
-            geometry,
-            meta.hybrid,
-            reuse.repaired,
-            reuse.loaded_full,
-            reuse.loaded_swa,
-            host_cost,
-        )
+        reused, repaired, loaded_full, loaded_swa = reuse
+        return _new(WorkerView, (cand.worker_id, reused, p_full, load, extra_tokens, extra_requests, geometry,
+                                 meta.hybrid, repaired, loaded_full, loaded_swa, host_cost))  # fmt: skip
 
 
 def device_after(reuse: Reuse, p_full: int, g: Geometry) -> tuple[int, int]:

@@ -23,7 +23,7 @@ whose pages are all LIVE has no record at all; its answer is its depth.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping
 from typing import Protocol
 
 from core.geometry import Geometry
@@ -33,8 +33,10 @@ from core.reuse import TieredMatch
 # bit 1 full KV on the host, bit 2 SWA KV on the host. 0 = LIVE.
 _TOMB, _HOST_FULL, _HOST_SWA = 1, 2, 4
 _NO_DEVICE_SWA = _TOMB | _HOST_SWA  # TOMBSTONE, SWA_HOST (and the host-full states)
-
-Run = tuple[int, int]  # [start, end) in pages
+_HOSTED = _HOST_FULL | _HOST_SWA
+# NOTE: `tuple.__new__(NamedTupleClass, values)` builds the same value as the class call at a
+# third of its cost (the generated __new__ is Python code); every field must be given.
+_new = tuple.__new__
 
 
 class PageSource(Protocol):
@@ -43,20 +45,6 @@ class PageSource(Protocol):
 
     @property
     def lookup(self) -> Callable[[int], list[int] | None]: ...
-
-
-def deepest_valid(limit: int, bad: Sequence[Run], page_size: int, window: int | None) -> int:
-    """Largest valid k ≤ limit, given the ascending runs of pages that break the run of SWA KV
-    (all below `limit`). Between two bad runs the run of good pages only grows with k, so the
-    deepest candidate of each stretch is the only one worth testing, last first."""
-    if window is None:
-        return limit
-    upper = limit
-    for start, end in reversed(bad):  # the last bad run below `upper`
-        if (upper - end) * page_size >= window:
-            return upper
-        upper = start  # k ≤ start: pages 0..k-1 exclude this run
-    return upper  # no bad page below: valid
 
 
 def match_chain(
@@ -73,6 +61,7 @@ def match_chain(
         alive |= bit
     full_at: dict[int, int] = {}
     changes: dict[int, list[tuple[int, int]]] = {}  # bit → (page, state from it on)
+    hosted = 0  # workers with host KV along their match
     depth = 0
     get = page_map.lookup
     tomb0 = full0 = swa0 = 0  # the previous page's tomb / host_full / host_swa bits
@@ -93,45 +82,84 @@ def match_chain(
                     ((tomb ^ tomb0) | (full ^ full0) | (swa ^ swa0)) & alive,
                     depth, tomb, full, swa, changes,
                 )  # fmt: skip
+                hosted |= (full | swa) & alive
                 tomb0, full0, swa0 = tomb, full, swa
             depth += 1
     _record_depth(alive, depth, full_at)
     out: dict[int, TieredMatch] = {}
+    live: dict[tuple[int, int], TieredMatch] = {}  # one answer for every all-LIVE depth
     for bit, pages in full_at.items():
-        geometry = geometries[bit]
+        g = geometries[bit]
         marks = changes.get(bit)
         if marks is None:  # LIVE all the way
-            n = pages * geometry.page_size
-            out[bit] = TieredMatch(n, n, n, 0, 0, 0)
-        else:
-            out[bit] = tiered_from_runs(pages, marks, geometry)
+            key = (pages, g.page_size)
+            m = live.get(key)
+            if m is None:
+                n = pages * g.page_size
+                m = live[key] = TieredMatch(n, n, n, 0, 0, 0)
+            out[bit] = m
+        elif bit & hosted:
+            out[bit] = _tiered(pages, marks, g.page_size, g.window)
+        else:  # device only: the device match is the valid one, nothing to load
+            valid = _valid(pages, marks, g.page_size, g.window) * g.page_size
+            out[bit] = _new(TieredMatch, (pages * g.page_size, valid, valid, 0, 0, 0))
     return out
 
 
-def tiered_from_runs(pages: int, marks: list[tuple[int, int]], g: Geometry) -> TieredMatch:
-    """One worker's `TieredMatch` from its depth and where its page state changes (ascending
-    `(page, state)` below `pages`, LIVE before the first)."""
-    ends = [page for page, _ in marks[1:]] + [pages]
-    runs = [(start, end, state) for (start, state), end in zip(marks, ends)]  # non-empty
-    P, W = g.page_size, g.window
-    valid = deepest_valid(pages, [(s, e) for s, e, state in runs if state & _TOMB], P, W)
-    device_end = next((s for s, _, state in runs if state & _HOST_FULL), pages)
-    device_bad = [(s, e) for s, e, state in runs if state & _NO_DEVICE_SWA and e <= device_end]
-    device = deepest_valid(device_end, device_bad, P, W)
-    window_start = valid - (0 if W is None else g.ceil(W) // P)
-    host_full = host_full_all = host_swa = 0
-    for s, e, state in runs:
-        if state & _HOST_FULL:
-            host_full += _overlap(s, e, 0, valid)
-            host_full_all += e - s
-        if state & _HOST_SWA:
-            host_swa += _overlap(s, e, window_start, valid)
-    return TieredMatch(pages * P, valid * P, device * P, host_full * P, host_swa * P, host_full_all * P)
+# NOTE: the two below run once per worker with a non-LIVE page, per decision: plain loops
+# over its runs, last first, no helper calls. Between two runs that break a match the usable
+# run only grows with k, so the deepest candidate of each stretch is the only one to test.
 
 
-def _overlap(start: int, end: int, lo: int, hi: int) -> int:
-    n = min(end, hi) - max(start, lo)
-    return n if n > 0 else 0
+def _valid(pages: int, marks: list[tuple[int, int]], P: int, W: int | None) -> int:
+    """The deepest valid match (pages) of a worker whose runs are LIVE or TOMBSTONE."""
+    if W is None:
+        return pages
+    upper = end = pages
+    for start, state in reversed(marks):
+        if state:  # a tombstone run, the last one below `upper`
+            if (upper - end) * P >= W:
+                return upper
+            upper = start  # k ≤ start: pages 0..k-1 exclude this run
+        end = start
+    return upper
+
+
+def _tiered(pages: int, marks: list[tuple[int, int]], P: int, W: int | None) -> TieredMatch:
+    """`TieredMatch` of a worker holding host KV along the chain: the valid match (over SWA
+    on either tier), the device match (before the first host-full run, LIVE pages only), then
+    the host counts below the valid match."""
+    valid = upper_v = device = upper_d = end = pages
+    found_v = found_d = W is None
+    host_full_all = 0
+    for start, state in reversed(marks):
+        if not found_v and state & _TOMB:  # the last tombstone run below `upper_v`
+            if (upper_v - end) * P >= W:  # type: ignore[operator]  # W is set: not found
+                valid, found_v = upper_v, True
+            else:
+                valid = upper_v = start
+        if state & _HOST_FULL:  # the device match ends before the first host-full run
+            host_full_all += end - start
+            device = upper_d = start
+            found_d = W is None
+        elif not found_d and state & _NO_DEVICE_SWA:
+            if (upper_d - end) * P >= W:  # type: ignore[operator]  # W is set: not found
+                device, found_d = upper_d, True
+            else:
+                device = upper_d = start
+        end = start
+    window_start = valid if W is None else valid + (-W // P)  # valid − ceil_P(W)/P pages
+    host_full = host_swa = 0
+    end = pages
+    for start, state in reversed(marks):
+        if state & _HOSTED and start < valid:
+            top = end if end < valid else valid
+            if state & _HOST_FULL:
+                host_full += top - start
+            if state & _HOST_SWA and top > window_start:
+                host_swa += top - (start if start > window_start else window_start)
+        end = start
+    return _new(TieredMatch, (pages * P, valid * P, device * P, host_full * P, host_swa * P, host_full_all * P))
 
 
 def _record_changes(

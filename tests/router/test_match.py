@@ -11,21 +11,10 @@ from cluster.page_map import PageMap
 from core.events import PageState
 from core.geometry import Geometry
 from core.reuse import TieredMatch, tiered_match
-from router.match import deepest_valid, match_chain
+from router.match import match_chain
 
 L, T, SH, H, HT = (PageState.LIVE, PageState.TOMBSTONE, PageState.SWA_HOST, PageState.HOST,
                    PageState.HOST_TOMBSTONE)  # fmt: skip
-
-
-def _tomb_runs(states: list) -> list[tuple[int, int]]:
-    runs: list[tuple[int, int]] = []
-    for i, s in enumerate(states):
-        if s is T:
-            if runs and runs[-1][1] == i:
-                runs[-1] = (runs[-1][0], i + 1)
-            else:
-                runs.append((i, i + 1))
-    return runs
 
 
 def test_reference_examples() -> None:
@@ -42,7 +31,8 @@ def test_window_not_page_aligned() -> None:
     """A window of 5 tokens at page 2 needs three LIVE pages after a tombstone."""
     assert valid_match_reference([T, L, L], 2, 5) == 0
     assert valid_match_reference([T, L, L, L], 2, 5) == 4
-    assert deepest_valid(4, [(0, 1)], 2, 5) == 4 and deepest_valid(3, [(0, 1)], 2, 5) == 0
+    out, _ = _walk([[T, L, L, L], [T, L, L]], [Geometry(2, 5), Geometry(2, 5)])
+    assert out[1].p_valid == 8 and out[2].p_valid == 0
 
 
 _states = st.lists(st.sampled_from([L, T, None]), max_size=24)
@@ -50,11 +40,11 @@ _states = st.lists(st.sampled_from([L, T, None]), max_size=24)
 
 @settings(max_examples=300, deadline=None)
 @given(_states, st.sampled_from([1, 2, 4]), st.one_of(st.none(), st.integers(0, 12)))
-def test_deepest_valid_matches_reference(states: list, page: int, window: int | None) -> None:
+def test_valid_match_equals_the_literal_rule(states: list, page: int, window: int | None) -> None:
     """Jumping between runs of tombstones gives the same answer as testing every k."""
-    full = next((i for i, s in enumerate(states) if s is None), len(states))
-    runs = _tomb_runs(states[:full])
-    assert deepest_valid(full, runs, page, window) == valid_match_reference(states, page, window)
+    out, _ = _walk([states + [None]], [Geometry(page, window)])
+    got = out[1].p_valid if 1 in out else 0
+    assert got == valid_match_reference(states, page, window) * page
 
 
 _tiered_states = st.lists(st.sampled_from([L, T, SH, H, HT, None]), max_size=20)
