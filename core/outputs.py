@@ -29,6 +29,9 @@ class Output:
     # One per prompt token when asked for (SamplingParams.prompt_logprobs); the first is None.
     prompt_logprobs: list[TokenLogprob | None] | None = None
     repaired_tokens: int = 0  # tokens recomputed to repair a tombstoned prefix (design.md §9.8)
+    # KV tokens of the prompt loaded from the host tier, full and SWA counted apart
+    # (`core.reuse.Reuse.loaded_full + loaded_swa`; design.md §9.9); part of `cached_tokens`.
+    loaded_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -47,6 +50,7 @@ class StreamDelta:
     # Sent once, in the first delta after the prompt is computed (see Output.prompt_logprobs).
     prompt_logprobs: list[TokenLogprob | None] | None = None
     repaired_tokens: int = 0  # of the prompt after `cached_tokens`, recomputed as a repair
+    loaded_tokens: int = 0  # KV tokens loaded from the host tier (see Output.loaded_tokens)
 
 
 @dataclass(frozen=True)
@@ -56,6 +60,9 @@ class PoolStats:
     evictable: int  # held only by the radix cache
     used: int  # total - free - evictable (held by requests)
     peak_used: int
+
+
+NO_POOL = PoolStats(0, 0, 0, 0, 0)  # a pool that does not exist (no host tier)
 
 
 @dataclass(frozen=True)
@@ -85,3 +92,11 @@ class EngineStats:
     last_step_seconds: float
     repairs: int = 0  # admissions through a tombstone repair
     repaired_tokens: int = 0  # tokens those repairs recomputed
+    # The host tier (design.md §9.9), per kind: its size and what it holds (`total`, `used`).
+    host_full: PoolStats = NO_POOL
+    host_swa: PoolStats = NO_POOL
+    # KV tokens loaded from / offloaded to the host tier, full and SWA counted apart, and the
+    # bytes loaded (every layer of the kind).
+    loaded_tokens: int = 0
+    loaded_bytes: int = 0
+    offloaded_tokens: int = 0

@@ -19,10 +19,21 @@ from cluster.messages import CacheSnapshot, EventBatch, StatsDict, WorkerMeta
 from cluster.transport import EventPublisher, get_or_create_index_actor, index_actor_name
 from core.events import CacheEvent, PageState
 from core.geometry import Geometry
+from core.reuse import TierCosts
 from worker.config import repairs_tombstones
 from worker.engine.protocols import EngineClient
 
 log = logging.getLogger("swaserve.worker.events")
+
+
+def tier_costs(engine: EngineClient) -> TierCosts | None:
+    """What the engine's host tier charges per token (None: it has none), for the router's
+    load / repair / recompute choice (core/reuse.py).
+
+    NOTE: read with getattr while `EngineClient` (worker/engine/protocols.py) does not declare
+    `tier_costs`: an engine without the attribute has no host tier."""
+    costs = getattr(engine, "tier_costs", None)
+    return costs if isinstance(costs, TierCosts) else None
 
 
 class CacheEventPump:
@@ -61,6 +72,8 @@ class CacheEventPump:
             swa_tokens=stats.swa.total,
             hybrid=stats.hybrid,
             tombstone_repair=repairs_tombstones(engine.config),
+            tier_costs=tier_costs(engine),
+            host_full_tokens=stats.host_full.total,
         )
 
     async def ensure_started(self) -> None:
