@@ -77,12 +77,19 @@ def match_chain(
                 if not alive:
                     break  # before pulling (hashing) the next page
             _, tomb, full, swa = entry
-            if tomb != tomb0 or full != full0 or swa != swa0:
-                _record_changes(
-                    ((tomb ^ tomb0) | (full ^ full0) | (swa ^ swa0)) & alive,
-                    depth, tomb, full, swa, changes,
-                )  # fmt: skip
+            if tomb != tomb0 or full != full0 or swa != swa0:  # some worker's state changes here
+                bits = ((tomb ^ tomb0) | (full ^ full0) | (swa ^ swa0)) & alive
                 hosted |= (full | swa) & alive
+                while bits:  # NOTE: inline, no helper call: once per run per worker
+                    low = bits & -bits
+                    state = (_TOMB if tomb & low else 0) | (_HOST_FULL if full & low else 0)
+                    state |= _HOST_SWA if swa & low else 0
+                    marks = changes.get(low)
+                    if marks is None:
+                        changes[low] = [(depth, state)]
+                    else:
+                        marks.append((depth, state))
+                    bits ^= low
                 tomb0, full0, swa0 = tomb, full, swa
             depth += 1
     _record_depth(alive, depth, full_at)
@@ -160,16 +167,6 @@ def _tiered(pages: int, marks: list[tuple[int, int]], P: int, W: int | None) -> 
                 host_swa += top - (start if start > window_start else window_start)
         end = start
     return _new(TieredMatch, (pages * P, valid * P, device * P, host_full * P, host_swa * P, host_full_all * P))
-
-
-def _record_changes(
-    bits: int, depth: int, tomb: int, full: int, swa: int, out: dict[int, list[tuple[int, int]]]
-) -> None:
-    while bits:
-        low = bits & -bits
-        state = (_TOMB if tomb & low else 0) | (_HOST_FULL if full & low else 0)
-        out.setdefault(low, []).append((depth, state | (_HOST_SWA if swa & low else 0)))
-        bits ^= low
 
 
 def _record_depth(bits: int, depth: int, out: dict[int, int]) -> None:
