@@ -1,4 +1,5 @@
-"""The cluster cache index: per worker, page hash → LIVE / TOMBSTONE, rebuilt from cache events.
+"""The cluster cache index: per worker, page hash → page state (LIVE, TOMBSTONE and the host
+tier's SWA_HOST, HOST, HOST_TOMBSTONE: core/events.py), rebuilt from cache events.
 
 Per-worker state machine (docs/design.md §4.3):
 
@@ -11,21 +12,26 @@ Per-worker state machine (docs/design.md §4.3):
 | `EventBatch` | entry stale | ignored | `STALE` |
 | `EventBatch` | seq ≤ entry.seq | ignored | `DUPLICATE` |
 | `EventBatch` | seq = entry.seq + 1 | events applied | `APPLIED` |
+| `EventBatch` | seq = entry.seq + 1, an event contradicts a page's state | pages cleared, stale | `OUT_OF_SYNC` |
 | `EventBatch` | seq > entry.seq + 1 | pages cleared, stale | `GAP` |
 | `WorkerRemoved` | — | entry dropped | `REMOVED` |
 
 A stale or missing worker matches 0 pages, never a stale positive.
 
-A snapshot may already reflect events of batches after its seq; replaying those batches on top
-is harmless because every event *sets* a page state (STORED, STORED_FULL_ONLY, REMOVED, CLEARED
-unconditionally; SWA_REMOVED/SWA_RESTORED only on present pages, whose presence they never change).
+Events move a present page by `core.events.state_after` (the worker's own transition table); a
+transition no tree makes (SWA_LOADED of a LIVE page, STORED of a present one) means the stream
+and the index disagree, so the worker resyncs (`OUT_OF_SYNC`). A snapshot's seq covers every
+event it reflects (the replica drains and snapshots at once), so batches at or below it are
+dropped as duplicates and never replayed on top of it.
 
 Memory is bounded: a worker keeps at most `min(limits.max_pages_per_worker, its full pool in
 pages)` pages and the index at most `limits.max_workers` workers. Pages past the bound are evicted
 oldest first. NOTE: evicting an index entry only ever makes a prediction smaller, never larger:
-a valid match needs *every* page of the prefix present, and a removed page (or a LIVE page read
-as absent) can only end that prefix earlier; later events about an evicted page (SWA_REMOVED,
-SWA_RESTORED) are ignored rather than re-adding it, so the entry stays "absent" = conservative.
+a valid match needs *every* page of the prefix present, and a removed page (or a page read as
+absent) can only end that prefix earlier; later events about an evicted page (anything but
+STORED / STORED_FULL_ONLY, which re-add it in a state known exactly) are ignored rather than
+re-adding it, so the entry stays "absent" = conservative. A page the index holds therefore
+always has the state the worker's tree gives it.
 """
 
 from __future__ import annotations
@@ -44,7 +50,7 @@ from cluster.messages import (
     WorkerResync,
 )
 from cluster.page_map import PageMap
-from core.events import CacheEvent, EventKind, PageState
+from core.events import CacheEvent, EventKind, PageState, state_after
 
 
 @dataclass(frozen=True)
@@ -65,6 +71,7 @@ class ApplyOutcome(str, enum.Enum):
     STALE = "stale"
     UNKNOWN_WORKER = "unknown_worker"
     NEW_INCARNATION = "new_incarnation"
+    OUT_OF_SYNC = "out_of_sync"
     REMOVED = "removed"
 
     @property
@@ -84,6 +91,7 @@ _NEEDS_RESYNC = frozenset(
         ApplyOutcome.STALE,
         ApplyOutcome.UNKNOWN_WORKER,
         ApplyOutcome.NEW_INCARNATION,
+        ApplyOutcome.OUT_OF_SYNC,
     }
 )
 _CHANGED = frozenset(
@@ -92,6 +100,7 @@ _CHANGED = frozenset(
         ApplyOutcome.RESYNCED,
         ApplyOutcome.GAP,
         ApplyOutcome.NEW_INCARNATION,
+        ApplyOutcome.OUT_OF_SYNC,
         ApplyOutcome.REMOVED,
     }
 )
@@ -104,7 +113,7 @@ class WorkerEntry:
     max_pages: int
     seq: int = 0
     stale: bool = False
-    pages: OrderedDict[int, bool] = field(default_factory=OrderedDict)  # hash → LIVE; oldest first
+    pages: OrderedDict[int, PageState] = field(default_factory=OrderedDict)  # oldest first
     evicted_pages: int = 0  # dropped by the memory bound (observability)
 
 
@@ -133,9 +142,7 @@ class ClusterIndex:
         entry = self._workers.get(worker_id)
         if entry is None or entry.stale:
             return None
-        pages = {
-            h: PageState.LIVE if live else PageState.TOMBSTONE for h, live in entry.pages.items()
-        }
+        pages = dict(entry.pages)
         return CacheSnapshot(entry.meta.worker_id, entry.meta.incarnation, entry.seq, pages)
 
     def resyncs(self) -> list[WorkerResync]:
@@ -170,7 +177,7 @@ class ClusterIndex:
             return ApplyOutcome.STALE
         entry.stale, entry.seq = False, update.snapshot.seq
         for page_hash, state in update.snapshot.pages.items():
-            self._put(entry, page_hash, state is PageState.LIVE)
+            self._put(entry, page_hash, state)
         return ApplyOutcome.RESYNCED
 
     def apply(self, batch: EventBatch) -> ApplyOutcome:
@@ -189,8 +196,13 @@ class ClusterIndex:
             self._clear_pages(entry)
             entry.stale = True
             return ApplyOutcome.GAP
-        for event in batch.events:
-            self._apply_event(entry, event)
+        try:
+            for event in batch.events:
+                self._apply_event(entry, event)
+        except ValueError:  # a transition no tree makes: the stream and the index disagree
+            self._clear_pages(entry)
+            entry.stale = True
+            return ApplyOutcome.OUT_OF_SYNC
         entry.seq = batch.seq
         return ApplyOutcome.APPLIED
 
@@ -208,40 +220,38 @@ class ClusterIndex:
 
     # ---- page mechanics ------------------------------------------------------------------
     def _apply_event(self, entry: WorkerEntry, event: CacheEvent) -> None:
-        kind = event.kind
-        if kind is EventKind.STORED or kind is EventKind.STORED_FULL_ONLY:
-            live = kind is EventKind.STORED
-            # Deepest page first, so a chain's root page ends up most recent: the memory bound
-            # then evicts leaf-side pages first, which costs the shortest matches.
-            for page_hash in reversed(event.page_hashes):
-                self._put(entry, page_hash, live)
-        elif kind is EventKind.REMOVED:
-            for page_hash in event.page_hashes:
-                self._pop(entry, page_hash)
-        elif kind is EventKind.SWA_REMOVED or kind is EventKind.SWA_RESTORED:
-            live = kind is EventKind.SWA_RESTORED
-            for page_hash in event.page_hashes:
-                if page_hash in entry.pages:  # absent (e.g. evicted from the index): stay absent
-                    entry.pages[page_hash] = live
-                    self.page_map.set(page_hash, entry.bit, live)
-        elif kind is EventKind.CLEARED:
+        """Move each page of the event by `core.events.state_after` (which raises ValueError on
+        a transition no tree makes)."""
+        kind, pages, bit = event.kind, entry.pages, entry.bit
+        if kind is EventKind.CLEARED:
             self._clear_pages(entry)
-        else:
-            raise ValueError(f"unknown cache event kind {kind!r}")
+            return
+        adds = kind is EventKind.STORED or kind is EventKind.STORED_FULL_ONLY
+        # Deepest page first, so a stored chain's root page ends up most recent: the memory
+        # bound then evicts leaf-side pages first, which costs the shortest matches.
+        for page_hash in reversed(event.page_hashes):
+            before = pages.get(page_hash)
+            if before is None and not adds:
+                continue  # e.g. evicted from the index: stays absent
+            after = state_after(kind, before, page_hash)
+            if after is None:
+                del pages[page_hash]
+                self.page_map.drop(page_hash, bit)
+            elif before is None:
+                self._put(entry, page_hash, after)
+            else:
+                pages[page_hash] = after
+                self.page_map.set(page_hash, bit, after)
 
-    def _put(self, entry: WorkerEntry, page_hash: int, live: bool) -> None:
+    def _put(self, entry: WorkerEntry, page_hash: int, state: PageState) -> None:
         pages = entry.pages
-        pages[page_hash] = live
+        pages[page_hash] = state
         pages.move_to_end(page_hash)
-        self.page_map.set(page_hash, entry.bit, live)
+        self.page_map.set(page_hash, entry.bit, state)
         while len(pages) > entry.max_pages:
             old_hash, _ = pages.popitem(last=False)
             self.page_map.drop(old_hash, entry.bit)
             entry.evicted_pages += 1
-
-    def _pop(self, entry: WorkerEntry, page_hash: int) -> None:
-        if entry.pages.pop(page_hash, None) is not None:
-            self.page_map.drop(page_hash, entry.bit)
 
     def _clear_pages(self, entry: WorkerEntry) -> None:
         for page_hash in entry.pages:
@@ -258,8 +268,9 @@ class ClusterIndex:
         else:
             bit, self._next_slot = 1 << self._next_slot, self._next_slot + 1
         cap = self.limits.max_pages_per_worker
-        if meta.full_tokens > 0:  # a worker never holds more pages
-            cap = min(cap, max(1, meta.full_tokens // meta.geometry.page_size))
+        if meta.full_tokens > 0:  # a worker never holds more pages (device and host tier)
+            held = meta.full_tokens + meta.host_full_tokens
+            cap = min(cap, max(1, held // meta.geometry.page_size))
         entry = WorkerEntry(meta, bit, cap)
         self._workers[meta.worker_id] = entry
         return entry

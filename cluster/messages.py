@@ -5,7 +5,7 @@ Who sends what:
 | message | from → to | carries |
 |---|---|---|
 | `EventBatch` | worker replica → index actor → routers | the cache events of one drain, numbered |
-| `CacheSnapshot`, `WorkerMeta`, `WorkerResync` | worker replica → index actor | a resync after a gap or restart |
+| `CacheSnapshot`, `WorkerMeta`, `WorkerResync` | worker replica → index actor | a resync after a gap or restart; the worker's geometry, pools and tier costs |
 | `WorkerRemoved` | router / replica → index actor | a replica left |
 | `PushAck`, `Delta` | index actor → worker / router | push answer; a router's pull |
 | routing stats (`routing_stats` of an engine sample, `make_routing_stats`, `WorkerLoad`) | worker replica → Serve → routers | load and both pools' headroom |
@@ -26,6 +26,7 @@ from typing import Any, Literal
 from core.events import CacheEvent, PageState
 from core.geometry import Geometry
 from core.outputs import EngineStats, PoolStats
+from core.reuse import TierCosts
 from core.sampling_params import SamplingParams
 
 # ---- cache events between worker, index actor and routers ----------------------------------
@@ -64,6 +65,10 @@ class WorkerMeta:
     swa_tokens: int
     hybrid: bool
     tombstone_repair: bool = False  # the worker repairs tombstoned prefixes
+    # What loading a token's KV from the worker's host tier costs against computing it
+    # (core/reuse.py `choose_reuse`); None: no host tier, so only device KV is reused.
+    tier_costs: TierCosts | None = None
+    host_full_tokens: int = 0  # the host tier's full KV capacity (pages there are indexed too)
 
 
 @dataclass(frozen=True)

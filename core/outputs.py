@@ -29,7 +29,9 @@ class Output:
     # One per prompt token when asked for (SamplingParams.prompt_logprobs); the first is None.
     prompt_logprobs: list[TokenLogprob | None] | None = None
     repaired_tokens: int = 0  # tokens recomputed to repair a tombstoned prefix (design.md §9.8)
-    loaded_tokens: int = 0  # prompt tokens whose KV came back from the host tier (design.md §9.9)
+    # KV tokens of the prompt loaded from the host tier, full and SWA counted apart
+    # (`core.reuse.Reuse.loaded_full + loaded_swa`; design.md §9.9); part of `cached_tokens`.
+    loaded_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -48,7 +50,7 @@ class StreamDelta:
     # Sent once, in the first delta after the prompt is computed (see Output.prompt_logprobs).
     prompt_logprobs: list[TokenLogprob | None] | None = None
     repaired_tokens: int = 0  # of the prompt after `cached_tokens`, recomputed as a repair
-    loaded_tokens: int = 0  # of `cached_tokens`, whose KV came back from the host tier
+    loaded_tokens: int = 0  # KV tokens loaded from the host tier (see Output.loaded_tokens)
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,8 @@ Two sources end up in one exposition:
 
 - the ingress's own collectors (request latency, time to first token, inter-token latency,
   request/token counters), kept in a private `CollectorRegistry` per ingress replica;
-- one gauge per (worker replica, pool, quantity), built at scrape time from the stats every worker
+- one gauge per (worker replica, pool, quantity) — the device pools, and the host tier's per kind
+  (docs/design.md §9.9) — and the engines' counters, built at scrape time from the stats every worker
   replica reports (`WorkerDeployment.record_routing_stats`, sent to the deployment's index actor
   and read from there by `deploy.replica.client.ServeWorkerClient`). Reading them at scrape time
   instead of pushing through Ray's metrics agent means a scrape shows every running replica,
@@ -34,6 +35,8 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 POOLS = ("full", "swa")
 POOL_FIELDS = ("total", "free", "evictable", "used", "peak_used")
+HOST_POOLS = ("host_full", "host_swa")  # EngineStats fields; the label says `full` / `swa`
+HOST_FIELDS = ("total", "used")
 QUEUE_FIELDS = ("waiting", "running")
 COUNTER_FIELDS = (
     "cache_hit_tokens",
@@ -46,6 +49,9 @@ COUNTER_FIELDS = (
     "steps",
     "repairs",
     "repaired_tokens",
+    "loaded_tokens",
+    "loaded_bytes",
+    "offloaded_tokens",
 )
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -60,6 +66,10 @@ def flatten_stats(stats: EngineStats) -> dict[str, float]:
     for pool in POOLS:
         p = getattr(stats, pool)
         for f in POOL_FIELDS:
+            out[f"{pool}_{f}_tokens"] = float(getattr(p, f))
+    for pool in HOST_POOLS:
+        p = getattr(stats, pool)
+        for f in HOST_FIELDS:
             out[f"{pool}_{f}_tokens"] = float(getattr(p, f))
     for f in (*QUEUE_FIELDS, *COUNTER_FIELDS, "tombstone_tokens", "last_step_seconds"):
         out[f] = float(getattr(stats, f))
@@ -83,6 +93,10 @@ class ReplicaStatsCollector(Collector):
             f: GaugeMetricFamily(f"swaserve_requests_{f}", f"Engine requests {f}", labels=["replica"])
             for f in QUEUE_FIELDS
         }
+        host = {
+            f: GaugeMetricFamily(f"swaserve_host_kv_{f}_tokens", f"Host KV tier tokens: {f}", labels=["replica", "kind"])
+            for f in HOST_FIELDS
+        }
         tomb = GaugeMetricFamily("swaserve_tombstone_tokens", "Cached tokens whose SWA KV was freed", labels=["replica"])
         counters = {
             f: CounterMetricFamily(f"swaserve_engine_{f}", f"Engine counter: {f}", labels=["replica"])
@@ -95,6 +109,9 @@ class ReplicaStatsCollector(Collector):
             for pool in POOLS:
                 for f in POOL_FIELDS:
                     pools[f].add_metric([replica, pool], float(stats.get(f"{pool}_{f}_tokens", 0.0)))
+            for pool in HOST_POOLS:
+                for f in HOST_FIELDS:
+                    host[f].add_metric([replica, pool.removeprefix("host_")], float(stats.get(f"{pool}_{f}_tokens", 0.0)))
             for f in QUEUE_FIELDS:
                 queues[f].add_metric([replica], float(stats.get(f, 0.0)))
             tomb.add_metric([replica], float(stats.get("tombstone_tokens", 0.0)))
@@ -102,6 +119,7 @@ class ReplicaStatsCollector(Collector):
                 counters[f].add_metric([replica], float(stats.get(f, 0.0)))
         yield up
         yield from pools.values()
+        yield from host.values()
         yield from queues.values()
         yield tomb
         yield from counters.values()
@@ -138,11 +156,23 @@ class IngressMetrics:
         self.repaired_tokens = Counter(
             "swaserve_repaired_prompt_tokens", "Prompt tokens recomputed to repair cached prefixes", registry=r
         )
+        self.loads = Counter(
+            "swaserve_host_loads", "Choices whose cached prefix was loaded from a worker's host KV tier", registry=r
+        )
+        self.loaded_tokens = Counter(
+            "swaserve_loaded_prompt_tokens",
+            "KV tokens of prompts loaded from a worker's host tier (full and SWA counted apart)", registry=r,
+        )  # fmt: skip
 
     def count_repairs(self, repaired_tokens: Sequence[int]) -> None:
         """One finished request's choices: how many were served through a repair, and its rows."""
         self.repairs.inc(sum(1 for n in repaired_tokens if n > 0))
         self.repaired_tokens.inc(sum(repaired_tokens))
+
+    def count_loads(self, loaded_tokens: Sequence[int]) -> None:
+        """One finished request's choices: how many loaded KV from the host tier, and how much."""
+        self.loads.inc(sum(1 for n in loaded_tokens if n > 0))
+        self.loaded_tokens.inc(sum(loaded_tokens))
 
     def render(self, replica_snapshot: Mapping[str, Mapping[str, Any] | None]) -> bytes:
         """This ingress's metrics, the process default registry (the router's per-policy metrics

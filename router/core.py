@@ -13,13 +13,21 @@ from typing import NamedTuple
 
 from cluster.index import ClusterIndex, WorkerEntry
 from cluster.messages import WorkerLoad
-from core.reuse import Reuse, live_after, plan_reuse
+from core.geometry import Geometry
+from core.reuse import Reuse, TieredMatch, choose_reuse, live_after, plan_reuse
 from router.cost import WorkerView
 from router.hashing import PageHasher
 from router.inflight import InflightTracker
-from router.match import WorkerMatch, match_chain
+from router.match import match_chain
 from router.pending import PendingPages
 from router.policies import Policy, RequestView
+
+# NOTE: `tuple.__new__(NamedTupleClass, values)` builds the same value as the class call at a
+# third of its cost (one `WorkerView` and one `RankedWorker` per candidate per request); every
+# field is given, in declaration order. WorkerView: worker_id, valid_cached, full_cached, load,
+# extra_prefill_tokens, extra_requests, geometry, hybrid, repaired, loaded_full, loaded_swa,
+# host_load_cost.
+_new = tuple.__new__
 
 
 class Candidate(NamedTuple):  # one per replica per request: a NamedTuple is cheap to build
@@ -32,6 +40,7 @@ class RankedWorker(NamedTuple):  # one per candidate per request: a NamedTuple i
     predicted_cached_tokens: int  # what the policy believes this worker will reuse
     cost: float  # the policy's score (lower is better); comparable only within one decision
     predicted_repaired_tokens: int = 0  # of the rest, what it believes the worker recomputes as a repair
+    predicted_loaded_tokens: int = 0  # of the cached ones, what it believes come from the host tier
 
 
 @dataclass(frozen=True)
@@ -93,11 +102,12 @@ class RouterCore:
         ranked = self.policy.rank(RequestView(len(token_ids), max_new_tokens), views)
         if avoid:
             ranked.sort(key=lambda r: views[r.position].worker_id in avoid)  # stable
-        predicted, repaired = self.policy.predicted, self.policy.predicted_repaired
+        policy = self.policy
+        predicted, repaired, loaded = policy.predicted, policy.predicted_repaired, policy.predicted_loaded
         decision = RoutingDecision(
-            self.policy.name,
+            policy.name,
             tuple(
-                RankedWorker(v.worker_id, predicted(v), r.cost, repaired(v))
+                _new(RankedWorker, (v.worker_id, predicted(v), r.cost, repaired(v), loaded(v)))
                 for r in ranked
                 for v in (views[r.position],)
             ),
@@ -133,7 +143,7 @@ class RouterCore:
         request_key: str,
         token_ids: Sequence[int],
         view: WorkerView,
-        matched: tuple[WorkerEntry, WorkerMatch] | None,
+        matched: tuple[WorkerEntry, TieredMatch] | None,
         now: float,
     ) -> None:
         uncached = max(0, len(token_ids) - view.valid_cached)
@@ -141,17 +151,17 @@ class RouterCore:
         if matched is None:  # not in the index yet (or stale): nothing to predict pages on
             self.pending.complete(request_key)
             return
-        entry, match = matched
-        # Every complete page the worker computes enters its tree LIVE (docs/design.md §10.1), and
-        # a repair revives its tail (§9.8); the pages before keep their indexed states.
+        entry = matched[0]
         geometry = entry.meta.geometry
-        reuse = Reuse(view.valid_cached, view.repaired)
-        first_live = live_after(reuse, view.full_cached, geometry) // geometry.page_size
-        chain = self.hasher.hashes(token_ids, geometry.page_size)
-        self.pending.record(request_key, entry, chain[first_live:], now)
+        reuse = Reuse(view.valid_cached, view.repaired, view.loaded_full, view.loaded_swa)
+        first_live, loaded_end = device_after(reuse, view.full_cached, geometry)
+        page = geometry.page_size
+        chain = self.hasher.hashes(token_ids, page)
+        loaded = chain[: min(loaded_end, first_live) // page]
+        self.pending.record(request_key, entry, chain[first_live // page :], now, loaded)
 
-    def match(self, token_ids: Sequence[int], worker_ids: Sequence[str]) -> dict[str, WorkerMatch]:
-        """Per known, fresh worker: its full and valid match in pages for this prompt.
+    def match(self, token_ids: Sequence[int], worker_ids: Sequence[str]) -> dict[str, TieredMatch]:
+        """Per known, fresh worker: its tiered match in tokens for this prompt.
 
         The worker computes at least one token, so it matches `token_ids[:-1]`; so do we.
         """
@@ -159,7 +169,7 @@ class RouterCore:
 
     def _match(
         self, token_ids: Sequence[int], worker_ids: Sequence[str]
-    ) -> dict[str, tuple[WorkerEntry, WorkerMatch]]:
+    ) -> dict[str, tuple[WorkerEntry, TieredMatch]]:
         prefix = token_ids[: len(token_ids) - 1]
         by_page_size: dict[int, list[WorkerEntry]] = {}
         worker = self.index.worker
@@ -167,7 +177,7 @@ class RouterCore:
             entry = worker(wid)
             if entry is not None and not entry.stale:
                 by_page_size.setdefault(entry.meta.geometry.page_size, []).append(entry)
-        out: dict[str, tuple[WorkerEntry, WorkerMatch]] = {}
+        out: dict[str, tuple[WorkerEntry, TieredMatch]] = {}
         pages = self.pending.overlay(self.index.page_map)
         for page_size, entries in by_page_size.items():
             geometries = {e.bit: e.meta.geometry for e in entries}
@@ -177,30 +187,47 @@ class RouterCore:
                 out[e.meta.worker_id] = (e, by_bit[e.bit])
         return out
 
-    def _view(self, cand: Candidate, matched: tuple[WorkerEntry, WorkerMatch] | None) -> WorkerView:
+    def _view(self, cand: Candidate, matched: tuple[WorkerEntry, TieredMatch] | None) -> WorkerView:
         load = cand.load
         extra_tokens, extra_requests = self.inflight.unsampled(
             cand.worker_id, load.timestamp_s if load is not None else None
         )
         if matched is None:
             return WorkerView(cand.worker_id, 0, 0, load, extra_tokens, extra_requests)
-        meta, match = matched[0].meta, matched[1]
+        meta, m = matched[0].meta, matched[1]
         geometry = meta.geometry
-        page = geometry.page_size
-        reused, full, repaired = match.valid_pages * page, match.full_pages * page, 0
-        if meta.tombstone_repair and meta.hybrid and full > reused:
-            # The worker's own rule (core/reuse.py): the prediction is its decision.
-            reused, repaired = plan_reuse(full, reused, geometry, repair=True)[:2]
-        # Positional: WorkerView(worker_id, valid_cached, full_cached, load, extra_prefill_tokens,
-        # extra_requests, geometry, hybrid, repaired); keywords cost a third more.
-        return WorkerView(
-            cand.worker_id,
-            reused,
-            full,
-            load,
-            extra_tokens,
-            extra_requests,
-            geometry,
-            meta.hybrid,
-            repaired,
-        )
+        p_full, p_valid, p_device = m[0], m[1], m[2]
+        repair = meta.tombstone_repair and meta.hybrid
+        if p_device == p_valid and (p_full == p_valid or not repair):
+            # Nothing to load or repair: what every rule returns.
+            return _new(WorkerView, (cand.worker_id, p_valid, p_full, load, extra_tokens, extra_requests,
+                                     geometry, meta.hybrid, 0, 0, 0, 0.0))  # fmt: skip
+        costs = meta.tier_costs
+        host_cost = 0.0
+        if costs is None or (p_device == p_valid and not m[5] and costs.prefill > 0):
+            # No host KV along the match: `choose_reuse` is `plan_reuse` (core/reuse.py), cheaper.
+            reuse = plan_reuse(p_full, p_valid, geometry, repair=repair)
+        else:  # the worker's own rule (core/reuse.py): the prediction is its decision
+            reuse = choose_reuse(m, geometry, costs, repair=repair)
+            if costs.prefill > 0:  # in tokens of prefill, the cost model's unit
+                host_cost = (reuse.loaded_full * costs.load_full + reuse.loaded_swa * costs.load_swa) / costs.prefill
+        reused, repaired, loaded_full, loaded_swa = reuse
+        return _new(WorkerView, (cand.worker_id, reused, p_full, load, extra_tokens, extra_requests, geometry,
+                                 meta.hybrid, repaired, loaded_full, loaded_swa, host_cost))  # fmt: skip
+
+
+def device_after(reuse: Reuse, p_full: int, g: Geometry) -> tuple[int, int]:
+    """What a placed request leaves on its worker's device (tokens): pages LIVE from the first
+    number on, and the full KV of `[0, second)` loaded from the host tier (their SWA KV stays
+    where it was).
+
+        [0, loaded_end)                 full KV loaded (a repair: up to p_full; a load: p_valid)
+        [first_live, ...)               LIVE: computed and inserted (docs/design.md §10.1), a
+                                        repair's revived tail (§9.8), or a load's window pages
+                                        whose SWA KV came back with their full KV (§9.9)
+    """
+    first_live = live_after(reuse, p_full, g)
+    if reuse.loaded_swa and not reuse.repaired and g.window is not None:
+        first_live = max(0, reuse.reused - g.ceil(g.window))
+    loaded_end = reuse.reused + reuse.repaired if reuse.loaded_full else 0
+    return first_live, loaded_end

@@ -3,6 +3,7 @@
 For a request of `prompt` tokens and a worker w that would reuse `cached` of them:
 
     cost(w) = prefill · (prompt − cached)                     tokens this request must compute
+            + prefill · host_load(w)                          its KV loaded from the host tier
             + queued_prefill · queued_prefill_tokens(w)       prefill queued ahead of it
             + decode · running_decodes(w)                     decodes sharing every step
             + shortfall · Σ_pool max(0, need − (free + evictable))   cannot fit now: waits
@@ -13,8 +14,12 @@ our own prefill), as Dynamo's cost does; the last two keep requests off workers 
 full (a shortfall stalls the request) or full of useful cache (eviction costs future hits).
 Pool needs mirror the worker's admission charge (docs/design.md §11.3): full pool
 `uncached + max_new_tokens`, SWA pool `max(uncached, window) + page_size` on hybrid workers
-(`repaired + max(uncached − repaired, window) + page_size` through a repair). `cached` is what
-the worker skips: with a repair (docs/design.md §9.8) its rows count as compute, in `uncached`.
+(`repaired + max(uncached − repaired, window) + page_size` through a repair), plus what a load
+brings back (`loaded_full`, `loaded_swa`: device slots it takes). `cached` is what the worker
+skips: with a repair (docs/design.md §9.8) its rows count as compute, in `uncached`; with a load
+(§9.9) the loaded tokens are cached, and `host_load` prices their copy in tokens of prefill
+(`TierCosts`: loaded_full · load_full + loaded_swa · load_swa, over prefill). Without a host tier
+`host_load` is 0 and the model is what it always was.
 
 Load counts come from the worker's last `record_routing_stats` sample (≈1 s old) plus what this
 router routed there after that sample, minus what it saw complete there that the sample still
@@ -78,6 +83,11 @@ class WorkerView(NamedTuple):
     geometry: Geometry = UNKNOWN_GEOMETRY
     hybrid: bool = False
     repaired: int = 0  # repair rows the worker would recompute before `full_cached`
+    # Of `valid_cached`, tokens whose full / SWA KV the worker loads from its host tier first,
+    # and what those copies cost in tokens of prefill (core/reuse.py `TierCosts`).
+    loaded_full: int = 0
+    loaded_swa: int = 0
+    host_load_cost: float = 0.0
 
 
 def load_tokens(view: WorkerView, w: CostWeights) -> float:
@@ -98,14 +108,15 @@ def capacity_tokens(view: WorkerView, uncached: int, max_new_tokens: int, w: Cos
     if view.load is None:
         return 0.0
     claimed = view.extra_prefill_tokens if view.extra_prefill_tokens > 0 else 0
-    cost = _pool_cost(uncached + max_new_tokens, view.load.full, claimed, w)
+    cost = _pool_cost(uncached + max_new_tokens + view.loaded_full, view.load.full, claimed, w)
     if view.hybrid:
         geometry = view.geometry
         window = geometry.window or 0
-        # A repair's rows take scratch SWA slots at once (the worker's repair_swa_charge).
+        # A repair's rows take scratch SWA slots at once (the worker's repair_swa_charge); loaded
+        # SWA KV takes device slots too.
         rest = uncached - view.repaired
         need_swa = view.repaired + (rest if rest > window else window) + geometry.page_size
-        cost += _pool_cost(need_swa, view.load.swa, claimed, w)
+        cost += _pool_cost(need_swa + view.loaded_swa, view.load.swa, claimed, w)
     return cost
 
 
@@ -116,12 +127,15 @@ def request_cost(
     max_new_tokens: int,
     w: CostWeights,
     load: float | None = None,
+    host_load: float = 0.0,
 ) -> float:
-    """The cost model above for one worker (`load`: a precomputed `load_tokens`)."""
+    """The cost model above for one worker (`load`: a precomputed `load_tokens`; `host_load`:
+    the tier copies the policy believes in, in tokens of prefill)."""
     uncached = prompt_tokens - cached if prompt_tokens > cached else 0
     if load is None:
         load = load_tokens(view, w)
-    return w.prefill * uncached + load + capacity_tokens(view, uncached, max_new_tokens, w)
+    compute = uncached + host_load
+    return w.prefill * compute + load + capacity_tokens(view, uncached, max_new_tokens, w)
 
 
 def overloaded(loads: Sequence[float], w: CostWeights) -> list[bool]:

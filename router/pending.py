@@ -11,6 +11,11 @@ at once (Dynamo's "active blocks" do the same for its KV router).
                    as the index says  pending LIVE: the worker computes and inserts them
     v = the worker's valid match at placement (pages it reuses keep their state, tombstones too)
 
+A placement that loads from the worker's host tier (docs/design.md §9.9) changes the pages it
+reuses too: their full KV comes back to the device (pending *loaded*: HOST → SWA_HOST,
+HOST_TOMBSTONE → TOMBSTONE), and the window before v gets its SWA KV back (pending LIVE from
+v − ceil_P(W) on). `router.core.device_after` says which.
+
 A record ends when
 - its request completes: the worker published the request's cache events before its last delta,
   and the router pulls once before the next decision (docs/design.md §13.4), so from then on the
@@ -20,19 +25,21 @@ A record ends when
 - it is older than `ttl_s` (no event confirmed it and no completion came);
 - its worker leaves the index or comes back as another incarnation.
 
-The overlay works on `PageMap` bitsets: hash → bits of the workers where it is pending, merged
-into the index's `[present, tomb]` entry by `OverlaidPages.lookup` (a pending page is present
-and LIVE there), so `router.match.match_chain` walks both in one pass.
+The overlay works on `PageMap` bitsets: hash → bits of the workers where it is pending (LIVE,
+loaded), merged into the index's `[present, tomb, host_full, host_swa]` entry by
+`OverlaidPages.lookup` (a pending LIVE page is present and LIVE there, a pending loaded one has
+its full KV on the device), so `router.match.match_chain` walks both in one pass.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from cluster.index import ClusterIndex, WorkerEntry
 from cluster.page_map import PageMap
+from core.events import PageState
 
 DEFAULT_TTL_S = 10.0
 
@@ -42,6 +49,7 @@ class _Record:
     worker_id: str
     hashes: tuple[int, ...]  # the pages that will be LIVE on the worker
     at: float
+    loaded: tuple[int, ...] = ()  # the pages whose full KV comes back from the host tier
 
 
 @dataclass(slots=True)
@@ -54,6 +62,36 @@ class _Worker:
     keys: dict[str, None] = field(default_factory=dict)
 
 
+class _PendingBits:
+    """page hash → bits of the workers where it is pending, reference-counted per record."""
+
+    __slots__ = ("bits", "_refs")
+
+    def __init__(self) -> None:
+        self.bits: dict[int, int] = {}
+        self._refs: dict[tuple[int, int], int] = {}  # (bit, page hash) → records holding it
+
+    def add(self, bit: int, hashes: tuple[int, ...]) -> None:
+        for h in hashes:
+            ref = (bit, h)
+            self._refs[ref] = self._refs.get(ref, 0) + 1
+            self.bits[h] = self.bits.get(h, 0) | bit
+
+    def remove(self, bit: int, hashes: tuple[int, ...]) -> None:
+        for h in hashes:
+            ref = (bit, h)
+            left = self._refs[ref] - 1
+            if left:
+                self._refs[ref] = left
+                continue
+            del self._refs[ref]
+            bits = self.bits[h] & ~bit
+            if bits:
+                self.bits[h] = bits
+            else:
+                del self.bits[h]
+
+
 class PendingPages:
     def __init__(self, ttl_s: float = DEFAULT_TTL_S, max_records: int = 1 << 14) -> None:
         if ttl_s <= 0 or max_records < 1:
@@ -64,18 +102,25 @@ class PendingPages:
             OrderedDict()
         )  # request key → record, oldest first
         self._workers: dict[str, _Worker] = {}
-        self._bits: dict[int, int] = {}  # page hash → bits of the workers where it is pending
-        self._refs: dict[tuple[int, int], int] = {}  # (bit, page hash) → records holding it
+        self._live = _PendingBits()
+        self._loaded = _PendingBits()
         self.confirmed = 0  # records ended by the index holding their pages (observability)
 
     def __len__(self) -> int:
         return len(self._records)
 
-    def record(self, key: str, entry: WorkerEntry, hashes: Sequence[int], at: float) -> None:
-        """Request `key` placed on `entry`'s worker will leave `hashes` LIVE there (a retry of
-        the same key replaces its record)."""
+    def record(
+        self,
+        key: str,
+        entry: WorkerEntry,
+        hashes: Sequence[int],
+        at: float,
+        loaded: Sequence[int] = (),
+    ) -> None:
+        """Request `key` placed on `entry`'s worker will leave `hashes` LIVE there and the full
+        KV of `loaded` on its device (a retry of the same key replaces its record)."""
         self.complete(key)
-        if not hashes:
+        if not hashes and not loaded:
             return
         worker_id = entry.meta.worker_id
         w = self._workers.get(worker_id)
@@ -84,13 +129,11 @@ class PendingPages:
             w = None
         if w is None:
             w = self._workers[worker_id] = _Worker(entry.meta.incarnation, entry.bit, entry.seq)
-        rec = _Record(worker_id, tuple(hashes), at)
+        rec = _Record(worker_id, tuple(hashes), at, tuple(loaded))
         self._records[key] = rec
         w.keys[key] = None
-        for h in rec.hashes:
-            ref = (w.bit, h)
-            self._refs[ref] = self._refs.get(ref, 0) + 1
-            self._bits[h] = self._bits.get(h, 0) | w.bit
+        self._live.add(w.bit, rec.hashes)
+        self._loaded.add(w.bit, rec.loaded)
         while len(self._records) > self._max:
             self._drop(next(iter(self._records)))
 
@@ -134,11 +177,12 @@ class PendingPages:
 
     def overlay(self, page_map: PageMap) -> PageMap | OverlaidPages:
         """What the matcher walks: the index's page map with the pending pages merged in."""
-        return OverlaidPages(page_map, self._bits) if self._bits else page_map
+        live, loaded = self._live.bits, self._loaded.bits
+        return OverlaidPages(page_map, live, loaded) if live or loaded else page_map
 
     def _confirm(self, w: _Worker, entry: WorkerEntry) -> None:
         pages = entry.pages
-        for key in [k for k in w.keys if all(h in pages for h in self._records[k].hashes)]:
+        for key in [k for k in w.keys if _confirmed(self._records[k], pages)]:
             self.confirmed += 1
             self._drop(key)
 
@@ -148,40 +192,42 @@ class PendingPages:
         del w.keys[key]
         if not w.keys:
             del self._workers[rec.worker_id]
-        for h in rec.hashes:
-            ref = (w.bit, h)
-            left = self._refs[ref] - 1
-            if left:
-                self._refs[ref] = left
-                continue
-            del self._refs[ref]
-            bits = self._bits[h] & ~w.bit
-            if bits:
-                self._bits[h] = bits
-            else:
-                del self._bits[h]
+        self._live.remove(w.bit, rec.hashes)
+        self._loaded.remove(w.bit, rec.loaded)
+
+
+def _confirmed(rec: _Record, pages: Mapping[int, PageState]) -> bool:
+    """The index holds the record's LIVE pages, and none of its loaded pages is on the host."""
+    if not all(h in pages for h in rec.hashes):
+        return False
+    return not any((s := pages.get(h)) is not None and s.full_on_host for h in rec.loaded)
 
 
 class OverlaidPages:
-    """A `PageMap` read through the pending pages: present where either says so, tombstone only
-    where the index says so and nothing is pending (the matcher only reads `lookup`)."""
+    """A `PageMap` read through the pending pages: present where either says so; a pending
+    LIVE page has no tomb or host bit, a pending loaded one no host_full bit (the matcher only
+    reads `lookup`)."""
 
     __slots__ = ("lookup",)
 
-    def __init__(self, base: PageMap, pending: dict[int, int]) -> None:
-        self.lookup: Callable[[int], list[int] | None] = _merged(base.lookup, pending.get)
+    def __init__(self, base: PageMap, live: dict[int, int], loaded: dict[int, int]) -> None:
+        self.lookup: Callable[[int], list[int] | None] = _merged(base.lookup, live.get, loaded.get)
 
 
 def _merged(
-    base: Callable[[int], list[int] | None], extra: Callable[[int], int | None]
+    base: Callable[[int], list[int] | None],
+    live: Callable[[int], int | None],
+    loaded: Callable[[int], int | None],
 ) -> Callable[[int], list[int] | None]:
     def lookup(page_hash: int) -> list[int] | None:
-        bits = extra(page_hash)
+        bits = live(page_hash) or 0
+        full = loaded(page_hash) or 0
         entry = base(page_hash)
-        if not bits:
+        if not bits and not full:
             return entry
         if entry is None:
-            return [bits, 0]
-        return [entry[0] | bits, entry[1] & ~bits]
+            return [bits, 0, 0, 0] if bits else None
+        keep = ~bits
+        return [entry[0] | bits, entry[1] & keep, entry[2] & ~(bits | full), entry[3] & keep]
 
     return lookup

@@ -2,8 +2,8 @@
 
 | policy | ranks by | reports as predicted cached tokens |
 |---|---|---|
-| `swa_prefix` (default) | cost model with what the worker reuses (window rule, repair rule; repair rows charged as compute) | reused (+ repaired) |
-| `prefix` | cost model with the *full* match (tombstones count as hits) — the baseline other routers implement | full match (its belief) |
+| `swa_prefix` (default) | cost model with what the worker reuses (window rule over both tiers, the load / repair / recompute choice; repair rows charged as compute, loads at their `TierCosts`) | reused (+ repaired, loaded) |
+| `prefix` | cost model with the *full* match (tombstones count as hits, host KV is free) — the baseline other routers implement | full match (its belief) |
 | `least_loaded` | load + capacity, no cache credit | reused (informational) |
 | `round_robin` | rotation over candidates sorted by id | reused (informational) |
 
@@ -67,6 +67,11 @@ class Policy(ABC):
         """Repaired tokens this policy predicts for the worker (docs/design.md §9.8)."""
         return view.repaired
 
+    def predicted_loaded(self, view: WorkerView) -> int:
+        """Tokens of KV this policy predicts the worker loads from its host tier, full and SWA
+        counted apart (`Reuse.loaded_full + loaded_swa`, docs/design.md §9.9)."""
+        return view.loaded_full + view.loaded_swa
+
     def _order(self, costs: Sequence[float], keys: Sequence[tuple[float, ...]]) -> list[Ranked]:
         """Sort by `keys`, ties by a rotation that advances every decision."""
         n = len(costs)
@@ -82,6 +87,10 @@ class _CachePolicy(Policy):
     @abstractmethod
     def cached(self, view: WorkerView) -> int: ...
 
+    def host_load(self, view: WorkerView) -> float:
+        """What it believes the host-tier copies cost, in tokens of prefill."""
+        return view.host_load_cost
+
     def predicted(self, view: WorkerView) -> int:
         return self.cached(view)
 
@@ -89,8 +98,9 @@ class _CachePolicy(Policy):
         w = self.weights
         prompt, max_new = request.prompt_tokens, request.max_new_tokens
         loads = [load_tokens(v, w) for v in views]
+        cached, host_load = self.cached, self.host_load
         costs = [
-            request_cost(v, self.cached(v), prompt, max_new, w, load)
+            request_cost(v, cached(v), prompt, max_new, w, load, host_load(v))
             for v, load in zip(views, loads)
         ]
         over = overloaded(loads, w)
@@ -111,8 +121,14 @@ class PrefixPolicy(_CachePolicy):
     def cached(self, view: WorkerView) -> int:
         return view.full_cached
 
+    def host_load(self, view: WorkerView) -> float:
+        return 0.0  # host-resident KV counts as a plain hit
+
     def predicted_repaired(self, view: WorkerView) -> int:
         return 0  # it believes the whole full match is reused
+
+    def predicted_loaded(self, view: WorkerView) -> int:
+        return 0
 
 
 class LeastLoadedPolicy(Policy):

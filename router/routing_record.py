@@ -4,7 +4,7 @@ it by request id (`RoutedRequest.request_id`); neither the request nor the worke
 
 Placements (router → ingress). When Serve reports which replica took a request
 (`on_request_routed`), the router notes a `Placement`: that replica, the policy and the policy's
-predicted cached and repaired tokens on it. The ingress reads it for the response headers and
+predicted cached, repaired and loaded tokens on it. The ingress reads it for the response headers and
 the prediction metrics once the replica's `StreamStart` names the replica that serves; its
 worker client reads it to rank a replica last that died before sending a `StreamStart`.
 
@@ -39,6 +39,7 @@ class Placement:
     # None: no prediction for that replica (it was not among the decision's candidates)
     predicted_cached_tokens: int | None = None
     predicted_repaired_tokens: int | None = None
+    predicted_loaded_tokens: int | None = None  # KV tokens from the host tier, full and SWA apart
 
 
 _MAX_KEPT = 4096  # a router further behind than this only misses some early completions

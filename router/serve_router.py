@@ -303,8 +303,9 @@ class SwaPrefixRequestRouter(RequestRouter):
         if ranked is None:
             return routing_record.Placement(worker_id, policy)
         return routing_record.Placement(
-            worker_id, policy, ranked.predicted_cached_tokens, ranked.predicted_repaired_tokens
-        )
+            worker_id, policy, ranked.predicted_cached_tokens, ranked.predicted_repaired_tokens,
+            ranked.predicted_loaded_tokens,
+        )  # fmt: skip
 
     def _count_once(self, key: str, elapsed: float) -> None:
         if key in self._counted:

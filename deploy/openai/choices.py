@@ -41,6 +41,7 @@ class ChoiceState:
     prompt_len: int = 0
     cached_tokens: int = 0
     repaired_tokens: int = 0  # recomputed to repair the cached prefix (docs/design.md §9.8)
+    loaded_tokens: int = 0  # KV tokens of the cached prefix loaded from the host tier (§9.9)
     completion_tokens: int = 0
     finish_reason: str | None = None
     token_ids: list[int] = field(default_factory=list)
@@ -59,7 +60,7 @@ class ChoiceState:
         """Fold one delta in; returns the new text (cut at a stop string, if one appeared)."""
         piece = self.text.feed(delta.token_ids, final=delta.finished)
         self.prompt_len, self.cached_tokens = delta.prompt_len, delta.cached_tokens
-        self.repaired_tokens = delta.repaired_tokens
+        self.repaired_tokens, self.loaded_tokens = delta.repaired_tokens, delta.loaded_tokens
         self.completion_tokens = delta.completion_tokens
         self.token_ids.extend(delta.token_ids)
         if delta.logprobs:

@@ -28,7 +28,7 @@ from deploy.openai.checks import RequestChecks, sampling_params, sibling_params
 from deploy.openai.choices import ChoiceState, best_of, usage_of
 from deploy.openai.detokenize import StopTextStream
 from deploy.openai.fanout import Fanout, PromptStream
-from deploy.openai.headers import REPLICA_HEADER, prediction_headers, repaired_header
+from deploy.openai.headers import REPLICA_HEADER, prediction_headers, served_headers
 from deploy.openai.limits import RequestLimits
 from deploy.openai.prompts import PromptBuilder
 from deploy.openai.responses import ResponseBuilder, Shape
@@ -247,7 +247,7 @@ class OpenAIService:
             kept = best_of(run.choices, [st.prompt_index for st in run.fanout.streams], run.keep)
             body = run.builder.final(kept, usage_of(run.choices))
             self._count_tokens(run)
-            headers.update(repaired_header([c.repaired_tokens for c in kept]))
+            headers.update(served_headers([c.repaired_tokens for c in kept], [c.loaded_tokens for c in kept]))
             return Reply(headers, body=body)
         finally:
             timer.done()
@@ -401,4 +401,5 @@ class OpenAIService:
         self.metrics.prompt_tokens.inc(u.prompt_tokens)
         self.metrics.cached_tokens.inc(u.prompt_tokens_details.cached_tokens)
         self.metrics.count_repairs([c.repaired_tokens for c in run.choices])
+        self.metrics.count_loads([c.loaded_tokens for c in run.choices])
         self.metrics.completion_tokens.inc(u.completion_tokens)

@@ -61,6 +61,8 @@ class CacheEventPump:
             swa_tokens=stats.swa.total,
             hybrid=stats.hybrid,
             tombstone_repair=repairs_tombstones(engine.config),
+            tier_costs=engine.tier_costs,
+            host_full_tokens=stats.host_full.total,
         )
 
     async def ensure_started(self) -> None:

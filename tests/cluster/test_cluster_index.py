@@ -46,7 +46,8 @@ def test_events_set_page_states() -> None:
         _batch(2, (K.SWA_REMOVED, (1,)), (K.SWA_RESTORED, (4,)), (K.REMOVED, (3,)))
     ).changed
     assert _states(index) == {1: PageState.TOMBSTONE, 2: PageState.LIVE, 4: PageState.LIVE}
-    assert index.page_map.get(1) == [index.worker("w0").bit] * 2  # present and tombstone
+    bit = index.worker("w0").bit
+    assert index.page_map.get(1) == [bit, bit, 0, 0]  # present and tombstone
     assert index.page_map.get(3) is None
 
 
@@ -59,7 +60,7 @@ def test_cleared_empties_the_worker() -> None:
     index.apply(_batch(1, (K.STORED, (1,)), wid="b"))
     index.apply(_batch(2, (K.CLEARED, ()), wid="a"))
     assert _states(index, "a") == {}
-    assert index.page_map.get(1) == [index.worker("b").bit, 0]
+    assert index.page_map.get(1) == [index.worker("b").bit, 0, 0, 0]
     assert index.page_map.get(2) is None
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from core.events import CacheEvent, PageState
 from core.outputs import EngineStats, PoolStats, StreamDelta, TokenLogprob
+from core.reuse import TierCosts
 from core.sampling_params import SamplingParams
 from worker.config import EngineConfig
 
@@ -37,6 +38,7 @@ class FakeEngine:
         self.max_model_len = config.max_model_len or max_model_len
         self.window: int | None = None
         self.swa_layers = 0
+        self.tier_costs: TierCosts | None = None
         self.error: BaseException | None = None
         self._vocab = vocab_size
         self._eos = eos_token_id

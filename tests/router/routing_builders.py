@@ -6,9 +6,13 @@ from cluster.index import ClusterIndex
 from cluster.messages import CacheSnapshot, PoolHeadroom, WorkerLoad, WorkerMeta, WorkerResync
 from core.events import PageState, page_hashes
 from core.geometry import Geometry
+from core.reuse import TierCosts
 
 PAGE = 4
 WINDOW = 8  # two LIVE pages must end a match that crosses a tombstone
+# One char per page state: L live, T tombstone, S SWA on the host, H host, X host tombstone.
+STATES = {"L": PageState.LIVE, "T": PageState.TOMBSTONE, "S": PageState.SWA_HOST,
+          "H": PageState.HOST, "X": PageState.HOST_TOMBSTONE}  # fmt: skip
 
 
 def prompt(pages: int, base: int = 1000) -> list[int]:
@@ -17,20 +21,23 @@ def prompt(pages: int, base: int = 1000) -> list[int]:
 
 
 def index_with(
-    tokens: list[int], layout: dict[str, str], window: int | None = WINDOW
+    tokens: list[int],
+    layout: dict[str, str],
+    window: int | None = WINDOW,
+    *,
+    swa_layers: int = 0,
+    repair: bool = False,
+    tier_costs: TierCosts | None = None,
 ) -> ClusterIndex:
-    """layout: worker id → one char per page of tokens[:-1]: L live, T tombstone, . absent."""
+    """layout: worker id → one char per page of tokens[:-1] (`STATES`, . absent)."""
     chain = page_hashes(tokens[:-1], PAGE)
     index = ClusterIndex()
     for wid, states in layout.items():
-        pages = {
-            h: PageState.LIVE if c == "L" else PageState.TOMBSTONE
-            for h, c in zip(chain, states)
-            if c != "."
-        }
+        pages = {h: STATES[c] for h, c in zip(chain, states) if c != "."}
         meta = WorkerMeta(
-            wid, "inc", Geometry(PAGE, window), full_tokens=1 << 16, swa_tokens=1 << 14, hybrid=True
-        )
+            wid, "inc", Geometry(PAGE, window, swa_layers), full_tokens=1 << 16, swa_tokens=1 << 14,
+            hybrid=True, tombstone_repair=repair, tier_costs=tier_costs,
+        )  # fmt: skip
         index.resync(WorkerResync(meta, CacheSnapshot(wid, "inc", 0, pages)))
     return index
 

@@ -86,3 +86,17 @@ def test_inflight_bounded_and_retried_key_moves() -> None:
     assert t.unsampled("c", 6.5) == (1, 1)  # the sample at 6.5 includes x3
     t.forget_worker("c")
     assert t.unsampled("c", None) == (0, 0)
+
+
+def test_loads_take_device_slots_and_cost_their_copy() -> None:
+    """A load brings KV back into both device pools (full: its loaded_full, SWA: its
+    loaded_swa) and costs its copy in tokens of prefill."""
+    tight = PoolHeadroom(100, 0, 10_000)
+    roomy = PoolHeadroom(10_000, 0, 10_000)
+    view = _view(tight, roomy, loaded_full=64, loaded_swa=16)
+    assert capacity_tokens(view, 50, 0, W) == W.shortfall * (50 + 64 - 100)
+    swa_tight = _view(roomy, PoolHeadroom(80, 0, 10_000), loaded_full=64, loaded_swa=16)
+    assert capacity_tokens(swa_tight, 50, 0, W) == W.shortfall * (64 + 16 + 16 - 80)  # window + page + loaded
+    assert request_cost(_view(roomy, roomy), 100, 500, 0, W, host_load=12.5) - request_cost(
+        _view(roomy, roomy), 100, 500, 0, W
+    ) == W.prefill * 12.5

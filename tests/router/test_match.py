@@ -1,4 +1,5 @@
-"""Valid match (docs/design.md §4.4): the fast walk agrees with the literal rule and the index."""
+"""Tiered match (docs/design.md §4.4): the fast walk agrees with the literal rule and with the
+reference walk `core.reuse.tiered_match` on every layout of states over both tiers."""
 
 from __future__ import annotations
 
@@ -9,9 +10,11 @@ from match_oracle import valid_match_reference
 from cluster.page_map import PageMap
 from core.events import PageState
 from core.geometry import Geometry
-from router.match import deepest_valid, match_chain
+from core.reuse import TieredMatch, tiered_match
+from router.match import match_chain
 
-L, T = PageState.LIVE, PageState.TOMBSTONE
+L, T, SH, H, HT = (PageState.LIVE, PageState.TOMBSTONE, PageState.SWA_HOST, PageState.HOST,
+                   PageState.HOST_TOMBSTONE)  # fmt: skip
 
 
 def test_reference_examples() -> None:
@@ -28,7 +31,8 @@ def test_window_not_page_aligned() -> None:
     """A window of 5 tokens at page 2 needs three LIVE pages after a tombstone."""
     assert valid_match_reference([T, L, L], 2, 5) == 0
     assert valid_match_reference([T, L, L, L], 2, 5) == 4
-    assert deepest_valid(4, [0], Geometry(2, 5)) == 4 and deepest_valid(3, [0], Geometry(2, 5)) == 0
+    out, _ = _walk([[T, L, L, L], [T, L, L]], [Geometry(2, 5), Geometry(2, 5)])
+    assert out[1].p_valid == 8 and out[2].p_valid == 0
 
 
 _states = st.lists(st.sampled_from([L, T, None]), max_size=24)
@@ -36,39 +40,55 @@ _states = st.lists(st.sampled_from([L, T, None]), max_size=24)
 
 @settings(max_examples=300, deadline=None)
 @given(_states, st.sampled_from([1, 2, 4]), st.one_of(st.none(), st.integers(0, 12)))
-def test_deepest_valid_matches_reference(states: list, page: int, window: int | None) -> None:
-    """Jumping between tombstones gives the same answer as testing every k."""
-    full = next((i for i, s in enumerate(states) if s is None), len(states))
-    tombs = [i for i, s in enumerate(states[:full]) if s is T]
-    assert deepest_valid(full, tombs, Geometry(page, window)) == valid_match_reference(states, page, window)
+def test_valid_match_equals_the_literal_rule(states: list, page: int, window: int | None) -> None:
+    """Jumping between runs of tombstones gives the same answer as testing every k."""
+    out, _ = _walk([states + [None]], [Geometry(page, window)])
+    got = out[1].p_valid if 1 in out else 0
+    assert got == valid_match_reference(states, page, window) * page
 
 
-@settings(max_examples=100, deadline=None)
-@given(st.lists(_states, min_size=1, max_size=5), st.integers(0, 9))
-def test_match_chain_per_worker(worker_states: list[list], window: int) -> None:
-    """One walk over the PageMap gives each worker its own full and valid match."""
+_tiered_states = st.lists(st.sampled_from([L, T, SH, H, HT, None]), max_size=20)
+
+
+def _walk(worker_states: list[list], geometries: list[Geometry]) -> tuple[dict[int, TieredMatch], int]:
     depth = max(len(s) for s in worker_states)
     chain = list(range(100, 100 + depth))
     page_map = PageMap()
-    geometries = {}
     for slot, states in enumerate(worker_states):
-        bit = 1 << slot
-        geometries[bit] = Geometry(2, window)
         for h, state in zip(chain, states):
             if state is not None:
-                page_map.set(h, bit, state is L)
-    out = match_chain(iter(chain), page_map, geometries)
-    for slot, states in enumerate(worker_states):
+                page_map.set(h, 1 << slot, state)
+    bits = {1 << slot: g for slot, g in enumerate(geometries)}
+    return match_chain(iter(chain), page_map, bits), depth
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    st.lists(st.tuples(_tiered_states, st.one_of(st.none(), st.integers(0, 12))), min_size=1, max_size=6),
+    st.sampled_from([1, 2, 4]),
+)
+def test_match_chain_equals_the_reference_walk(workers: list[tuple[list, int | None]], page: int) -> None:
+    """One walk over the PageMap gives each worker exactly `tiered_match` of its own states:
+    p_full, p_valid over device ∪ host SWA, p_device, host_full, host_swa, host_full_all."""
+    geometries = [Geometry(page, window, 2 if window is not None else 0) for _, window in workers]
+    out, depth = _walk([s for s, _ in workers], geometries)
+    for slot, ((states, _), g) in enumerate(zip(workers, geometries)):
         padded = states + [None] * (depth - len(states))
-        full = next((i for i, s in enumerate(padded) if s is None), depth)
-        assert out[1 << slot].full_pages == full
-        assert out[1 << slot].valid_pages == valid_match_reference(padded, 2, window)
+        want = tiered_match(padded, g)
+        got = out.get(1 << slot, TieredMatch(0, 0, 0, 0, 0, 0))
+        assert got == want, (states, g)
+
+
+def test_worked_example_of_the_docstring() -> None:
+    """router/match.py's example, page 4, window 8."""
+    out, _ = _walk([[L, L, T, L, SH, SH, L, H, H]], [Geometry(4, 8, 2)])
+    assert out[1] == TieredMatch(p_full=36, p_valid=36, p_device=8, host_full=8, host_swa=8, host_full_all=8)
 
 
 def test_match_chain_stops_pulling_hashes() -> None:
     """The lazy chain is consumed only one page past the deepest holder."""
     page_map = PageMap()
-    page_map.set(1, 1, True)
+    page_map.set(1, 1, L)
     pulled: list[int] = []
 
     def chain():
@@ -77,14 +97,15 @@ def test_match_chain_stops_pulling_hashes() -> None:
             yield h
 
     out = match_chain(chain(), page_map, {1: Geometry(4, None)})
-    assert out[1].full_pages == 1 and pulled == [1, 2]
+    assert out[1].p_full == 4 and pulled == [1, 2]
 
 
 def test_match_chain_ignores_other_workers_bits() -> None:
-    """Pages held only by non-target workers do not extend a target's match."""
+    """Pages held only by non-target workers do not extend a target's match, and their states
+    do not leak into it."""
     page_map = PageMap()
-    page_map.set(1, 0b01, True)
-    page_map.set(1, 0b10, True)
-    page_map.set(2, 0b10, True)
+    page_map.set(1, 0b01, L)
+    page_map.set(1, 0b10, H)
+    page_map.set(2, 0b10, H)
     out = match_chain(iter([1, 2]), page_map, {0b01: Geometry(2, 4)})
-    assert out == {0b01: out[0b01]} and out[0b01].full_pages == 1
+    assert out == {0b01: TieredMatch(2, 2, 2, 0, 0, 0)}

@@ -61,7 +61,7 @@ class MirroredWorker:
     def predicted(self, prompt: list[int]) -> tuple[int, int, int, int]:
         """(valid, full) matches, then the decision's (cached, repaired) prediction."""
         match = self.core.match(prompt, ["w"]).get("w")
-        valid, full = (0, 0) if match is None else (match.valid_pages * PAGE, match.full_pages * PAGE)
+        valid, full = (0, 0) if match is None else (match.p_valid, match.p_full)
         best = self.core.decide(prompt, [Candidate("w")]).best
         assert best is not None
         return valid, full, best.predicted_cached_tokens, best.predicted_repaired_tokens

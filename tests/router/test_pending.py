@@ -51,14 +51,14 @@ def test_pending_pages_are_live_past_the_valid_match() -> None:
     ones it reuses keep their state."""
     tokens = prompt(6)
     core = _core(index_with(tokens, {"a": "LLLLTT", "b": "......"}))
-    assert core.match(tokens, ["a"])["a"].valid_pages == 4
+    assert core.match(tokens, ["a"])["a"].p_valid == 4 * PAGE
     assert _placed_on(core, tokens, "r1") == "a"
     assert core.decide(tokens, _cands("a", "b"), now=1.1).predicted_for("a") == 6 * PAGE
     # a branch inside the reused part still sees the index's tombstones there
     core2 = _core(index_with(tokens, {"a": "TLLL..", "b": "......"}))
     core2.decide(tokens, _cands("a"), request_key="r1", now=1.0)
     branch = tokens[: 3 * PAGE] + [1, 2, 3, 4, 5]
-    assert core2.match(branch, ["a"])["a"].valid_pages == 3  # window 8 = 2 LIVE pages after T
+    assert core2.match(branch, ["a"])["a"].p_valid == 3 * PAGE  # window 8 = 2 LIVE pages after T
 
 
 def test_completion_hands_back_to_the_index() -> None:

@@ -53,11 +53,11 @@ def test_deeper_valid_match_wins_when_every_valid_is_short() -> None:
     index = index_with(tokens, {"a": "LLLLTLLLTL", "b": "LLTLLLTL.."})
     core = _core(index)
     matches = core.match(tokens, ["a", "b"])
-    assert (matches["a"].full_pages, matches["a"].valid_pages) == (10, 8)
+    assert (matches["a"].p_full, matches["a"].p_valid) == (10 * PAGE, 8 * PAGE)
     index = index_with(tokens, {"a": "LLLLTLTLTL", "b": "LLTLLLTL.."})
     matches = _core(index).match(tokens, ["a", "b"])
-    assert (matches["a"].full_pages, matches["a"].valid_pages) == (10, 4)
-    assert (matches["b"].full_pages, matches["b"].valid_pages) == (8, 6)
+    assert (matches["a"].p_full, matches["a"].p_valid) == (10 * PAGE, 4 * PAGE)
+    assert (matches["b"].p_full, matches["b"].p_valid) == (8 * PAGE, 6 * PAGE)
     assert _core(index).decide(tokens, _cands("a", "b")).best.worker_id == "b"
     assert _core(index, "prefix").decide(tokens, _cands("a", "b")).best.worker_id == "a"
 

@@ -17,6 +17,7 @@ from typing import Protocol
 
 from core.events import CacheEvent, PageState
 from core.outputs import EngineStats, StreamDelta
+from core.reuse import TierCosts
 from core.sampling_params import SamplingParams
 from worker.config import EngineConfig
 
@@ -44,6 +45,11 @@ class EngineClient(Protocol):
     @property
     def swa_layers(self) -> int:
         """How many layers slide (the repair rule's n_swa, docs/design.md §9.8)."""
+        ...
+
+    @property
+    def tier_costs(self) -> TierCosts | None:
+        """What the host tier charges per token (core/reuse.py); None without a host tier."""
         ...
 
     @property

@@ -19,6 +19,7 @@ from typing import TypeVar
 
 from core.events import CacheEvent, PageState
 from core.outputs import EngineStats, StreamDelta
+from core.reuse import TierCosts
 from core.sampling_params import SamplingParams
 from worker.assembly.parts import EngineParts
 from worker.assembly.ranks import RankLauncher
@@ -44,6 +45,7 @@ class AsyncEngine:
         self.model_dir: Path | None = self.engine.parts.model_dir
         self.window: int | None = self.spec.window if self.spec.has_swa else None
         self.swa_layers = len(self.spec.swa_layer_ids)
+        self.tier_costs: TierCosts | None = self.engine.tier_costs
         self._wake = threading.Event()
         self._stop = threading.Event()
         # (run it, fail it): closures over each call's typed future, run on the step thread

@@ -58,6 +58,7 @@ from typing import cast
 
 from core.events import CacheEvent, PageState
 from core.outputs import EngineStats, StreamDelta
+from core.reuse import TierCosts
 from core.sampling_params import SamplingParams
 from worker.config import EngineConfig
 from worker.engine.engine import Engine
@@ -131,6 +132,7 @@ class _Ready:
     model_dir: Path | None
     window: int | None
     swa_layers: int
+    tier_costs: TierCosts | None
     stats: EngineStats
     niceness: int  # the child's, after `set_niceness`
 
@@ -168,6 +170,7 @@ class EngineProcess:
         self.model_dir = ready.model_dir
         self.window = ready.window
         self.swa_layers = ready.swa_layers
+        self.tier_costs = ready.tier_costs
         self.niceness = ready.niceness
         self.pid = self._proc.pid
         self._stats = ready.stats
@@ -390,7 +393,7 @@ class _Child:
         e = self.engine
         window = e.spec.window if e.spec.has_swa else None
         return _Ready(
-            e.max_model_len, e.parts.model_dir, window, len(e.spec.swa_layer_ids), e.stats(),
+            e.max_model_len, e.parts.model_dir, window, len(e.spec.swa_layer_ids), e.tier_costs, e.stats(),
             os.getpriority(os.PRIO_PROCESS, 0),
         )  # fmt: skip
 

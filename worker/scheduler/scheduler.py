@@ -353,7 +353,7 @@ class Scheduler:
             self.cache.cancel_load(plan)
             return None
         self.counters.loads += 1
-        return self.cache.load(plan), plan.tokens
+        return self.cache.load(plan), plan.full_tokens + plan.swa_tokens  # counted apart (Reuse's)
 
     def _admit_repair(
         self, req: Req, tokens: list[int], reuse: Reuse, budget: int
