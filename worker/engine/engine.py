@@ -39,13 +39,7 @@ from worker.config import (
 )
 from worker.engine.overlap import Forwarder, Launched, forward_reqs, sample_index
 from worker.engine.stats import EngineCounters, PoolPeaks, snapshot
-from worker.engine.step_io import (
-    StreamCursor,
-    chunk_prompt_logprobs,
-    prompt_logits,
-    sample_row,
-    stream_delta,
-)
+from worker.engine.step_io import StreamCursor, sample_row, stream_delta
 from worker.engine.stopping import StopChecker
 from worker.runner.forward_batch import ForwardBatch
 from worker.runner.noise import seed_key
@@ -224,9 +218,8 @@ class Engine:
 
     def _process(self, launched: Launched) -> list[StreamDelta]:
         res = launched.result.result()
-        for w, rows in zip(launched.work, prompt_logits(launched.fwd, res.logits)):
-            if rows is not None:
-                self.scheduler.record_prompt_logprobs(w.req, chunk_prompt_logprobs(w, rows))
+        for i, lps in res.forward.prompt_logprobs.items():
+            self.scheduler.record_prompt_logprobs(launched.work[i].req, lps)
         deltas = [self._prompt_only_done(r) for r in launched.prompt_only if r.state is not ReqState.FINISHED]
         sampled = res.sampled
         unsampled = set(sampled.unsampled)
