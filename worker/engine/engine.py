@@ -351,15 +351,6 @@ class Engine:
                 sink(StreamDelta(req.rid, [], True, "abort", len(req.prompt), 0, 0, error=req.error))
         return deltas
 
-    def fail_all(self, error: str) -> None:
-        """The step thread is dying: tell every request's consumer, once (step thread only)."""
-        for rid, sink in list(self._sinks.items()):
-            req = self.scheduler.reqs.get(rid)
-            prompt_len, done = (len(req.prompt), len(req.output)) if req else (0, 0)
-            sink(StreamDelta(rid, [], True, "abort", prompt_len, 0, done, error=error))
-        self._sinks.clear()
-        self._cursors.clear()
-
     # ---- offline --------------------------------------------------------------------------------
     def generate(
         self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams]
