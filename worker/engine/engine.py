@@ -348,7 +348,11 @@ class Engine:
                 # NOTE: two adds raced past add_request's check. Raising here would fail the
                 # step every request shares; the newcomer is refused through its own sink
                 # (not in the step's deltas: they would "finish" the running request).
-                sink(StreamDelta(req.rid, [], True, "abort", len(req.prompt), 0, 0, error=req.error))
+                refusal = StreamDelta(req.rid, [], True, "abort", len(req.prompt), 0, 0, error=req.error)
+                try:
+                    sink(refusal)
+                except Exception:  # noqa: BLE001 - its consumer is gone; nothing else to end
+                    logger.exception("request %s: its consumer failed on its refusal", req.rid)
         return deltas
 
     # ---- offline --------------------------------------------------------------------------------

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from core.outputs import TokenLogprob
 from worker.attention.base import AttentionBackend, AttnBatch, KVView
 from worker.models.context import ForwardContext
 from worker.models.spec import LayerKind, ModelSpec
@@ -64,7 +65,6 @@ WARM_UP_SIZES = (1, 3)  # decode of one request (specialised by dynamo) and any 
 # Prompt rows turned into logprobs at once when no memory plan says (runners built by hand).
 DEFAULT_LOGPROB_ROWS = 128
 PROMPT_LOGPROBS_FAILED = "prompt logprobs could not be computed for this request"
-
 
 
 @dataclass(frozen=True)
@@ -359,18 +359,31 @@ class ModelRunner:
         logits = self._head(hidden[rows], gather)
         out = None if logits is None else ForwardOutput(logits)
         for piece in host.prompt:
-            piece_logits = self._head(hidden[piece.row : piece.row + len(piece.next_ids)], gather)
-            if out is None or piece_logits is None or piece.index in out.prompt_errors:
+            wanted = out is not None and piece.index not in out.prompt_errors
+            got = self._prompt_piece(hidden, piece, gather, wanted)  # every rank: head, gather
+            if out is None or got is None:
                 continue  # not the sampling rank, or the request already failed
-            try:
-                got = token_logprobs(piece_logits, piece.next_ids, piece.top_n)
-            except Exception:  # noqa: BLE001 - that request ends alone (forward_batch.py)
-                logger.exception("prompt logprobs of batch row %d failed", piece.index)
+            if isinstance(got, str):
                 out.prompt_logprobs.pop(piece.index, None)
-                out.prompt_errors[piece.index] = PROMPT_LOGPROBS_FAILED
-                continue
-            out.prompt_logprobs.setdefault(piece.index, []).extend(got)
+                out.prompt_errors[piece.index] = got
+            else:
+                out.prompt_logprobs.setdefault(piece.index, []).extend(got)
         return out
+
+    def _prompt_piece(
+        self, hidden: torch.Tensor, piece: _PromptPiece, gather: Gather | None, wanted: bool
+    ) -> list[TokenLogprob] | str | None:
+        """One piece's logprobs (`wanted`: on the sampling rank, for a request that has not
+        failed; else None), or why they failed (that request's alone). NOTE: its logits die
+        with this call, before the next piece's are made."""
+        logits = self._head(hidden[piece.row : piece.row + len(piece.next_ids)], gather)
+        if logits is None or not wanted:
+            return None
+        try:
+            return token_logprobs(logits, piece.next_ids, piece.top_n)
+        except Exception:  # noqa: BLE001 - that request ends alone (forward_batch.py)
+            logger.exception("prompt logprobs of batch row %d failed", piece.index)
+            return PROMPT_LOGPROBS_FAILED
 
     def _head(self, hidden: torch.Tensor, gather: Gather | None) -> torch.Tensor | None:
         """float32 logits of these hidden rows over the whole vocabulary (None: not this rank's).

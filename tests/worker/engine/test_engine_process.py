@@ -207,7 +207,8 @@ def test_a_step_that_raises_tells_the_replica_and_ends_every_stream(
             died.append(exc)
             child_end.close()  # the child process would exit here
 
-    threading.Thread(target=step_loop, daemon=True).start()
+    stepper = threading.Thread(target=step_loop, daemon=True)
+    stepper.start()
 
     async def stream(rid: str, prompt: list[int]) -> list[int]:
         out: list[int] = []
@@ -222,6 +223,7 @@ def test_a_step_that_raises_tells_the_replica_and_ends_every_stream(
     results = asyncio.run(main())
     assert [type(r) for r in results] == [EngineGoneError, EngineGoneError], results
     assert all("step failed (RuntimeError: device lost)" in str(r) for r in results)
+    stepper.join(30)  # it raises right after sending `_Died`
     assert died and ep.error is not None
     with pytest.raises(RuntimeError, match="internal error"):
         ep.check_integrity()
