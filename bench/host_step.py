@@ -42,7 +42,7 @@ from worker.config import EngineConfig
 from worker.engine.engine import Engine
 from worker.kv.hybrid_allocator import HybridAllocator
 from worker.models.spec import ModelSpec
-from worker.runner.forward_batch import ForwardBatch
+from worker.runner.forward_batch import ForwardBatch, ForwardOutput
 from worker.runner.model_runner import DeviceTable, prepare_inputs
 from worker.runner.sampler import SampleOutput, SampleRow
 
@@ -81,7 +81,7 @@ class HostStepRunner:
         self.last_runner_s = 0.0
         self.last_entries = 0
 
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+    def forward(self, batch: ForwardBatch) -> ForwardOutput:
         if self.path == "flat":  # (not timed: the rows are dropped before the clock starts)
             batch = ForwardBatch(tuple(dataclasses.replace(r, row=None) for r in batch.reqs))
         t0 = time.process_time()
@@ -95,7 +95,7 @@ class HostStepRunner:
         self.last_runner_s = time.process_time() - t0
         key = "sync_val" if host.full_rows is not None else "full_idx"
         self.last_entries = host.spans[key][1]
-        return torch.empty(host.num_logit_rows, 0)
+        return ForwardOutput(torch.empty(host.num_logit_rows, 0))
 
     def sample(
         self, logits: torch.Tensor, rows: Sequence[SampleRow], bitmask: torch.Tensor | None = None

@@ -25,7 +25,7 @@ from worker.assembly.parts import EngineParts
 from worker.config import EngineConfig
 from worker.engine.engine import Engine
 from worker.models.spec import KindShape, LayerKind, ModelSpec
-from worker.runner.forward_batch import ForwardBatch
+from worker.runner.forward_batch import ForwardBatch, ForwardOutput
 from worker.runner.sampler import SampleOutput, SampleRow
 
 SIM_VOCAB = 32_000
@@ -63,7 +63,7 @@ class SimRunner:
         self.fed_tokens = 0  # every token fed since start (prefill and decode)
         self.repair_tokens = 0  # of those, repair rows (docs/design.md §9.8; priced as prefill)
 
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+    def forward(self, batch: ForwardBatch) -> ForwardOutput:
         prefill = decode = 0
         for r in batch.reqs:
             n = len(r.token_ids)
@@ -75,7 +75,7 @@ class SimRunner:
         self.last_prefill_tokens, self.last_decode_tokens = prefill, decode
         self.fed_tokens += prefill + decode
         # Logits with no vocabulary: the row count is all `sample` needs.
-        return torch.empty(batch.num_logits, 0)
+        return ForwardOutput(torch.empty(batch.num_logits, 0))
 
     def sample(
         self, logits: torch.Tensor, rows: Sequence[SampleRow], bitmask: torch.Tensor | None = None

@@ -336,3 +336,8 @@ class WorkerInfo:
 
 class WorkerUnavailableError(RuntimeError):
     """The worker cannot finish this request (shutting down, engine gone); the ingress answers 503."""
+
+
+class EngineDiedError(WorkerUnavailableError):
+    """The worker's engine died while running this request (it may be why): the ingress sends
+    it again at most once (`deploy.replica.client.DeathRecord`), then answers 503."""

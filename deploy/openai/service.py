@@ -42,13 +42,20 @@ from deploy.openai.schema import (
 )
 from deploy.openai.streaming import RequestTimer, from_model, sse, translate_worker_error
 from deploy.openai.structured import request_grammar
-from deploy.replica.client import ReplicaSnapshot, WorkerClient, replica_gone
+from deploy.replica.client import (
+    DeathRecord,
+    ReplicaSnapshot,
+    WorkerClient,
+    engine_died,
+    replica_gone,
+)
 from router import routing_record
 from router.metrics import default_metrics as routing_metrics
 
 log = logging.getLogger("swaserve.ingress")
 
-# Restarts of a non-streaming request whose worker replica was lost mid-generation.
+# Restarts of a non-streaming request whose worker replica was lost mid-generation (one at most
+# when its engine died running it: `DeathRecord`).
 PLAIN_RESTARTS = 2
 
 
@@ -94,6 +101,7 @@ class _Run:
     choices: list[ChoiceState]
     builder: ResponseBuilder
     keep: int  # choices returned per prompt (n); more were generated when best_of > n
+    deaths: DeathRecord  # replicas whose engine died running it, over its resends and restarts
 
 
 class OpenAIService:
@@ -190,7 +198,8 @@ class OpenAIService:
     # -- running -----------------------------------------------------------------------------
 
     async def _plan(self, req: CompletionRequest | ChatCompletionRequest, prompts: list[list[int]],
-                    grammar: Any, avoid: tuple[str, ...] = ()) -> _Run:  # fmt: skip
+                    grammar: Any, avoid: tuple[str, ...] = (),
+                    deaths: DeathRecord | None = None) -> _Run:  # fmt: skip
         chat = isinstance(req, ChatCompletionRequest)
         base_id = f"{'chatcmpl' if chat else 'cmpl'}-{time.time_ns():x}{id(req) & 0xFFFF:04x}"
         total = req.n if chat else (req.best_of or req.n)  # type: ignore[union-attr]
@@ -220,7 +229,7 @@ class OpenAIService:
             skip_special_tokens=req.skip_special_tokens,
         )  # fmt: skip
         builder = ResponseBuilder(self._tok, base_id, self._opts.model_name, chat, shape, prompts)
-        return _Run(req, Fanout(streams), choices, builder, keep=req.n)
+        return _Run(req, Fanout(streams), choices, builder, keep=req.n, deaths=deaths or DeathRecord())
 
     async def _run(self, req: CompletionRequest | ChatCompletionRequest, prompts: list[list[int]],
                    grammar: Any, release: Callable[[], None]) -> Reply:  # fmt: skip
@@ -228,7 +237,7 @@ class OpenAIService:
         run = await self._plan(req, prompts, grammar)
         endpoint = "chat" if run.builder.chat else "completions"
         try:
-            await self._start(run.fanout)
+            await self._start(run)
         except BaseException:
             await run.fanout.close_all()
             raise
@@ -258,9 +267,10 @@ class OpenAIService:
                                   grammar: Any) -> _Run:  # fmt: skip
         """Collect a non-streaming answer; a worker replica lost mid-generation costs a restart
         on another replica, not the request (the client has seen nothing yet). Up to
-        `PLAIN_RESTARTS` restarts; the lost replicas rank last (`RoutedRequest.avoid`). Returns
-        the run that answered; a restarted run that fails is closed here (the caller closes the
-        first)."""
+        `PLAIN_RESTARTS` restarts, but none after a second replica's engine died running it
+        (`DeathRecord`, shared with the client's resends: the 503 is the answer); the lost
+        replicas rank last (`RoutedRequest.avoid`). Returns the run that answered; a restarted
+        run that fails is closed here (the caller closes the first)."""
         first = run
         avoid: tuple[str, ...] = ()
         try:
@@ -272,14 +282,19 @@ class OpenAIService:
                     failed = run.fanout.failed
                     if restart == PLAIN_RESTARTS or failed is None or not _lost_replica(err):
                         raise
-                    cause = type(err.__cause__).__name__
+                    cause = err.__cause__
+                    assert cause is not None  # `_lost_replica`
+                    if engine_died(cause) and not run.deaths.note(failed.replica):
+                        log.warning("the engines of %d replicas died running %s; answering 503",
+                                    len(run.deaths.replicas), failed.request.request_id)  # fmt: skip
+                        raise
                 await run.fanout.close_all()
                 if failed.replica and failed.replica not in avoid:
                     avoid = (*avoid, failed.replica)
                 log.warning("worker %s lost mid-generation of %s (%s); restarting the request",
-                            failed.replica or "?", failed.request.request_id, cause)  # fmt: skip
-                run = await self._plan(run.req, prompts, grammar, avoid)
-                await self._start(run.fanout)
+                            failed.replica or "?", failed.request.request_id, type(cause).__name__)  # fmt: skip
+                run = await self._plan(run.req, prompts, grammar, avoid, run.deaths)
+                await self._start(run)
             raise AssertionError("unreachable")  # pragma: no cover
         except BaseException:
             if run is not first:
@@ -292,8 +307,8 @@ class OpenAIService:
         headers.update(prediction_headers([_placement(s) for s in streams]))
         return headers
 
-    async def _start(self, fanout: Fanout) -> None:
-        starts = await asyncio.gather(*(self._open(s) for s in fanout.streams))
+    async def _start(self, run: _Run) -> None:
+        starts = await asyncio.gather(*(self._open(s, run.deaths) for s in run.fanout.streams))
         refused = [s for s in starts if s.refusal is not None]
         if refused:
             s = refused[0]
@@ -303,8 +318,8 @@ class OpenAIService:
                 raise bad_request(message, param=param)
             raise overloaded(503, s.message or "worker unavailable", self._opts.retry_after_s)
 
-    async def _open(self, s: PromptStream) -> StreamStart:
-        s.stream = self._client.stream(s.request)
+    async def _open(self, s: PromptStream, deaths: DeathRecord) -> StreamStart:
+        s.stream = self._client.stream(s.request, deaths)
         try:
             first = await s.stream.__anext__()
         except StopAsyncIteration:

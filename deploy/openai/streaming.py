@@ -11,6 +11,9 @@ from pydantic import BaseModel
 from cluster.messages import WorkerUnavailableError
 from deploy.metrics import IngressMetrics
 from deploy.openai.schema import APIError, overloaded
+from deploy.replica.client import engine_died
+
+ENGINE_DIED = "the engine serving this request stopped while running it; retry later"
 
 
 class RequestTimer:
@@ -48,6 +51,8 @@ def translate_worker_error(e: BaseException, retry_after_s: int) -> APIError:
         status = 429 if getattr(e, "status_code", 503) == 429 else 503
         retry = getattr(e, "retry_after_s", None)
         return overloaded(status, "worker queues are full; retry later", int(retry) if retry else retry_after_s)
+    if engine_died(e):  # the engine (or its replica) died running it: before any worker text
+        return overloaded(503, ENGINE_DIED, retry_after_s)
     if isinstance(e, WorkerUnavailableError):
         return overloaded(503, str(e), retry_after_s)
     if isinstance(e, DeploymentUnavailableError):

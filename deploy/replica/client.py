@@ -16,6 +16,13 @@ or, when it died before sending one, the one the router placed the request on
 (`router.routing_record.placement_of`). The `StreamStart` is held back until the first
 token (or the end), so the caller only ever sees the replica that serves it, and a request that
 cannot be placed fails before its HTTP status line: 503 + Retry-After.
+
+A replica whose engine died while running the request (`EngineDiedError`, or the replica's
+process gone: `RayActorError`) may have died *because* of it: a request that kills every engine
+it reaches would take the replicas down one after another. So such deaths are counted per HTTP
+request in a `DeathRecord` that the ingress's later restarts share (`deploy/openai/service.py`):
+after the first, the request is sent once more; after the second replica, it is answered (503
+with Retry-After), not sent again.
 """
 
 from __future__ import annotations
@@ -25,9 +32,16 @@ import contextlib
 import dataclasses
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
-from cluster.messages import RoutedRequest, StreamStart, WorkerInfo, WorkerUnavailableError
+from cluster.messages import (
+    EngineDiedError,
+    RoutedRequest,
+    StreamStart,
+    WorkerInfo,
+    WorkerUnavailableError,
+)
 from cluster.replica_stats import ReplicaSnapshot
 from core.outputs import StreamDelta
 from router import routing_record
@@ -46,10 +60,27 @@ log = logging.getLogger("swaserve.ingress")
 STATS_STALE_AFTER_S = 3.0
 STATS_FORGET_AFTER_S = 30.0
 RETRIES = 2  # sends after the first, for a replica gone (or refusing) before the first token
+MAX_DEATHS = 2  # replicas whose engine may die running one request; then it is answered, not sent
+
+
+@dataclass
+class DeathRecord:
+    """The replicas whose engine died running one HTTP request (any of its prompts), across the
+    client's resends and the service's restarts."""
+
+    replicas: set[str] = field(default_factory=set)
+
+    def note(self, replica: str | None) -> bool:
+        """One more death (a replica not known: counted as a new one); True while the request
+        may still be sent again."""
+        self.replicas.add(replica or f"unknown-{len(self.replicas)}")
+        return len(self.replicas) < MAX_DEATHS
 
 
 class WorkerClient(Protocol):
-    def stream(self, request: RoutedRequest) -> AsyncIterator[StreamStart | StreamDelta]: ...
+    def stream(
+        self, request: RoutedRequest, deaths: DeathRecord | None = None
+    ) -> AsyncIterator[StreamStart | StreamDelta]: ...
 
     async def info(self) -> WorkerInfo: ...
 
@@ -89,8 +120,12 @@ class ServeWorkerClient:
             self._stream_handle = grpc_stream_handle(self._handle, "generate")
         return self._stream_handle
 
-    async def stream(self, request: RoutedRequest) -> AsyncIterator[StreamStart | StreamDelta]:
-        """The worker stream, sent again on another replica while no token has come back."""
+    async def stream(
+        self, request: RoutedRequest, deaths: DeathRecord | None = None
+    ) -> AsyncIterator[StreamStart | StreamDelta]:
+        """The worker stream, sent again on another replica while no token has come back (a
+        replica whose engine died running it counts in `deaths`: the module docstring)."""
+        deaths = deaths if deaths is not None else DeathRecord()
         for attempt in range(RETRIES + 1):
             start: StreamStart | None = None
             produced = False
@@ -115,6 +150,10 @@ class ServeWorkerClient:
                 if produced or attempt == RETRIES or not replica_gone(e):
                     raise
                 gone = start.replica_id if start is not None else _placed_on(request.request_id)
+                if engine_died(e) and not deaths.note(gone):
+                    log.warning("the engines of %d replicas died running %s; not sending it again",
+                                len(deaths.replicas), request.request_id)  # fmt: skip
+                    raise
                 log.warning("worker %s gone before the first token of %s (%s); sending again",
                             gone or "?", request.request_id, type(e).__name__)  # fmt: skip
                 if gone is not None and gone not in request.avoid:
@@ -174,6 +213,14 @@ def replica_gone(e: BaseException) -> bool:
     from ray.exceptions import RayActorError
 
     return isinstance(e, (RayActorError, WorkerUnavailableError))
+
+
+def engine_died(e: BaseException) -> bool:
+    """The engine serving the request died while running it (its replica's process with it, or
+    not): the request may be why (`DeathRecord`)."""
+    from ray.exceptions import RayActorError
+
+    return isinstance(e, (RayActorError, EngineDiedError))
 
 
 def _placed_on(request_id: str) -> str | None:

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from cluster.messages import (
+    EngineDiedError,
     RoutedRequest,
     StatsDict,
     StreamStart,
@@ -221,13 +222,24 @@ class WorkerDeployment:
         try:
             async for delta in gen:
                 queue.put_nowait((rid, delta))
-        except EngineGoneError as e:  # not the request's fault: the ingress sends it elsewhere
-            queue.put_nowait((rid, WorkerUnavailableError(f"worker {self.replica_id}: {e}; retry")))
+        except EngineGoneError as e:
+            queue.put_nowait((rid, self._engine_gone(rid, e)))
         except Exception as e:  # noqa: BLE001 - forwarded to the consumer, raised there
-            queue.put_nowait((rid, e))
+            failed = self._engine.error is not None  # it died before this request reached it
+            refused = WorkerUnavailableError(f"worker {self.replica_id}: its engine failed; retry")
+            queue.put_nowait((rid, refused if failed else e))
         finally:
             queue.put_nowait((rid, None))
             await gen.aclose()
+
+    def _engine_gone(self, rid: str, e: EngineGoneError) -> WorkerUnavailableError:
+        """The engine ended under request `rid`: stopped by a shutdown (not the request's
+        doing), or died running it — maybe because of it, so the ingress sends it elsewhere at
+        most once more (`EngineDiedError`). The engine's reason stays in this replica's log."""
+        if self._draining:
+            return WorkerUnavailableError(f"worker {self.replica_id} is shutting down; retry")
+        log.warning("worker %s: the engine died while running %s: %s", self.replica_id, rid, e)
+        return EngineDiedError(f"worker {self.replica_id}: its engine died while running the request")
 
     async def _refusal(self, token_ids: list[int], params: SamplingParams) -> StreamStart | None:
         if self._draining:
@@ -242,6 +254,10 @@ class WorkerDeployment:
             await asyncio.to_thread(self._engine.validate, token_ids, params)
         except ValueError as e:
             return StreamStart(self.replica_id, "invalid", str(e))
+        except Exception:
+            if self._engine.error is None:
+                raise
+            return StreamStart(self.replica_id, "unavailable", "worker engine failed; retry")
         return None
 
     # -- control plane ---------------------------------------------------------------------

@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 from cluster.messages import RoutedRequest, StreamStart, WorkerInfo
 from cluster.replica_stats import ReplicaSnapshot
 from core.outputs import StreamDelta
+from deploy.replica.client import DeathRecord
 from deploy.replica.deployment import WorkerDeployment
 
 
@@ -17,7 +18,11 @@ class InProcessWorkerClient:
         self.workers = workers
         self._next = itertools.cycle(range(len(workers)))
 
-    async def stream(self, request: RoutedRequest) -> AsyncIterator[StreamStart | StreamDelta]:
+    async def stream(
+        self, request: RoutedRequest, deaths: DeathRecord | None = None
+    ) -> AsyncIterator[StreamStart | StreamDelta]:
+        """Round robin over the workers, each request sent once (the service's restarts still
+        apply; `ServeWorkerClient`'s resends and `deaths` are tested on their own)."""
         worker = self.workers[next(self._next)]
         gen = worker.generate(request)
         try:

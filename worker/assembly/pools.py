@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from worker.config import EngineConfig
-from worker.kv.memory_plan import PoolPlan, plan_pools
+from worker.kv.memory_plan import PoolPlan, kv_share_of, plan_pools
 from worker.models.spec import ModelSpec
 from worker.parallel.group import TPGroup
 
@@ -38,9 +38,11 @@ def plan_after_load(
     config: EngineConfig, spec: ModelSpec, dtype: torch.dtype, group: TPGroup
 ) -> PoolPlan:
     """One rank's plan from `GPU_KV_FRACTION` of what its device has free now (weights loaded),
-    the smallest of any rank (a collective: every rank of `group` calls it)."""
+    the smallest of any rank (a collective: every rank of `group` calls it); the pools share it
+    with the prompt-logprob workspace (`kv_share_of`)."""
     free, _ = torch.cuda.mem_get_info(group.device)
-    return _plan(config, spec, dtype, group.min_over_ranks(int(free * GPU_KV_FRACTION)))
+    budget = group.min_over_ranks(int(free * GPU_KV_FRACTION))
+    return _plan(config, spec, dtype, kv_share_of(budget))
 
 
 def _plan(

@@ -30,7 +30,7 @@ from worker.attention import create_backend
 from worker.config import EngineConfig
 from worker.errors import ConfigError
 from worker.kv.hybrid_allocator import HybridAllocator
-from worker.kv.memory_plan import PoolPlan
+from worker.kv.memory_plan import PoolPlan, plan_logprob_rows
 from worker.kv.pool import HybridKVPool
 from worker.models.causal_lm import CausalLM
 from worker.models.compiled import CompilePlan, prepare_model, uncompile
@@ -104,9 +104,12 @@ def _runner(
         spec, full_size, swa_size, config.page_size, dtype, group.device, hybrid=plan.hybrid
     )
     backend = create_backend(config.attention_backend, pool, spec, group.device)
+    logprobs = plan_logprob_rows(plan.total_bytes, spec.vocab_size)
+    if group.is_first:
+        logger.info("prompt logprobs: %d rows at a time (%d bytes)", logprobs.rows, logprobs.bytes)
     return ModelRunner(
         spec, model, pool, allocator, backend, device=group.device,
-        table_rows=config.max_running_requests, table_width=width,
+        table_rows=config.max_running_requests, table_width=width, logprob_rows=logprobs.rows,
     )  # fmt: skip
 
 

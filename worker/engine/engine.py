@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 
 from core.events import CacheEvent, PageState
 from core.geometry import ceil_page
-from core.outputs import EngineStats, Output, StreamDelta, TokenLogprob
+from core.outputs import EngineStats, FinishReason, Output, StreamDelta, TokenLogprob
 from core.reuse import TierCosts
 from core.sampling_params import SamplingParams
 from worker.assembly.builder import build_engine_parts
@@ -40,15 +40,9 @@ from worker.config import (
 )
 from worker.engine.overlap import Forwarder, Launched, forward_reqs, sample_index
 from worker.engine.stats import EngineCounters, PoolPeaks, snapshot
-from worker.engine.step_io import (
-    StreamCursor,
-    chunk_prompt_logprobs,
-    prompt_logits,
-    sample_row,
-    stream_delta,
-)
+from worker.engine.step_io import StreamCursor, sample_row, stream_delta
 from worker.engine.stopping import StopChecker
-from worker.runner.forward_batch import ForwardBatch
+from worker.runner.forward_batch import ForwardBatch, ForwardOutput
 from worker.runner.noise import seed_key
 from worker.scheduler.plan import SchedulerLimits, StepWork
 from worker.scheduler.request import Req, ReqState
@@ -59,6 +53,9 @@ from worker.structured.masks import MaskFiller
 logger = logging.getLogger(__name__)
 
 DeltaSink = Callable[[StreamDelta], None]
+# What a request that failed alone is told (the details are in the worker's log).
+TOKEN_CHECK_FAILED = "checking this request's new token (grammar, stop conditions) failed"
+CONSUMER_FAILED = "this request's output could not be handed to its consumer"
 _Add = tuple[Req, DeltaSink | None]
 
 
@@ -237,11 +234,13 @@ class Engine:
         return self._process(launched) if launched is not None else []
 
     def _process(self, launched: Launched) -> list[StreamDelta]:
+        """This step's results, request by request. Its forward and sampling failing as a whole
+        fails the step (raised here); what one request alone needs failing (its prompt
+        logprobs, its sampling row, its token's grammar or stop check) ends that request, with
+        an error saying which, and the others go on (docs/design.md §4.1)."""
         res = launched.result.result()
-        for w, rows in zip(launched.work, prompt_logits(launched.fwd, res.logits)):
-            if rows is not None:
-                self.scheduler.record_prompt_logprobs(w.req, chunk_prompt_logprobs(w, rows))
-        deltas = [self._prompt_only_done(r) for r in launched.prompt_only if r.state is not ReqState.FINISHED]
+        deltas = self._prompt_logprobs(launched, res.forward)
+        deltas += [self._prompt_only_done(r) for r in launched.prompt_only if r.state is not ReqState.FINISHED]
         sampled = res.sampled
         unsampled = set(sampled.unsampled)
         for i, w in enumerate(launched.samplers):
@@ -249,27 +248,68 @@ class Engine:
             self.scheduler.landed(w)
             if req.state is ReqState.FINISHED:
                 continue  # ended while this step ran (an abort, or its previous token stopped it)
-            if i in unsampled:
+            if i in sampled.failed:
+                deltas.append(self._fail(req, sampled.failed[i]))
+            elif i in unsampled:
                 deltas.append(self._end_unsampled(req))
-                continue
-            token, lp = sampled.token_ids[i], sampled.logprobs[i]
-            top = sampled.top_logprobs[i] or ()
-            logprob = None if lp is None else TokenLogprob(token, lp, tuple(top))
-            deltas.append(self._on_token(req, token, logprob))
+            else:
+                token, lp = sampled.token_ids[i], sampled.logprobs[i]
+                top = sampled.top_logprobs[i] or ()
+                logprob = None if lp is None else TokenLogprob(token, lp, tuple(top))
+                deltas.append(self._on_token(req, token, logprob))
+        return deltas
+
+    def _prompt_logprobs(self, launched: Launched, out: ForwardOutput) -> list[StreamDelta]:
+        """Record what the runner made of each request's prompt rows; a request whose rows
+        failed ends alone."""
+        deltas = []
+        for i, error in out.prompt_errors.items():
+            if launched.work[i].req.state is not ReqState.FINISHED:
+                deltas.append(self._fail(launched.work[i].req, error))
+        for i, logprobs in out.prompt_logprobs.items():
+            w, f = launched.work[i], launched.fwd[i]
+            rows = f.prompt_logprobs
+            assert rows is not None and w.req.prompt_logprobs is not None
+            assert len(w.req.prompt_logprobs) == f.prefix_len + rows.first, (
+                f"request {w.req.rid}: prompt logprobs of position {f.prefix_len + rows.first} "
+                f"arrived after {len(w.req.prompt_logprobs)} (out of order)"
+            )
+            self.scheduler.record_prompt_logprobs(w.req, logprobs)
         return deltas
 
     def _on_token(self, req: Req, token: int, logprob: TokenLogprob | None) -> StreamDelta:
-        self.scheduler.append_token(req, token, logprob)
         self.counters.generated_tokens += 1
+        try:
+            self.scheduler.append_token(req, token, logprob)  # its grammar accepts it here
+            reason = self._stop_reason(req)
+        except Exception:  # noqa: BLE001 - only this request's grammar or stop check failed
+            logger.exception("request %s: checking its new token failed; it ends alone", req.rid)
+            return self._fail(req, TOKEN_CHECK_FAILED)
+        if reason is not None:
+            grammar = req.grammar
+            error = f"structured output: {grammar.failed}" if grammar and grammar.failed else None
+            self.scheduler.finish(req, reason, error=error)
+        return self._delta(req)
+
+    def _stop_reason(self, req: Req) -> FinishReason | None:
+        """Why the newest token ends the request: its grammar refused it (abort), or a stop
+        condition (`StopChecker`); None: it goes on."""
         if req.grammar is not None and req.grammar.failed:
-            self.scheduler.finish(req, "abort", error=f"structured output: {req.grammar.failed}")
-        elif (reason := self.stopper.check(req)) is not None:
-            self.scheduler.finish(req, reason)
+            return "abort"
+        return self.stopper.check(req)
+
+    def _fail(self, req: Req, error: str) -> StreamDelta:
+        """End `req` alone (abort, `error` saying what failed): a part of the step only it
+        needed raised, and was logged where it did."""
+        if req.state is not ReqState.FINISHED:
+            self.scheduler.finish(req, "abort", error=error)
         return self._delta(req)
 
     def _end_unsampled(self, req: Req) -> StreamDelta:
         """No token was left to sample: the request ends alone, with an error that says why."""
-        if req.grammar is not None:
+        if req.grammar is not None and req.grammar.failed:
+            error = f"structured output: {req.grammar.failed}"
+        elif req.grammar is not None:
             error = ("structured output: the grammar allows no token here that the request's "
                      "logit_bias, min_tokens and stop_token_ids leave open")  # fmt: skip
         else:
@@ -283,14 +323,27 @@ class Engine:
         return self._delta(req)
 
     def _delta(self, req: Req) -> StreamDelta:
-        delta = stream_delta(req, self._cursors.setdefault(req.rid, StreamCursor()))
+        cursor = self._cursors.setdefault(req.rid, StreamCursor())
+        delta = stream_delta(req, cursor)
         sink = self._sinks.get(req.rid)
-        if sink is not None:
-            sink(delta)
+        if sink is not None and not self._hand(sink, delta, req):
+            delta = stream_delta(req, cursor)  # its end (only the step's caller sees it)
         if delta.finished:
             self._sinks.pop(req.rid, None)
             self._cursors.pop(req.rid, None)
         return delta
+
+    def _hand(self, sink: DeltaSink, delta: StreamDelta, req: Req) -> bool:
+        """Give the consumer its delta; False when it raised (it is gone: the request ends)."""
+        try:
+            sink(delta)
+            return True
+        except Exception:  # noqa: BLE001 - that consumer's request alone
+            logger.exception("request %s: its consumer failed; aborting it", req.rid)
+            self._sinks.pop(req.rid, None)
+            if req.state is not ReqState.FINISHED:
+                self.scheduler.finish(req, "abort", error=CONSUMER_FAILED)
+            return False
 
     def _drain_inbox(self) -> list[StreamDelta]:
         deltas = []
@@ -309,17 +362,12 @@ class Engine:
                 # NOTE: two adds raced past add_request's check. Raising here would fail the
                 # step every request shares; the newcomer is refused through its own sink
                 # (not in the step's deltas: they would "finish" the running request).
-                sink(StreamDelta(req.rid, [], True, "abort", len(req.prompt), 0, 0, error=req.error))
+                refusal = StreamDelta(req.rid, [], True, "abort", len(req.prompt), 0, 0, error=req.error)
+                try:
+                    sink(refusal)
+                except Exception:  # noqa: BLE001 - its consumer is gone; nothing else to end
+                    logger.exception("request %s: its consumer failed on its refusal", req.rid)
         return deltas
-
-    def fail_all(self, error: str) -> None:
-        """The step thread is dying: tell every request's consumer, once (step thread only)."""
-        for rid, sink in list(self._sinks.items()):
-            req = self.scheduler.reqs.get(rid)
-            prompt_len, done = (len(req.prompt), len(req.output)) if req else (0, 0)
-            sink(StreamDelta(rid, [], True, "abort", prompt_len, 0, done, error=error))
-        self._sinks.clear()
-        self._cursors.clear()
 
     # ---- offline --------------------------------------------------------------------------------
     def generate(

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from worker.runner.base import Runner
-from worker.runner.forward_batch import ForwardBatch, ForwardReq
+from worker.runner.forward_batch import ForwardBatch, ForwardOutput, ForwardReq
 from worker.runner.sampler import SampleOutput, SampleRow
 from worker.scheduler.plan import StepWork
 from worker.scheduler.request import Req
@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class StepResult:
-    logits: torch.Tensor  # every logits row of the step (prompt logprobs read theirs)
+    forward: ForwardOutput  # the sampling rows' logits and the prompt logprobs
     sampled: SampleOutput
     tokens: torch.Tensor  # int64 [samplers]: what the next step's future token ids name
 
@@ -131,14 +131,15 @@ class Forwarder:
     def _sample(
         self,
         runner: Runner,
-        logits: torch.Tensor,
+        forward: ForwardOutput,
         index: list[int],
         rows: list[SampleRow],
         masks: Future[torch.Tensor] | None,
     ) -> StepResult:
+        logits = forward.logits
         picked = logits.index_select(0, torch.tensor(index, dtype=torch.int64, device=logits.device))
         sampled = runner.sample(picked, rows, masks.result() if masks else None)
-        return StepResult(logits, sampled, torch.tensor(sampled.token_ids, dtype=torch.int64))
+        return StepResult(forward, sampled, torch.tensor(sampled.token_ids, dtype=torch.int64))
 
     def close(self) -> None:
         if self._pool is not None:

@@ -1,24 +1,19 @@
 """What one step hands the sampler and takes back (docs/design.md §4.1): the per-request
-`SampleRow`s, the forward's prompt-logprob rows (`worker.engine.overlap` picks the sampling
-rows) and the prompt logprobs those rows give; and what it hands each request's consumer: a
-`StreamDelta` past the request's `StreamCursor`.
+`SampleRow`s (`worker.engine.overlap` picks each one's logits row), and what it hands each
+request's consumer: a `StreamDelta` past the request's `StreamCursor`. Prompt logprobs come
+back from the runner already made (`ForwardOutput.prompt_logprobs`, by batch index):
 
-    logits of one forward, in batch order (ForwardReq.logit_rows per request):
-      [ req A: 1 row ][ req B (all_logits): n rows ......... last ][ req C: 1 row ]
-                 ▲ sample       prompt rows (positions) ─┘    ▲ sample (if it reaches the end)
+    logits of one forward, in batch order (one row per request that samples):
+      [ req A: 1 row ][ req B: 1 row, its last prompt token ][ req C: 1 row ]
+    prompt logprobs: { B's index: [its prompt rows' TokenLogprobs, in order] }
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
-import torch
-
-from core.outputs import StreamDelta, TokenLogprob
-from worker.runner.forward_batch import ForwardReq
-from worker.runner.sampler import SampleRow, token_logprobs
-from worker.scheduler.plan import StepWork
+from core.outputs import StreamDelta
+from worker.runner.sampler import SampleRow
 from worker.scheduler.request import Req, ReqState
 
 
@@ -36,33 +31,6 @@ def sample_row(req: Req, eos: frozenset[int]) -> SampleRow:
         banned=banned,
         masked=req.grammar is not None,
     )
-
-
-def prompt_logits(
-    fwd: Sequence[ForwardReq], logits: torch.Tensor
-) -> list[torch.Tensor | None]:
-    """Per work item, its logits rows when it asked for all of them (None otherwise)."""
-    per_item: list[torch.Tensor | None] = []
-    offset = 0
-    for f in fwd:
-        n = f.logit_rows
-        per_item.append(logits[offset : offset + n] if f.all_logits else None)
-        offset += n
-    assert offset == logits.shape[0], f"the runner returned {logits.shape[0]} rows, expected {offset}"
-    return per_item
-
-
-def chunk_prompt_logprobs(w: StepWork, rows: torch.Tensor) -> list[TokenLogprob]:
-    """The prompt logprobs this chunk's rows give its request: the positions still missing, in
-    order (the scheduler records them)."""
-    req = w.req
-    assert req.prompt_logprobs is not None and req.params.prompt_logprobs is not None
-    positions = req.prompt_rows(w.start, w.n)
-    if not positions:
-        return []
-    sub = rows[positions.start - w.start : positions.stop - w.start]
-    next_ids = req.prompt[positions.start + 1 : positions.stop + 1]
-    return token_logprobs(sub, next_ids, req.params.prompt_logprobs)
 
 
 @dataclass(slots=True)

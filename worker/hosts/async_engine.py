@@ -4,6 +4,11 @@ One per worker replica. Requests enter through the engine's thread-safe inbox; t
 pushes each `StreamDelta` into the consumer's asyncio queue with `call_soon_threadsafe`.
 Operations that touch engine state (integrity checks, flush, cache events, snapshots) run on
 the step thread between steps, so they never race a step.
+
+A step that raises is the engine's death (what one request alone breaks ends that request
+inside the step: docs/design.md §4.1): every open stream raises `EngineGoneError` — those still
+in the inbox too, which no step will ever answer — and every pending or later call fails at
+once instead of waiting for a step thread that is gone.
 """
 
 from __future__ import annotations
@@ -25,10 +30,12 @@ from worker.assembly.parts import EngineParts
 from worker.assembly.ranks import RankLauncher
 from worker.config import EngineConfig
 from worker.engine.engine import Engine
+from worker.errors import EngineGoneError
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 IDLE_WAIT_S = 0.05  # how long the idle step thread sleeps before looking at the inbox again
+_Queue = asyncio.Queue["StreamDelta | EngineGoneError"]  # one stream's deltas, or its end
 
 
 class AsyncEngine:
@@ -50,8 +57,10 @@ class AsyncEngine:
         self._stop = threading.Event()
         # (run it, fail it): closures over each call's typed future, run on the step thread
         self._calls: list[tuple[Callable[[], None], Callable[[BaseException], None]]] = []
-        self._calls_lock = threading.Lock()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, _Queue]] = {}
+        self._lock = threading.Lock()  # calls, streams, error: the step thread's death is atomic
         self._error: BaseException | None = None
+        self._stopped = False  # the step thread has ended (shut down, or died: `_error`)
         self._thread = threading.Thread(target=self._loop, name="swaserve-engine", daemon=True)
         self._thread.start()
 
@@ -76,9 +85,11 @@ class AsyncEngine:
     ) -> AsyncGenerator[StreamDelta, None]:
         """Stream the request's deltas; stopping the iteration (or cancelling) aborts it.
         `follows`: another choice of the same prompt, already added (see `Engine.add_request`)."""
-        self._check_alive()
         loop = asyncio.get_running_loop()
-        deltas: asyncio.Queue[StreamDelta] = asyncio.Queue()
+        deltas: _Queue = asyncio.Queue()
+        with self._lock:  # with `_die`'s: a stream is either failed by it or never registered
+            self._check_alive()
+            self._streams[request_id] = (loop, deltas)
 
         def sink(delta: StreamDelta) -> None:
             loop.call_soon_threadsafe(deltas.put_nowait, delta)
@@ -86,19 +97,24 @@ class AsyncEngine:
         add = functools.partial(
             self.engine.add_request, token_ids, params, request_id, sink, follows
         )
-        # A grammar compiles in add_request: off the event loop (and off the step thread).
-        if params.grammar is None:
-            add()
-        else:
-            await asyncio.to_thread(add)
-        self._wake.set()
         finished = False
         try:
+            # A grammar compiles in add_request: off the event loop (and off the step thread).
+            if params.grammar is None:
+                add()
+            else:
+                await asyncio.to_thread(add)
+            self._wake.set()
             while not finished:
                 delta = await deltas.get()
+                if isinstance(delta, EngineGoneError):
+                    finished = True  # nothing left to abort
+                    raise delta
                 finished = delta.finished
                 yield delta
         finally:
+            with self._lock:
+                self._streams.pop(request_id, None)
             if not finished:
                 self.abort(request_id)
 
@@ -128,7 +144,6 @@ class AsyncEngine:
 
     def call(self, fn: Callable[[], T], timeout: float | None = 60.0) -> T:
         """Run `fn` on the step thread between steps and return its result."""
-        self._check_alive()
         fut: concurrent.futures.Future[T] = concurrent.futures.Future()
 
         def run() -> None:
@@ -137,7 +152,8 @@ class AsyncEngine:
             except Exception as exc:  # noqa: BLE001 - handed to the caller
                 fut.set_exception(exc)
 
-        with self._calls_lock:
+        with self._lock:  # with `_die`'s: a call is either failed by it or never queued
+            self._check_alive()
             self._calls.append((run, fut.set_exception))
         self._wake.set()
         return fut.result(timeout=timeout)
@@ -161,24 +177,33 @@ class AsyncEngine:
                     self._wake.clear()
         except BaseException as exc:  # noqa: BLE001 - surfaced to every caller
             logger.exception("engine step thread died")
-            self._error = exc
-            self._fail_pending(exc)
+            self._die(exc)
+            return
+        self._die(None)  # shut down: calls still queued are never run
 
     def _run_calls(self) -> None:
-        with self._calls_lock:
+        with self._lock:
             calls, self._calls = self._calls, []
         for run, _ in calls:
             run()
 
-    def _fail_pending(self, exc: BaseException) -> None:
-        with self._calls_lock:
+    def _die(self, exc: BaseException | None) -> None:
+        """The step thread ends (`exc`: it raised): fail every queued call and every open
+        stream; nothing is queued after this (`_check_alive` under the same lock)."""
+        with self._lock:
+            self._error = exc
+            self._stopped = True
             calls, self._calls = self._calls, []
+            streams, self._streams = self._streams, {}
+        why = "the engine is shut down" if exc is None else f"engine stopped: {exc!r}"
         for _, fail in calls:
-            fail(RuntimeError(f"engine stopped: {exc!r}"))
-        self.engine.fail_all(f"engine failure: {exc!r}")
+            fail(RuntimeError(why))
+        for loop, q in streams.values():
+            if not loop.is_closed():
+                loop.call_soon_threadsafe(q.put_nowait, EngineGoneError(why))
 
     def _check_alive(self) -> None:
         if self.error is not None:
             raise RuntimeError(f"the engine stopped after an internal error: {self.error!r}")
-        if not self._thread.is_alive():
+        if self._stopped:
             raise RuntimeError("the engine is shut down")

@@ -21,11 +21,12 @@ at once those waits queued one behind another (seconds at concurrency 32).
 
 The two ends talk over one `multiprocessing.connection` (a Unix socket with an auth key). The
 child exits when the connection closes (the replica died or shut down: after the step in
-flight); the replica treats a
-closed connection as the engine's death: `error` is set, every open stream raises
-`EngineGoneError` (the replica hands its requests to the ingress as retryable), pending calls
-fail. Tensor parallelism keeps `AsyncEngine`
-(the ranks are started by the replica's launcher).
+flight), or when a step raises (what one request alone breaks ends that request inside the
+step, docs/design.md §4.1: a step that raises is the engine's), after telling the replica why
+(`_Died`). The replica treats that, or a closed connection, as the engine's death: `error` is
+set, every open stream raises `EngineGoneError` (the replica hands its requests to the ingress,
+which sends one elsewhere at most once more), pending calls fail, later ones fail at once.
+Tensor parallelism keeps `AsyncEngine` (the ranks are started by the replica's launcher).
 
 The child may run at a lower niceness than the replica (`niceness`, default −5 from the serve
 config): the step thread is what every stream waits on, so when the HTTP side, Ray's own
@@ -118,6 +119,13 @@ class _Step:
 
 
 @dataclass(frozen=True)
+class _Died:
+    """The child's step raised: it exits next (`why`: the exception, for the replica's log)."""
+
+    why: str
+
+
+@dataclass(frozen=True)
 class _Reply:
     call_id: int
     ok: bool
@@ -151,21 +159,28 @@ class EngineProcess:
         address = os.path.join(tempfile.mkdtemp(prefix="swaserve-engine-"), "sock")
         listener = Listener(address, family="AF_UNIX", authkey=key)
         env = {**os.environ, AUTHKEY_ENV: key.hex()}
-        self._proc = subprocess.Popen(
+        proc = subprocess.Popen(
             [sys.executable, "-m", "worker.hosts.engine_process", address],
             env=env, stdin=subprocess.DEVNULL,
         )  # fmt: skip
         try:
-            self._conn = _accept(listener, self._proc, start_timeout_s)
+            conn = _accept(listener, proc, start_timeout_s)
         finally:
             listener.close()  # removes the socket file; the connection stays
             shutil.rmtree(os.path.dirname(address), ignore_errors=True)
-        self._send_lock = threading.Lock()
-        self._send(_Start(config, niceness))
-        ready = self._conn.recv()
+        conn.send(_Start(config, niceness))
+        ready = conn.recv()
         if not isinstance(ready, _Ready):
-            self._proc.wait(30)
+            proc.wait(30)
             raise RuntimeError(f"the engine process failed to start:\n{ready}")
+        self._attach(conn, proc, ready)
+
+    def _attach(
+        self, conn: Connection[object, object], proc: subprocess.Popen[bytes], ready: _Ready
+    ) -> None:
+        """The replica's side of a started child (`ready` received): state and reader thread."""
+        self._conn, self._proc = conn, proc
+        self._send_lock = threading.Lock()
         self.max_model_len = ready.max_model_len
         self.model_dir = ready.model_dir
         self.window = ready.window
@@ -208,7 +223,10 @@ class EngineProcess:
             self._streams[request_id] = (asyncio.get_running_loop(), deltas)
         finished = False
         try:
-            self._send(_Add(request_id, token_ids, params, follows))
+            try:
+                self._send(_Add(request_id, token_ids, params, follows))
+            except OSError:
+                pass  # the child is gone: the reader ends this (registered) stream
             while not finished:
                 delta = await deltas.get()
                 if isinstance(delta, EngineGoneError):
@@ -282,14 +300,20 @@ class EngineProcess:
             self._check_alive()
             call_id = next(self._ids)
             self._calls[call_id] = (call.name, fut)
-        self._send(dataclasses.replace(call, call_id=call_id))
+        try:
+            self._send(dataclasses.replace(call, call_id=call_id))
+        except OSError:
+            pass  # the child is gone: the reader fails this (registered) call
         return fut.result(timeout=timeout)
 
     def _read(self) -> None:
         try:
             while True:
                 message = self._conn.recv()
-                if isinstance(message, _Step):
+                if isinstance(message, _Died):
+                    logger.error("the engine process's step failed: %s", message.why)
+                    self._die(RuntimeError(f"the engine's step failed ({message.why})"))
+                elif isinstance(message, _Step):
                     self._stats = message.stats
                     if message.events:
                         with self._lock:
@@ -330,9 +354,9 @@ class EngineProcess:
 
     def _die(self, exc: BaseException) -> None:
         with self._lock:
-            self._error = exc
+            self._error = self._error or exc  # the first reason (`_Died`, then the closed connection)
             calls, self._calls = self._calls, {}
-            streams = dict(self._streams)
+            streams, self._streams = dict(self._streams), {}
         for _, fut in calls.values():
             fut.set_exception(RuntimeError(f"engine stopped: {exc!r}"))
         for loop, q in streams.values():
@@ -468,10 +492,10 @@ class _Child:
                 else:
                     self.wake.wait(IDLE_WAIT_S)
                     self.wake.clear()
-        except BaseException as exc:  # noqa: BLE001 - every stream hears of it, then we exit
+        except BaseException as exc:  # noqa: BLE001 - the replica hears of it, then we exit
             logger.exception("engine step loop died")
-            e.fail_all(f"engine failure: {exc!r}")
-            self._publish()
+            self._publish()  # what finished before it (its streams' ends), then the death
+            self.send(_Died(f"{type(exc).__name__}: {str(exc)[:500]}"))
             raise
 
     def _publish(self) -> None:

@@ -13,6 +13,9 @@ Notation: F = bytes one token takes over all full layers, S = over all SWA layer
 `max_total_tokens` caps the full pool (the SWA pool for all-SWA models) before the split; with
 a byte budget too, the smaller wins. A hybrid SWA pool must hold more than `window + page_size`
 tokens (the prefill admission floor, docs/design.md §11.3), else nothing is admitted: fail fast.
+
+Beside the pools, the plan sizes the prompt-logprob workspace: 1/32 of the pools' bytes, which
+says how many prompt rows the runner turns into logprobs at once (`plan_logprob_rows`).
 """
 
 from __future__ import annotations
@@ -271,3 +274,35 @@ def plan_host_pools(
 # All-SWA models: host full slots are plain addresses (no full layer), several per SWA slot so
 # host tombstones have room, as on the device (worker/assembly/pools.py).
 HOST_ALL_SWA_VIRTUAL_FULL = 4
+
+
+# ---------------------------------------------------------------- prompt-logprob workspace
+
+# Prompt logprobs need a distribution over the whole vocabulary per prompt row; the runner makes
+# them a bounded number of rows at a time (docs/design.md §6.1). The workspace is a fixed share
+# of the KV pools' bytes: on CUDA's default budget the pools and the workspace split it
+# (`kv_share_of`); a budget the config fixes is the pools', the workspace comes on top.
+LOGPROB_SHARE = 32  # the workspace is 1/32 of the KV pools' bytes
+# Bytes one row takes per vocabulary entry at its peak: four float32 copies at most (the head's
+# output and, eagerly, a final softcap's temporaries; then its float32 cast and the log_softmax).
+LOGPROB_ROW_BYTES = 4 * 4
+
+
+@dataclass(frozen=True)
+class LogprobPlan:
+    """How many prompt rows the runner turns into logprobs at once, and what they take."""
+
+    rows: int
+    bytes: int  # rows x vocab x LOGPROB_ROW_BYTES
+
+
+def plan_logprob_rows(kv_bytes: int, vocab_size: int) -> LogprobPlan:
+    """The rows of `kv_bytes` // LOGPROB_SHARE bytes (one at least, whatever the vocabulary)."""
+    per_row = vocab_size * LOGPROB_ROW_BYTES
+    rows = max(1, kv_bytes // LOGPROB_SHARE // per_row)
+    return LogprobPlan(rows, rows * per_row)
+
+
+def kv_share_of(budget: int) -> int:
+    """The KV pools' part of a budget they share with the prompt-logprob workspace."""
+    return budget * LOGPROB_SHARE // (LOGPROB_SHARE + 1)

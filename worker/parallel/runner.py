@@ -25,13 +25,13 @@ import torch
 
 from worker.models.spec import LayerKind, ModelSpec
 from worker.parallel.group import TPGroup
-from worker.runner.model_runner import ModelRunner, _HostInputs
+from worker.runner.forward_batch import ForwardBatch, ForwardOutput
+from worker.runner.model_runner import Gather, ModelRunner, _HostInputs
 from worker.runner.sampler import SampleOutput, SampleRow
 
 if TYPE_CHECKING:
     from worker.kv.hybrid_allocator import HybridAllocator
     from worker.kv.pool import HybridKVPool
-    from worker.runner.forward_batch import ForwardBatch
 
 logger = logging.getLogger(__name__)
 
@@ -66,13 +66,15 @@ class PoolReport:
     digests: dict[LayerKind, float]  # sum of every K and V element of the kind's layers (float64)
 
 
-def run_step(runner: ModelRunner, group: TPGroup, step: Step, vocab: int) -> torch.Tensor | None:
-    """Every rank: this shard's forward; rank 0 gets the whole float32 logits ``[rows, vocab]``."""
-    local = runner.execute(step.host, step.q_lens, step.seq_lens)
-    if step.host.logit_rows.numel() == 0:  # the same on every rank: no gather
-        return local.new_empty(0, vocab) if group.is_first else None
-    logits = group.gather_last_dim(local)
-    return None if logits is None else logits[:, :vocab]  # drop the vocab padding
+def run_step(runner: ModelRunner, group: TPGroup, step: Step, vocab: int) -> ForwardOutput | None:
+    """Every rank: this shard's forward; rank 0 gets the outputs over the whole vocabulary (each
+    piece of logits the runner makes is gathered, on every rank alike)."""
+
+    def whole(local: torch.Tensor) -> torch.Tensor | None:
+        logits = group.gather_last_dim(local)
+        return None if logits is None else logits[:, :vocab]  # drop the vocab padding
+
+    return runner.execute(step.host, step.q_lens, step.seq_lens, Gather(whole, group.is_first))
 
 
 def pool_report(pool: HybridKVPool, spec: ModelSpec, rank: int) -> PoolReport:
@@ -109,18 +111,18 @@ class TPRunner:
         self.full_spec = full_spec  # KV heads before the split: which kinds are replicated
         self._closed = False
 
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+    def forward(self, batch: ForwardBatch) -> ForwardOutput:
         step = Step(
             self.inner._prepare(batch),
             tuple(len(r.token_ids) for r in batch.reqs),
             tuple(r.seq_len for r in batch.reqs),
         )
         self.group.broadcast(step)
-        logits = run_step(self.inner, self.group, step, self.vocab)
-        assert logits is not None, "rank 0 receives the gathered logits"
+        out = run_step(self.inner, self.group, step, self.vocab)
+        assert out is not None, "rank 0 receives the gathered logits"
         if self.inner.check_tables:
             self.inner.verify_table(batch)  # rank 0's page table (the others apply the same)
-        return logits
+        return out
 
     def sample(
         self, logits: torch.Tensor, rows: Sequence[SampleRow], bitmask: torch.Tensor | None = None

@@ -9,15 +9,16 @@ from typing import Protocol
 
 import torch
 
-from worker.runner.forward_batch import ForwardBatch
+from worker.runner.forward_batch import ForwardBatch, ForwardOutput
 from worker.runner.sampler import SampleOutput, SampleRow
 
 
 class Runner(Protocol):
     """Runs one step. The engine allocates the slots; the runner writes KV and computes."""
 
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """Logits ``[batch.num_logits, vocab]`` (float32), in batch order (forward_batch.py)."""
+    def forward(self, batch: ForwardBatch) -> ForwardOutput:
+        """Logits ``[batch.num_logits, vocab]`` (float32), in batch order, and the prompt
+        logprobs asked for (forward_batch.py)."""
         ...
 
     def sample(

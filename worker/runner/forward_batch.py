@@ -21,8 +21,11 @@ A batch mixes prefill chunks and decodes. For each request (`ForwardReq`):
   ``row=None`` (tests, tools): no persistent row; the runner copies ``table[:seq_len]`` into a
   flat host-built view every step (the O(tokens) path). A batch is all rows or all ``None``.
 - ``need_logits``: False for a non-final prefill chunk (no token is sampled from it).
-- ``all_logits``: logits for every new token, not only the last (prompt logprobs); each of
-  its rows is the distribution of the token after that position.
+- ``prompt_logprobs``: the prompt logprobs this step's new tokens give (`PromptRows`): new token
+  ``first + i`` is the distribution of ``next_ids[i]``, the prompt token after it. The runner
+  turns those rows into logprobs itself, a bounded number of rows at a time
+  (`ModelRunner.logprob_rows`, from the memory plan: docs/design.md §6.1), so a long chunk never
+  holds ``[chunk x vocab]`` logits.
 - ``repair``: set while the request repairs a tombstoned prefix (docs/design.md §9.8). Its rows
   at positions ``[repair.start, repair.end)`` recompute KV the tree already holds at
   ``table[repair.start:repair.end]``: every layer *reads* those cached slots for FULL keys, but
@@ -38,9 +41,11 @@ What must hold when `ModelRunner.forward` is called:
   ``free_out_of_window``) and reused by other requests; the runner never reads them.
 - A request appears at most once per batch.
 
-What the runner returns: float32 logits ``[batch.num_logits, vocab]``, in batch order: per
-request ``len(token_ids)`` rows when ``all_logits``, else one row when ``need_logits``, else
-none (``ForwardReq.logit_rows``). It allocates and frees nothing.
+What the runner returns (`ForwardOutput`): float32 logits ``[batch.num_logits, vocab]``, one
+row per request with ``need_logits`` (its last new token), in batch order; and per request with
+``prompt_logprobs`` either its rows' `TokenLogprob`s or, when computing them failed for that
+request alone, why (the engine ends that request; the others go on). It allocates and frees no
+slot.
 
 ::
 
@@ -53,9 +58,11 @@ none (``ForwardReq.logit_rows``). It allocates and frees nothing.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+
+from core.outputs import TokenLogprob
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +78,16 @@ class RepairRows:
 
 
 @dataclass(frozen=True, slots=True)
+class PromptRows:
+    """The prompt logprobs a request wants from one step: its new token ``first + i`` gives
+    the logprob of ``next_ids[i]`` (the prompt token after it), with that row's top ``top_n``."""
+
+    first: int
+    next_ids: tuple[int, ...]
+    top_n: int
+
+
+@dataclass(frozen=True, slots=True)
 class ForwardReq:
     """One request's part of a step (see the module docstring for the contract)."""
 
@@ -78,7 +95,7 @@ class ForwardReq:
     prefix_len: int
     table: torch.Tensor  # int64, CPU: full-pool slots by position
     need_logits: bool = True
-    all_logits: bool = False  # a row per new token (prompt logprobs), the last one included
+    prompt_logprobs: PromptRows | None = None  # rows the runner turns into prompt logprobs
     repair: RepairRows | None = None
     row: int | None = None  # the request's row of the device page table (None: no row)
     synced: int = 0  # positions of that row already holding table[:synced]
@@ -86,7 +103,7 @@ class ForwardReq:
     @property
     def logit_rows(self) -> int:
         """Rows of the forward's logits that belong to this request."""
-        return len(self.token_ids) if self.all_logits else int(self.need_logits)
+        return int(self.need_logits)
 
     @property
     def seq_len(self) -> int:
@@ -113,6 +130,12 @@ class ForwardReq:
                 f"ForwardReq.synced must be in [0, {self.seq_len}] (the row's synced prefix), "
                 f"got {self.synced}"
             )
+        rows = self.prompt_logprobs
+        if rows is not None and not 0 <= rows.first <= rows.first + len(rows.next_ids) <= len(self.token_ids):
+            raise ValueError(
+                f"ForwardReq.prompt_logprobs rows [{rows.first}, {rows.first + len(rows.next_ids)}) "
+                f"are not among the {len(self.token_ids)} new tokens"
+            )
         if self.repair is not None and not 0 <= self.repair.start <= self.prefix_len:
             raise ValueError(
                 f"ForwardReq.repair starts at {self.repair.start}, after the first new token "
@@ -137,3 +160,13 @@ class ForwardBatch:
     @property
     def num_logits(self) -> int:
         return sum(r.logit_rows for r in self.reqs)
+
+
+@dataclass(frozen=True)
+class ForwardOutput:
+    """What one forward gives back (the module docstring's contract)."""
+
+    logits: torch.Tensor  # float32 [batch.num_logits, vocab], on the model's device
+    # Batch index -> its `PromptRows`' logprobs, in order; or -> why computing them failed.
+    prompt_logprobs: dict[int, list[TokenLogprob]] = field(default_factory=dict)
+    prompt_errors: dict[int, str] = field(default_factory=dict)

@@ -16,29 +16,40 @@ ones (§9.8).
 The two halves are separate methods: `_prepare` (host, needs the allocator) and `execute`
 (device). Under tensor parallelism rank 0 prepares once and every rank executes the same host
 inputs on its own shard, pools and page table (`worker/parallel/runner.py`, §17.3).
+
+Logits are made for the sampling rows (one per request that samples) and, for prompt logprobs,
+for a request's prompt rows `logprob_rows` at a time: each piece is turned into `TokenLogprob`s
+before the next is made, so a chunk of thousands of prompt rows never holds ``[chunk x vocab]``
+logits (the memory plan's workspace bounds a piece: docs/design.md §6.1). A piece never mixes
+requests, and a failure turning one into logprobs is that request's alone
+(`ForwardOutput.prompt_errors`); the head itself failing fails the step.
 """
 
 from __future__ import annotations
 
+import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import chain
 from typing import TYPE_CHECKING
 
 import torch
 
+from core.outputs import TokenLogprob
 from worker.attention.base import AttentionBackend, AttnBatch, KVView
 from worker.models.context import ForwardContext
 from worker.models.spec import LayerKind, ModelSpec
-from worker.runner.forward_batch import ForwardBatch, ForwardReq
-from worker.runner.sampler import SampleOutput, Sampler, SampleRow
+from worker.runner.forward_batch import ForwardBatch, ForwardOutput, ForwardReq
+from worker.runner.sampler import SampleOutput, Sampler, SampleRow, token_logprobs
 
 if TYPE_CHECKING:
     from worker.kv.hybrid_allocator import HybridAllocator
     from worker.kv.pool import HybridKVPool
     from worker.models.causal_lm import CausalLM
     from worker.runner.cuda_graphs import DecodeGraphs
+
+logger = logging.getLogger(__name__)
 
 # Debug aid tests turn on (tests/conftest.py): after every step compare each request's device
 # page-table row with its host table, and check every FULL key slot (O(tokens) per step).
@@ -51,6 +62,29 @@ _PARTS = (
 
 
 WARM_UP_SIZES = (1, 3)  # decode of one request (specialised by dynamo) and any other count
+# Prompt rows turned into logprobs at once when no memory plan says (runners built by hand).
+DEFAULT_LOGPROB_ROWS = 128
+PROMPT_LOGPROBS_FAILED = "prompt logprobs could not be computed for this request"
+
+
+@dataclass(frozen=True)
+class Gather:
+    """Tensor parallelism: how this rank's logits (its vocabulary shard) become the whole
+    vocabulary's (`worker/parallel/runner.py`)."""
+
+    whole: Callable[[torch.Tensor], torch.Tensor | None]  # a collective; None off rank 0
+    samples: bool  # this rank gets the whole logits (rank 0)
+
+
+@dataclass(frozen=True)
+class _PromptPiece:
+    """At most `logprob_rows` prompt rows of one request: hidden rows ``[row, row + n)`` give
+    the logprobs of `next_ids` (n of them)."""
+
+    index: int  # the request's place in the batch
+    row: int
+    next_ids: tuple[int, ...]
+    top_n: int
 
 
 @dataclass(frozen=True)
@@ -66,6 +100,7 @@ class _HostInputs:
     swa_starts: tuple[int, ...] | None  # SWA view's first position per request (None: no SWA)
     swa_lens: tuple[int, ...]
     table_width: int  # positions the page table must hold (the batch's longest sequence)
+    prompt: tuple[_PromptPiece, ...] = ()  # prompt-logprob rows, in pieces
 
     @property
     def num_logit_rows(self) -> int:
@@ -195,7 +230,10 @@ class ModelRunner:
         table_rows: int = 1,  # page-table rows (max_running_requests); grows if exceeded
         table_width: int = 1,  # positions per row (max_model_len + page); grows if exceeded
         graphs: DecodeGraphs | None = None,
+        logprob_rows: int = DEFAULT_LOGPROB_ROWS,  # prompt rows per piece (the memory plan's)
     ) -> None:
+        if logprob_rows < 1:
+            raise ValueError(f"logprob_rows must be >= 1, got {logprob_rows}")
         self.spec = spec
         self.model = model
         self.pool = pool
@@ -210,18 +248,21 @@ class ModelRunner:
         self.table = DeviceTable(table_rows, table_width, self.device)
         self._stager = _Stager(self.device)
         self.graphs = graphs
+        self.logprob_rows = logprob_rows
         _check_model_matches_spec(model, spec)
 
     # ---- forward ------------------------------------------------------------------------------
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """Run one step. Returns float32 logits ``[batch.num_logits, vocab]`` in batch order."""
+    def forward(self, batch: ForwardBatch) -> ForwardOutput:
+        """Run one step: the sampling rows' float32 logits ``[batch.num_logits, vocab]`` in batch
+        order, and the prompt logprobs asked for (forward_batch.py)."""
         host = self._prepare(batch)
-        logits = self.execute(
+        out = self.execute(
             host, tuple(len(r.token_ids) for r in batch.reqs), tuple(r.seq_len for r in batch.reqs)
         )
+        assert out is not None, "one rank: its own logits"
         if self.check_tables:
             self.verify_table(batch)
-        return logits
+        return out
 
     def verify_table(self, batch: ForwardBatch) -> None:
         """Debug check (O(tokens)): every row of the batch equals its host table up to seq_len,
@@ -250,19 +291,34 @@ class ModelRunner:
         lens = tuple(len(r.token_ids) for r in batch.reqs), tuple(r.seq_len for r in batch.reqs)
         return PreparedStep(self._prepare(batch), *lens)
 
-    def run_prepared(self, step: PreparedStep, future: torch.Tensor | None = None) -> torch.Tensor:
+    def run_prepared(self, step: PreparedStep, future: torch.Tensor | None = None) -> ForwardOutput:
         """The device half of `forward`, on the forward thread: an input id ``-1 - i`` is
         ``future[i]``, a token the step before sampled."""
         ids = step.host.part(step.host.packed, "ids")  # a view: the fix lands in the packed copy
         if future is not None and bool((ids < 0).any()):
             ids.copy_(torch.where(ids < 0, future[(-1 - ids).clamp(min=0)], ids))
-        return self.execute(step.host, step.q_lens, step.seq_lens)
+        out = self.execute(step.host, step.q_lens, step.seq_lens)
+        assert out is not None, "one rank: its own logits"
+        return out
 
     @torch.inference_mode()
     def execute(
+        self,
+        host: _HostInputs,
+        q_lens: tuple[int, ...],
+        seq_lens: tuple[int, ...],
+        gather: Gather | None = None,
+    ) -> ForwardOutput | None:
+        """The device half of a step. `gather` (tensor parallelism) turns this rank's logits
+        into the whole vocabulary's, on rank 0; a rank it gives None returns None."""
+        hidden, rows = self._hidden(host, q_lens, seq_lens)
+        return self._outputs(hidden, rows, host, gather)
+
+    def _hidden(
         self, host: _HostInputs, q_lens: tuple[int, ...], seq_lens: tuple[int, ...]
-    ) -> torch.Tensor:
-        """The device half of a step: float32 logits ``[rows, vocab of this model]``."""
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copy the host inputs over, plan, run the model: hidden states ``[tokens, hidden]``
+        and the sampling rows (int64, on the device)."""
         dev = self.device
         packed = self._stager.to_device(host.packed)
 
@@ -292,15 +348,51 @@ class ModelRunner:
             q_lens=q_lens, seq_lens=seq_lens, positions=positions, kv=views, window=self.spec.window
         )
         swa_out = part("swa_out") if self.spec.swa_layer_ids else None
-        rows = part("rows")
         if self.graphs is not None and self.graphs.can_run(q_lens):
-            hidden = self.graphs.run(attn, part("ids"), part("out"), swa_out)
-        else:
-            ctx = ForwardContext(self.pool, self.backend, self.backend.plan(attn), part("out"), swa_out)
-            hidden = self.model(part("ids"), positions, ctx)
-        if rows.numel() == 0:
-            return hidden.new_empty(0, self.spec.vocab_size, dtype=torch.float32)
-        return self.model.compute_logits(hidden[rows]).float()
+            return self.graphs.run(attn, part("ids"), part("out"), swa_out), part("rows")
+        ctx = ForwardContext(self.pool, self.backend, self.backend.plan(attn), part("out"), swa_out)
+        return self.model(part("ids"), positions, ctx), part("rows")
+
+    def _outputs(
+        self, hidden: torch.Tensor, rows: torch.Tensor, host: _HostInputs, gather: Gather | None
+    ) -> ForwardOutput | None:
+        logits = self._head(hidden[rows], gather)
+        out = None if logits is None else ForwardOutput(logits)
+        for piece in host.prompt:
+            wanted = out is not None and piece.index not in out.prompt_errors
+            got = self._prompt_piece(hidden, piece, gather, wanted)  # every rank: head, gather
+            if out is None or got is None:
+                continue  # not the sampling rank, or the request already failed
+            if isinstance(got, str):
+                out.prompt_logprobs.pop(piece.index, None)
+                out.prompt_errors[piece.index] = got
+            else:
+                out.prompt_logprobs.setdefault(piece.index, []).extend(got)
+        return out
+
+    def _prompt_piece(
+        self, hidden: torch.Tensor, piece: _PromptPiece, gather: Gather | None, wanted: bool
+    ) -> list[TokenLogprob] | str | None:
+        """One piece's logprobs (`wanted`: on the sampling rank, for a request that has not
+        failed; else None), or why they failed (that request's alone). NOTE: its logits die
+        with this call, before the next piece's are made."""
+        logits = self._head(hidden[piece.row : piece.row + len(piece.next_ids)], gather)
+        if logits is None or not wanted:
+            return None
+        try:
+            return token_logprobs(logits, piece.next_ids, piece.top_n)
+        except Exception:  # noqa: BLE001 - that request ends alone (forward_batch.py)
+            logger.exception("prompt logprobs of batch row %d failed", piece.index)
+            return PROMPT_LOGPROBS_FAILED
+
+    def _head(self, hidden: torch.Tensor, gather: Gather | None) -> torch.Tensor | None:
+        """float32 logits of these hidden rows over the whole vocabulary (None: not this rank's).
+        NOTE: with no row the head and the gather are skipped on every rank alike."""
+        if hidden.shape[0] == 0:
+            empty = hidden.new_empty(0, self.spec.vocab_size, dtype=torch.float32)
+            return empty if gather is None or gather.samples else None
+        local = self.model.compute_logits(hidden).float()
+        return local if gather is None else gather.whole(local)
 
     @torch.inference_mode()
     def warm_up(self, sizes: Sequence[int] = WARM_UP_SIZES) -> None:
@@ -340,11 +432,19 @@ class ModelRunner:
     # ---- host-side preparation -------------------------------------------------------------------
     def _prepare(self, batch: ForwardBatch) -> _HostInputs:
         assert self.allocator is not None, "only the rank that owns the allocator prepares"
-        return prepare_inputs(batch, self.spec, self.allocator, check_slots=self.check_slots)
+        return prepare_inputs(
+            batch, self.spec, self.allocator, check_slots=self.check_slots,
+            logprob_rows=self.logprob_rows,
+        )  # fmt: skip
 
 
 def prepare_inputs(
-    batch: ForwardBatch, spec: ModelSpec, allocator: HybridAllocator, *, check_slots: bool = True
+    batch: ForwardBatch,
+    spec: ModelSpec,
+    allocator: HybridAllocator,
+    *,
+    check_slots: bool = True,
+    logprob_rows: int = DEFAULT_LOGPROB_ROWS,
 ) -> _HostInputs:
     """Host tensors of one step, built with a fixed number of tensor ops plus one table slice
     per request. With page-table rows every slice is bounded by the window and the tokens new to
@@ -413,7 +513,23 @@ def prepare_inputs(
         packed, spans, full_rows, tuple(seq) if has_full else (),
         tuple(swa_starts) if has_swa else None,
         tuple(n - s for n, s in zip(seq, swa_starts)) if has_swa else (), max(seq),
+        _prompt_pieces(reqs, q_off, logprob_rows),
     )  # fmt: skip
+
+
+def _prompt_pieces(
+    reqs: Sequence[ForwardReq], q_off: list[int], logprob_rows: int
+) -> tuple[_PromptPiece, ...]:
+    """Each request's prompt-logprob rows, cut into pieces of at most `logprob_rows`."""
+    pieces = []
+    for i, r in enumerate(reqs):
+        rows = r.prompt_logprobs
+        if rows is None:
+            continue
+        for k in range(0, len(rows.next_ids), logprob_rows):
+            ids = rows.next_ids[k : k + logprob_rows]
+            pieces.append(_PromptPiece(i, q_off[i] + rows.first + k, ids, rows.top_n))
+    return tuple(pieces)
 
 
 def _swa_view(

@@ -10,12 +10,17 @@ the same tokens whatever else shares its batch, on any device.
 
 Logprobs are those of the model's distribution (``log_softmax`` of the raw logits, before the
 controls, temperature and filters), as vLLM reports them by default.
+
+A row's failure is that row's (its request ends alone, `SampleOutput.failed`): when sampling the
+batch raises, each row is sampled alone — the same tokens, since no row's draw depends on the
+others — and the rows that raise again are the failed ones.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -29,6 +34,10 @@ from worker.runner.logit_controls import (
     apply_penalties,
 )
 from worker.runner.noise import exponential_noise
+
+logger = logging.getLogger(__name__)
+
+SAMPLING_FAILED = "sampling failed for this request (its logit controls or sampling filters)"
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +61,8 @@ class SampleOutput:
     # Rows with no token to give: every token their controls allow (grammar, bans) has a
     # non-finite logit, so `token_ids` holds a placeholder there that must not be used.
     unsampled: tuple[int, ...] = ()
+    # Rows whose sampling raised (row -> why): no token either, a placeholder in `token_ids`.
+    failed: dict[int, str] = field(default_factory=dict)
 
 
 def _column(values: Sequence[float], device: torch.device) -> torch.Tensor:
@@ -133,6 +144,27 @@ class Sampler:
         """
         if logits.shape[0] != len(rows):
             raise ValueError(f"{logits.shape[0]} logits rows for {len(rows)} sampling rows")
+        try:
+            return self._sample(logits, rows, bitmask)
+        except Exception:  # noqa: BLE001 - find the row(s) at fault; the others go on
+            logger.exception("sampling a batch of %d rows failed; sampling each row alone", len(rows))
+            return self._rows_alone(logits, rows, bitmask)
+
+    def _rows_alone(
+        self, logits: torch.Tensor, rows: Sequence[SampleRow], bitmask: torch.Tensor | None
+    ) -> SampleOutput:
+        outs: list[SampleOutput | None] = []
+        for i, row in enumerate(rows):
+            try:
+                outs.append(self._sample(logits[i : i + 1], [row], None if bitmask is None else bitmask[i : i + 1]))
+            except Exception:  # noqa: BLE001 - this row's request ends alone
+                logger.exception("sampling row %d failed", i)
+                outs.append(None)
+        return _joined(outs)
+
+    def _sample(
+        self, logits: torch.Tensor, rows: Sequence[SampleRow], bitmask: torch.Tensor | None
+    ) -> SampleOutput:
         raw = logits.float()
         work = controlled(raw, rows, bitmask, self._tensors)
         chosen = work.argmax(dim=-1)
@@ -156,6 +188,16 @@ class Sampler:
         probs = torch.softmax(logits, dim=-1)
         noise = exponential_noise([r.key for r in rows], [r.step for r in rows], probs.shape[-1], logits.device)
         return (probs / noise).argmax(dim=-1)
+
+
+def _joined(outs: list[SampleOutput | None]) -> SampleOutput:
+    """One output from single-row ones (None: that row failed; it gets a placeholder token)."""
+    ids = [o.token_ids[0] if o else 0 for o in outs]
+    lps = [o.logprobs[0] if o else None for o in outs]
+    tops = [o.top_logprobs[0] if o else None for o in outs]
+    unsampled = tuple(i for i, o in enumerate(outs) if o is not None and o.unsampled)
+    failed = {i: SAMPLING_FAILED for i, o in enumerate(outs) if o is None}
+    return SampleOutput(ids, lps, tops, unsampled, failed)
 
 
 def _with_logprobs(

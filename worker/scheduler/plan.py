@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from core.geometry import Geometry
 from core.reuse import TierCosts
-from worker.runner.forward_batch import ForwardReq, RepairRows
+from worker.runner.forward_batch import ForwardReq, PromptRows, RepairRows
 from worker.scheduler.request import Req
 
 
@@ -47,15 +47,23 @@ class StepWork:
         kv = self.req.kv
         assert kv is not None, f"request {self.req.rid} was scheduled without KV"
         tokens = kv.tokens[self.start : self.start + self.n]
-        all_logits = bool(self.req.prompt_rows(self.start, self.n))
         repair = None
         if kv.repair_slots is not None:
             repair = RepairRows(kv.repair_start, kv.repair_slots)
         row = kv.row if kv.row >= 0 else None
         return ForwardReq(
-            tokens, self.start, kv.table, self.samples, all_logits=all_logits, repair=repair,
-            row=row, synced=min(kv.synced_len, self.start),
+            tokens, self.start, kv.table, self.samples, prompt_logprobs=self.prompt_rows(),
+            repair=repair, row=row, synced=min(kv.synced_len, self.start),
         )  # fmt: skip
+
+    def prompt_rows(self) -> PromptRows | None:
+        """The prompt logprobs this step's tokens give that the request still lacks."""
+        req, top_n = self.req, self.req.params.prompt_logprobs
+        positions = req.prompt_rows(self.start, self.n)
+        if not positions or top_n is None:
+            return None
+        next_ids = tuple(req.prompt[positions.start + 1 : positions.stop + 1])
+        return PromptRows(positions.start - self.start, next_ids, top_n)
 
 
 @dataclass(slots=True)

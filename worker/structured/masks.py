@@ -47,13 +47,33 @@ class MaskFiller:
 
         words = (self.vocab_size + 31) // 32
         bitmask = torch.zeros((len(rows), words), dtype=torch.int32)
-        ready = [(m.matcher, i) for i, (m, n) in enumerate(rows) if m is not None and m.consumed == n]
+        ready = [(m, i) for i, (m, n) in enumerate(rows) if m is not None and m.consumed == n]
         for i, (m, n) in enumerate(rows):
             if m is not None and m.consumed != n:
                 logger.error("grammar row %d: matcher at %d tokens, output at %d: row denied", i, m.consumed, n)
-        if ready:
-            fill_next_token_bitmask_par(self._executor, ready, bitmask)  # type: ignore[arg-type]
+        if not ready:
+            return bitmask
+        try:
+            pairs = [(m.matcher, i) for m, i in ready]
+            fill_next_token_bitmask_par(self._executor, pairs, bitmask)  # type: ignore[arg-type]
+        except Exception:  # noqa: BLE001 - one grammar's failure must not deny every row
+            logger.exception("the batch's grammar masks failed; filling them one by one")
+            self._fill_alone(ready, bitmask)
         return bitmask
+
+    @staticmethod
+    def _fill_alone(ready: list[tuple[GrammarMatcher, int]], bitmask: torch.Tensor) -> None:
+        """Each row on its own: a row whose grammar raises allows nothing and says why (its
+        request then ends alone: the sampler finds no token for it)."""
+        from llguidance.torch import fill_next_token_bitmask
+
+        for m, i in ready:
+            try:
+                fill_next_token_bitmask(m.matcher, bitmask, i)
+            except Exception:  # noqa: BLE001 - that request's alone
+                logger.exception("grammar mask of row %d failed", i)
+                bitmask[i] = 0
+                m.failed = m.failed or "the grammar could not compute the tokens allowed next"
 
     def close(self) -> None:
         if self._pool is not None:

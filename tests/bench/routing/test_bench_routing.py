@@ -40,7 +40,7 @@ def test_sim_runner_counts_prefill_and_decode_and_samples_its_token() -> None:
     batch = ForwardBatch((ForwardReq([5] * 20, 0, table), ForwardReq([7], 30, table),
                           ForwardReq([9] * 8, 4, table, need_logits=False)))  # fmt: skip
     runner = SimRunner()
-    logits = runner.forward(batch)
+    logits = runner.forward(batch).logits
     assert (runner.last_prefill_tokens, runner.last_decode_tokens, logits.shape[0]) == (28, 1, 2)
     out = runner.sample(logits, [SamplingParams()] * 2, [None, None])
     assert out.token_ids == [SIM_TOKEN, SIM_TOKEN] and runner.fed_tokens == 29

@@ -11,9 +11,11 @@ from typing import Any
 import pytest
 from ray.exceptions import ActorUnavailableError
 
-from cluster.messages import RoutedRequest, StreamStart, WorkerUnavailableError
+from cluster.messages import EngineDiedError, RoutedRequest, StreamStart, WorkerUnavailableError
 from core.outputs import StreamDelta
 from deploy.openai.service import PLAIN_RESTARTS
+from deploy.openai.streaming import ENGINE_DIED
+from deploy.replica.client import DeathRecord
 from tests.deploy.openai.openai_harness import MODEL, expected_greedy, make_harness, sse_events
 from tests.fakes.tokenizer import make_tokenizer_dir
 
@@ -33,18 +35,20 @@ class DyingClient:
         self._inner, self._deaths, self._death = inner, deaths, death
         self.sent: list[RoutedRequest] = []
 
-    async def stream(self, request: RoutedRequest) -> AsyncIterator[StreamStart | StreamDelta]:
+    async def stream(
+        self, request: RoutedRequest, deaths: DeathRecord | None = None
+    ) -> AsyncIterator[StreamStart | StreamDelta]:
         self.sent.append(request)
         dies = len(self.sent) <= self._deaths
         deltas = 0
-        async for item in self._inner.stream(request):
+        async for item in self._inner.stream(request, deaths):
             yield item
             if isinstance(item, StreamDelta):
                 deltas += 1
                 if dies and deltas == 1 and not item.finished:
                     if self._death is ActorUnavailableError:
                         raise ActorUnavailableError("the node went away", None)
-                    raise self._death("worker w0: the engine process is gone; retry")
+                    raise self._death("worker w0: its engine died while running the request")
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
@@ -88,11 +92,26 @@ def test_a_plain_request_survives_its_replica_dying_mid_generation(
 
 
 def test_out_of_restarts_the_plain_request_gets_503(tokenizer: Any) -> None:
-    h, client = _harness(tokenizer, deaths=PLAIN_RESTARTS + 1)
+    """Replicas lost without their engine dying under the request (shutting down): restarted
+    up to `PLAIN_RESTARTS` times, then 503."""
+    h, client = _harness(tokenizer, deaths=PLAIN_RESTARTS + 1, death=WorkerUnavailableError)
     r = _post(h, {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 8, "temperature": 0})
     assert r.status_code == 503 and "Retry-After" in r.headers, r.text
     assert len(client.sent) == PLAIN_RESTARTS + 1
     assert set(client.sent[-1].avoid) == {"w0", "w1"}
+
+
+@pytest.mark.parametrize("death", [ActorUnavailableError, EngineDiedError])
+def test_a_request_that_two_replicas_died_running_gets_503_not_a_third(
+    tokenizer: Any, death: type[Exception]
+) -> None:
+    """A replica (or its engine) dying under the request may be the request's doing: after the
+    second such replica it is answered (503, Retry-After), never sent to a third."""
+    h, client = _harness(tokenizer, deaths=PLAIN_RESTARTS + 1, death=death)
+    r = _post(h, {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 8, "temperature": 0})
+    assert r.status_code == 503 and r.headers["Retry-After"] == "1", r.text
+    assert r.json()["error"]["message"] == ENGINE_DIED
+    assert len(client.sent) == 2
 
 
 def test_a_stream_that_loses_its_replica_ends_with_an_error_event(tokenizer: Any) -> None:

@@ -364,10 +364,10 @@ def test_router_prediction_is_echoed_in_header(tokenizer: Any) -> None:
     client = h.service._client
     original = client.stream
 
-    def routed(request: Any) -> Any:
+    def routed(request: Any, deaths: Any = None) -> Any:
         # What the Serve router notes in this process when Serve reports that w0 took it.
         routing_record.note_placed(request.request_id, routing_record.Placement("w0", "swa_prefix", 16, 0))
-        return original(request)
+        return original(request, deaths)
 
     client.stream = routed
 
@@ -388,9 +388,9 @@ def test_a_placement_on_another_replica_gives_no_prediction_header(tokenizer: An
     client = h.service._client
     original = client.stream
 
-    def routed(request: Any) -> Any:
+    def routed(request: Any, deaths: Any = None) -> Any:
         routing_record.note_placed(request.request_id, routing_record.Placement("w9", "swa_prefix", 64, 0))
-        return original(request)
+        return original(request, deaths)
 
     client.stream = routed
 

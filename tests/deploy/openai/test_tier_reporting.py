@@ -75,9 +75,9 @@ def test_a_loaded_prefix_reaches_the_headers_and_the_counters(tokenizer: Any) ->
         async for delta in generate(*args, **kw):
             yield dataclasses.replace(delta, loaded_tokens=24)
 
-    def routed(request: Any) -> Any:
+    def routed(request: Any, deaths: Any = None) -> Any:
         routing_record.note_placed(request.request_id, routing_record.Placement("w0", "swa_prefix", 0, 0, 24))
-        return stream(request)
+        return stream(request, deaths)
 
     engine.generate = loading  # type: ignore[method-assign]
     client.stream = routed

@@ -1,5 +1,5 @@
-"""ServeWorkerClient.stream: a request is sent again while no token came back (no Ray: each
-attempt is scripted)."""
+"""ServeWorkerClient.stream: a request is sent again while no token came back, but not to a third
+replica after two engines died running it (no Ray: each attempt is scripted)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 from ray.exceptions import ActorDiedError, ActorUnavailableError
 
-from cluster.messages import RoutedRequest, StreamStart, WorkerUnavailableError
+from cluster.messages import EngineDiedError, RoutedRequest, StreamStart, WorkerUnavailableError
 from core.outputs import StreamDelta
-from deploy.replica.client import RETRIES, ServeWorkerClient
+from deploy.replica.client import RETRIES, DeathRecord, ServeWorkerClient
 from router import routing_record
 
 
@@ -44,9 +44,9 @@ def _client(attempts: list[list[Any]]) -> tuple[ServeWorkerClient, list[RoutedRe
     return client, sent
 
 
-def _run(client: ServeWorkerClient, request_id: str = "r") -> list[Any]:
+def _run(client: ServeWorkerClient, request_id: str = "r", deaths: DeathRecord | None = None) -> list[Any]:
     async def go() -> list[Any]:
-        return [item async for item in client.stream(RoutedRequest([1, 2, 3], request_id))]
+        return [item async for item in client.stream(RoutedRequest([1, 2, 3], request_id), deaths)]
 
     return asyncio.run(go())
 
@@ -104,3 +104,49 @@ def test_a_last_refusal_is_passed_on() -> None:
     refusals = [[StreamStart(w, "unavailable", "shutting down")] for w in "abc"]
     client, _ = _client(refusals)
     assert _run(client) == [refusals[-1][0]]
+
+
+def test_a_request_two_engines_died_running_is_not_sent_a_third_time() -> None:
+    """Engines dying under the request before its first token: sent once more, then raised (the
+    ingress answers 503), never to a third replica."""
+    client, sent = _client([[StreamStart(w), EngineDiedError(w)] for w in "abc"])
+    deaths = DeathRecord()
+    with pytest.raises(EngineDiedError):
+        _run(client, deaths=deaths)
+    assert len(sent) == 2 and sent[1].avoid == ("a",) and deaths.replicas == {"a", "b"}
+
+
+def test_a_replica_process_lost_counts_as_a_death_too() -> None:
+    client, sent = _client([[StreamStart("a"), ActorDiedError()], [StreamStart("b"), ActorDiedError()],
+                            [StreamStart("c"), _delta([1], finished=True)]])  # fmt: skip
+    with pytest.raises(ActorDiedError):
+        _run(client)
+    assert len(sent) == 2
+
+
+def test_deaths_the_service_saw_before_count_against_the_resend() -> None:
+    """The record is the HTTP request's: after a restart that followed one death (the service
+    noted it), a death before the first token is the second, and is raised at once."""
+    client, sent = _client([[StreamStart("b"), EngineDiedError("b")], [StreamStart("c"), _delta([1], finished=True)]])
+    deaths = DeathRecord({"a"})
+    with pytest.raises(EngineDiedError):
+        _run(client, deaths=deaths)
+    assert len(sent) == 1
+
+
+def test_the_same_replica_dying_under_two_prompts_is_one_death() -> None:
+    """Two prompts of one request on one replica whose engine died: one replica, one death."""
+    deaths = DeathRecord()
+    assert deaths.note("a") and deaths.note("a") and not deaths.note("b")
+
+
+def test_an_engine_death_raised_in_a_replica_is_one_at_the_ingress() -> None:
+    """What Serve hands the ingress for an exception raised in the replica (a `RayTaskError`
+    made an instance of its cause) is still an engine death, and the worker client's test sees it."""
+    from ray.exceptions import RayTaskError
+
+    from deploy.replica.client import engine_died
+
+    wrapped = RayTaskError("generate", "traceback", EngineDiedError("w0")).as_instanceof_cause()
+    assert engine_died(wrapped) and engine_died(ActorDiedError())
+    assert not engine_died(RayTaskError("generate", "tb", WorkerUnavailableError("w0")).as_instanceof_cause())

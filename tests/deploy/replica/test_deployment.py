@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from cluster.messages import RoutedRequest, StreamStart, WorkerUnavailableError
+from cluster.messages import EngineDiedError, RoutedRequest, StreamStart, WorkerUnavailableError
 from core.sampling_params import SamplingParams
 from deploy.replica.deployment import WorkerDeployment, WorkerOptions
 from tests.fakes.fake_engine import FakeEngine
@@ -99,20 +99,56 @@ def test_shutdown_aborts_inflight_and_stops_engine() -> None:
     assert isinstance(items[0], StreamStart) and not items[1].finished
 
 
-def test_an_engine_gone_mid_stream_is_a_lost_replica_to_the_ingress() -> None:
-    """The engine's process dying under a request (`EngineGoneError`) reaches the ingress as
-    `WorkerUnavailableError`, which it retries or restarts elsewhere, not as the request's error."""
+def _dies_after_one(engine: FakeEngine, before: Any = None) -> None:
+    """The engine dies under its requests after their first delta (`EngineGoneError`), after
+    calling `before` if given."""
     from worker.errors import EngineGoneError
 
-    w, engine = _worker()
     real = engine.generate
 
     async def dies_after_one(*args: Any, **kw: Any) -> Any:
         async for delta in real(*args, **kw):
             yield delta
+            if before is not None:
+                before()
+            engine.error = RuntimeError("the engine process is gone (exit code -9)")
             raise EngineGoneError("engine stopped: the engine process is gone (exit code -9)")
 
     engine.generate = dies_after_one  # type: ignore[method-assign]
+
+
+def test_an_engine_gone_mid_stream_is_a_death_to_the_ingress() -> None:
+    """The engine dying under a request (`EngineGoneError`) reaches the ingress as
+    `EngineDiedError`, a lost replica it sends elsewhere at most once more (the request may be
+    why), not as the request's error; the engine's own words stay in this replica's log."""
+    w, engine = _worker()
+    _dies_after_one(engine)
     req = RoutedRequest([1, 2, 3], "a", params=SamplingParams(max_tokens=50, temperature=0))
-    with pytest.raises(WorkerUnavailableError, match="engine process is gone.*retry"):
+    with pytest.raises(EngineDiedError, match="engine died while running the request") as err:
         asyncio.run(_collect(w, req))
+    assert "exit code" not in str(err.value)
+
+
+def test_an_engine_stopped_by_a_shutdown_is_no_death() -> None:
+    """Draining, the engine ending under a request is the shutdown's doing: a plain
+    `WorkerUnavailableError` (resent as before, not counted against the request)."""
+    w, engine = _worker()
+    _dies_after_one(engine, before=lambda: setattr(w, "_draining", True))  # Serve stops it
+    req = RoutedRequest([1, 2, 3], "a", params=SamplingParams(max_tokens=50, temperature=0))
+    with pytest.raises(WorkerUnavailableError) as err:
+        asyncio.run(_collect(w, req))
+    assert not isinstance(err.value, EngineDiedError)
+
+
+def test_an_engine_found_dead_on_arrival_is_a_refusal_not_an_error() -> None:
+    """The engine died before the request reached it, and its `validate` raises something other
+    than ValueError (the connection is gone): an `unavailable` refusal (503), not a 500."""
+    w, engine = _worker()
+
+    def gone(*_: Any) -> None:
+        engine.error = RuntimeError("the engine process is gone")
+        raise BrokenPipeError("the connection to the engine process is closed")
+
+    engine.validate = gone  # type: ignore[method-assign]
+    items = asyncio.run(_collect(w, RoutedRequest([1, 2], "a", params=SamplingParams(max_tokens=2))))
+    assert items == [StreamStart("r1", "unavailable", "worker engine failed; retry")]

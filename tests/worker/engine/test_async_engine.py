@@ -1,11 +1,16 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
+import pytest
+
+from core.outputs import StreamDelta
 from core.sampling_params import SamplingParams
 from tests.worker.engine.conftest import Oracle, tokens
 from worker.config import EngineConfig
+from worker.errors import EngineGoneError
 from worker.hosts.async_engine import AsyncEngine
 
 
@@ -47,5 +52,50 @@ def test_streams_match_offline_and_cancel_frees_kv(oracle: Oracle) -> None:
         assert engine.flush_cache()
         s = engine.stats()
         assert s.full.free == s.full.total
+    finally:
+        engine.shutdown()
+
+
+def test_a_step_that_raises_ends_every_stream_and_call_at_once(
+    oracle: Oracle, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The step thread dies: a running stream and one still in the inbox (which no step will
+    ever answer) both raise `EngineGoneError`; calls and new requests fail at once."""
+    cfg = EngineConfig(model=str(oracle.path), page_size=4, max_total_tokens=2048)
+    engine = AsyncEngine(cfg)
+    blocked, go = threading.Event(), threading.Event()
+    step = engine.engine.step
+
+    def dying() -> list[StreamDelta]:
+        req = engine.engine.scheduler.reqs.get("a")
+        if req is not None and len(req.output) >= 2:
+            blocked.set()
+            go.wait()
+            raise RuntimeError("device lost")
+        return step()
+
+    monkeypatch.setattr(engine.engine, "step", dying)
+    params = SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True)
+
+    async def collect(rid: str, prompt: list[int]) -> list[int]:
+        return [t async for d in engine.generate(prompt, params, rid) for t in d.token_ids]
+
+    async def main() -> list[BaseException | list[int]]:
+        a = asyncio.create_task(collect("a", tokens(20, seed=21)))
+        await asyncio.to_thread(blocked.wait)
+        b = asyncio.create_task(collect("b", tokens(9, seed=22)))
+        while "b" not in engine._streams:  # added to the inbox (no await between the two)
+            await asyncio.sleep(0)
+        go.set()
+        return await asyncio.gather(a, b, return_exceptions=True)
+
+    try:
+        results = asyncio.run(main())
+        assert [type(r) for r in results] == [EngineGoneError, EngineGoneError], results
+        assert engine.error is not None
+        with pytest.raises(RuntimeError, match="internal error"):
+            engine.check_integrity()
+        with pytest.raises(RuntimeError, match="internal error"):
+            asyncio.run(collect("c", tokens(5, seed=23)))
     finally:
         engine.shutdown()

@@ -167,3 +167,65 @@ def test_a_dead_child_fails_streams_and_calls(oracle: Oracle) -> None:
             ep.check_integrity()
     finally:
         ep.shutdown()
+
+
+def test_a_step_that_raises_tells_the_replica_and_ends_every_stream(
+    oracle: Oracle, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The child's step raises (a failure no one request owns): what finished before reaches
+    the replica, then `_Died`; every open stream raises `EngineGoneError` naming the step's
+    failure, and calls fail at once. (The child runs in this process over a pipe, so its step
+    can be made to fail.)"""
+    import multiprocessing
+    import subprocess
+    import sys
+
+    cfg = EngineConfig(model=str(oracle.path), page_size=4, max_total_tokens=2048)
+    child_end, replica_end = multiprocessing.Pipe()
+    child = engine_process._Child(child_end, cfg)  # type: ignore[arg-type]
+    step = child.engine.step
+
+    def dying() -> list[StreamDelta]:
+        req = child.engine.scheduler.reqs.get("a")
+        if req is not None and len(req.output) >= 2:
+            raise RuntimeError("device lost")
+        return step()
+
+    monkeypatch.setattr(child.engine, "step", dying)
+    exited = subprocess.Popen([sys.executable, "-c", "pass"])  # stands in for the child process
+    exited.wait()
+    ep = EngineProcess.__new__(EngineProcess)
+    ep.config = cfg
+    ep._attach(replica_end, exited, child.ready())  # type: ignore[arg-type]
+    threading.Thread(target=child.control, daemon=True).start()
+    died: list[BaseException] = []
+
+    def step_loop() -> None:
+        try:
+            child.step_loop()
+        except RuntimeError as exc:
+            died.append(exc)
+            child_end.close()  # the child process would exit here
+
+    stepper = threading.Thread(target=step_loop, daemon=True)
+    stepper.start()
+
+    async def stream(rid: str, prompt: list[int]) -> list[int]:
+        out: list[int] = []
+        async for d in ep.generate(prompt, GREEDY, rid):
+            out += d.token_ids
+        return out
+
+    async def main() -> list[BaseException | list[int]]:
+        return await asyncio.gather(stream("a", tokens(20, seed=31)), stream("b", tokens(9, seed=32)),
+                                    return_exceptions=True)  # fmt: skip
+
+    results = asyncio.run(main())
+    assert [type(r) for r in results] == [EngineGoneError, EngineGoneError], results
+    assert all("step failed (RuntimeError: device lost)" in str(r) for r in results)
+    stepper.join(30)  # it raises right after sending `_Died`
+    assert died and ep.error is not None
+    with pytest.raises(RuntimeError, match="internal error"):
+        ep.check_integrity()
+    ep.shutdown()
+    child.engine.close()

@@ -64,3 +64,45 @@ def test_siblings_share_one_prefill(oracle: Oracle) -> None:
     assert outs[first].cached_tokens == 0
     assert all(outs[r].cached_tokens == 88 for r in later)  # floor_P(89): all but a partial page
     assert_all_free(engine)
+
+
+def test_prompt_rows_become_logprobs_a_bounded_piece_at_a_time(
+    oracle: Oracle, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The LM head never sees more rows than the plan's `logprob_rows` (never a [chunk x vocab]
+    tensor), and the pieces give HF's numbers."""
+    engine = oracle.engine()
+    assert engine.runner.logprob_rows == 18  # this engine's plan: 1/32 of 1.1 MiB of KV
+    engine.runner.logprob_rows = 5
+    head, seen = engine.runner.model.compute_logits, []
+
+    def counted(hidden: torch.Tensor) -> torch.Tensor:
+        seen.append(hidden.shape[0])
+        return head(hidden)
+
+    monkeypatch.setattr(engine.runner.model, "compute_logits", counted)
+    out = engine.generate([PROMPT], SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=3))[0]
+    assert max(seen) <= 5 and sum(seen) >= len(PROMPT) - 1  # the prompt rows, then samples
+    got = [lp.logprob for lp in out.prompt_logprobs[1:] if lp is not None]  # type: ignore[index]
+    want = _hf_prompt_logprobs(oracle, PROMPT)
+    assert len(got) == len(want) and max(abs(a - b) for a, b in zip(got, want)) < 1e-4
+    assert_all_free(engine)
+
+
+@pytest.mark.timeout(300)
+def test_two_ranks_give_the_prompt_logprobs_of_one(oracle: Oracle) -> None:
+    """Tensor parallelism gathers each piece's logits over the vocabulary shards: the same
+    prompt logprobs and top tokens as one rank."""
+    params = SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=2)
+    one = oracle.engine().generate([PROMPT], params)[0]
+    two = oracle.engine(tensor_parallel_size=2, overlap_schedule="off")
+    try:
+        got = two.generate([PROMPT], params)[0]
+        two.check_integrity()
+    finally:
+        two.close()
+    assert got.token_ids == one.token_ids
+    assert got.prompt_logprobs is not None and one.prompt_logprobs is not None
+    for a, b in zip(got.prompt_logprobs[1:], one.prompt_logprobs[1:]):
+        assert a is not None and b is not None and a.token_id == b.token_id
+        assert abs(a.logprob - b.logprob) < 1e-4 and [t for t, _ in a.top] == [t for t, _ in b.top]

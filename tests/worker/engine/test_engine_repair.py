@@ -18,7 +18,7 @@ from tests.worker.engine.conftest import Oracle, assert_all_free, run_checked, t
 from tests.worker.models.hf_tiny import ARCHS, TinyHF, hf_greedy
 from worker.config import EngineConfig
 from worker.engine.engine import Engine
-from worker.runner.forward_batch import ForwardBatch
+from worker.runner.forward_batch import ForwardBatch, ForwardOutput
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 MAX_NEW = 8
@@ -34,11 +34,11 @@ class LogitTap:
         self.rows: dict[str, list[torch.Tensor]] = defaultdict(list)
         self.repair_rows = 0
 
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+    def forward(self, batch: ForwardBatch) -> ForwardOutput:
         out = self.inner.forward(batch)
         by_table = {id(r.kv.table): rid for rid, r in self.engine.scheduler.reqs.items() if r.kv}
         wanted = [r for r in batch.reqs if r.need_logits]
-        for row, fr in zip(out, wanted):
+        for row, fr in zip(out.logits, wanted):
             self.rows[by_table[id(fr.table)]].append(row.clone())
         self.repair_rows += sum(r.repair_tokens for r in batch.reqs)
         return out

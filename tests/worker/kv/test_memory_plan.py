@@ -7,7 +7,15 @@ import logging
 import pytest
 
 from worker.errors import ConfigError
-from worker.kv.memory_plan import ChunkCap, PoolPlan, plan_pools
+from worker.kv.memory_plan import (
+    LOGPROB_ROW_BYTES,
+    LOGPROB_SHARE,
+    ChunkCap,
+    PoolPlan,
+    kv_share_of,
+    plan_logprob_rows,
+    plan_pools,
+)
 from worker.models.spec import KindShape, LayerKind, ModelSpec
 
 GIB = 1024**3
@@ -214,3 +222,19 @@ def test_mimo_small_ratio_multiplies_full_capacity() -> None:
     single = plan_pools(_mimo(), disable_hybrid_swa_memory=True, **kw)
     assert dual.full_tokens / single.full_tokens == pytest.approx(222720 / 33024, rel=2e-3)
     assert dual.swa_tokens > 128 + 16
+
+
+def test_prompt_logprob_rows_fit_their_share_of_the_kv_pools() -> None:
+    """An 8K chunk over a 200K vocabulary would need ~13 GB of logits at once; the workspace is
+    1/32 of the pools (~3 GiB of 100 GiB): ~1,000 rows a piece, never more bytes than that."""
+    plan = plan_logprob_rows(100 * GIB, 200_000)
+    assert plan.rows == 100 * GIB // LOGPROB_SHARE // (200_000 * LOGPROB_ROW_BYTES) == 1048
+    assert plan.bytes == plan.rows * 200_000 * LOGPROB_ROW_BYTES <= 100 * GIB // LOGPROB_SHARE
+    assert plan_logprob_rows(1 << 20, 262_144).rows == 1  # one row at least, whatever the vocab
+
+
+@pytest.mark.parametrize("budget", [10**6, 80 * GIB, 80 * GIB + 17])
+def test_a_shared_budget_holds_the_pools_and_their_workspace(budget: int) -> None:
+    """CUDA's default budget is split: pools + their 1/32 workspace never exceed it."""
+    kv = kv_share_of(budget)
+    assert kv + kv // LOGPROB_SHARE <= budget < kv + kv // LOGPROB_SHARE + LOGPROB_SHARE + 2

@@ -109,7 +109,7 @@ class Driver:
             need = s.kv_len + n >= len(s.prompt)
             new = s.tokens[s.kv_len : s.kv_len + n]
             reqs.append(ForwardReq(new, s.kv_len, torch.tensor(s.table), need_logits=need))
-        logits = self.runner.forward(ForwardBatch(tuple(reqs)))
+        logits = self.runner.forward(ForwardBatch(tuple(reqs))).logits
         row = 0
         for s, r in zip(seqs, reqs):
             s.kv_len += len(r.token_ids)
