@@ -10,6 +10,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from deploy.config import API_KEY_FILE_ENV
+from deploy.openai.admission import AdmissionLimits
 from deploy.openai.ingress import IngressOptions, with_key_file
 from deploy.openai.service import ServiceOptions
 from tests.deploy.openai.bad_inputs import bad_inputs, check_error
@@ -263,8 +264,8 @@ def test_body_limit_413_by_header_and_by_bytes(tokenizer: Any) -> None:
 
 
 def test_overload_429_with_retry_after(tokenizer: Any) -> None:
-    """Past max_inflight the ingress answers 429 with Retry-After at once, and recovers after."""
-    h = make_harness(tokenizer, max_inflight=1, step_s=0.01)
+    """Past max_inflight_sequences the ingress answers 429 with Retry-After at once, and recovers after."""
+    h = make_harness(tokenizer, admission=AdmissionLimits(sequences=1), step_s=0.01)
     raw = json.dumps({"model": MODEL, "prompt": "hold", "max_tokens": 5, "stream": True}).encode()
 
     async def go() -> tuple[Any, Any, Any]:
