@@ -20,13 +20,31 @@ from typing import TypeVar
 
 from cluster.messages import RoutedRequest, StreamStart
 from core.outputs import StreamDelta
+from deploy.openai.schema import APIError
 
 T = TypeVar("T")
 _Item = tuple["PromptStream", StreamDelta | BaseException | None]
 
 
-class DeadlineExceeded(Exception):
-    """The request's deadline passed while it waited for its workers."""
+class DeadlineExceeded(APIError):
+    """The request's deadline passed while it waited for its workers: 504, and the caller
+    closes the streams."""
+
+    def __init__(self) -> None:
+        super().__init__(504, "the request took longer than the server allows (request_timeout_s) "
+                         "and was stopped; ask for fewer tokens", type="timeout_error",
+                         code="request_timeout")  # fmt: skip
+
+
+async def before_deadline(deadline: float | None, step: Awaitable[T]) -> T:
+    """`step`, or `DeadlineExceeded` once the loop's clock reaches `deadline` (None: no limit)."""
+    if deadline is None:
+        return await step
+    try:
+        async with asyncio.timeout_at(deadline):
+            return await step
+    except TimeoutError:
+        raise DeadlineExceeded from None
 
 
 @dataclass(eq=False)
@@ -63,7 +81,7 @@ class Fanout:
             s = self.streams[0]
             assert s.stream is not None
             try:
-                while (item := await self._before_deadline(anext(s.stream, None))) is not None:
+                while (item := await before_deadline(self.deadline, anext(s.stream, None))) is not None:
                     assert isinstance(item, StreamDelta), f"worker sent {type(item).__name__} mid-stream"
                     yield s, item
             except DeadlineExceeded:
@@ -76,7 +94,7 @@ class Fanout:
             s.task = asyncio.create_task(self._pump(s))
         live = len(self.streams)
         while live:
-            s, got = await self._before_deadline(self._queue.get())
+            s, got = await before_deadline(self.deadline, self._queue.get())
             if got is None:
                 live -= 1
             elif isinstance(got, BaseException):
@@ -84,15 +102,6 @@ class Fanout:
                 raise got
             elif not s.closed:
                 yield s, got
-
-    async def _before_deadline(self, next_item: Awaitable[T]) -> T:
-        if self.deadline is None:
-            return await next_item
-        try:
-            async with asyncio.timeout_at(self.deadline):
-                return await next_item
-        except TimeoutError:
-            raise DeadlineExceeded from None
 
     async def _pump(self, s: PromptStream) -> None:
         stream, s.stream = s.stream, None

@@ -16,7 +16,7 @@ import asyncio
 import logging
 import time
 import weakref
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -30,10 +30,11 @@ from deploy.openai.checks import RequestChecks, sampling_params, sibling_params
 from deploy.openai.choices import ChoiceState, best_of, usage_of
 from deploy.openai.detokenize import StopTextStream
 from deploy.openai.errors import generation_failed, public
-from deploy.openai.fanout import DeadlineExceeded, Fanout, PromptStream
+from deploy.openai.fanout import Fanout, PromptStream, before_deadline
 from deploy.openai.headers import REPLICA_HEADER, prediction_headers, repaired_header
 from deploy.openai.limits import RequestLimits
 from deploy.openai.offload import SMALL_DELTA, CpuPool
+from deploy.openai.prepare import Prepared, Preparer
 from deploy.openai.prompts import PromptBuilder
 from deploy.openai.responses import ResponseBuilder, Shape
 from deploy.openai.schema import (
@@ -42,17 +43,14 @@ from deploy.openai.schema import (
     CompletionRequest,
     bad_request,
     overloaded,
-    parse_request,
 )
 from deploy.openai.streaming import RequestTimer, from_model, sse, translate_worker_error
-from deploy.openai.structured import request_grammar
 from deploy.replica.client import ReplicaSnapshot, WorkerClient, replica_gone
 from router import routing_record
 from router.metrics import default_metrics as routing_metrics
 
 log = logging.getLogger("swaserve.ingress")
 T = TypeVar("T")
-Prepared = tuple[Any, list[list[int]], Any]  # the parsed request, its prompts' ids, its grammar
 
 # Restarts of a non-streaming request whose worker replica was lost mid-generation.
 PLAIN_RESTARTS = 2
@@ -126,9 +124,9 @@ class OpenAIService:
         self._client = client
         self._opts = options
         self.metrics = metrics or IngressMetrics()
-        self._prompts = PromptBuilder(tokenizer)
-        self._checks = RequestChecks(options.model_name, len(tokenizer), options.limits)
         self._chat = chat_format or TemplateChat(tokenizer, "")
+        checks = RequestChecks(options.model_name, len(tokenizer), options.limits)
+        self._prepare = Preparer(checks, PromptBuilder(tokenizer), self._chat, options.limits)
         self.admission = Admission(options.admission, options.retry_after_s, self.metrics)
         self.pool = CpuPool(options.cpu_threads)
         self._created = int(time.time())
@@ -160,35 +158,18 @@ class OpenAIService:
 
     async def completions(self, raw: bytes, rid: str = "") -> Reply:
         """`rid`: the request id errors name (`deploy/openai/errors.py`)."""
-        return await self._generate(self._prepare_completion, raw, rid)
+        return await self._generate(self._prepare.completion, raw, rid)
 
     async def chat(self, raw: bytes, rid: str = "") -> Reply:
-        return await self._generate(self._prepare_chat, raw, rid)
+        return await self._generate(self._prepare.chat, raw, rid)
 
     async def _generate(self, prepare: Callable[[bytes, int], Prepared], raw: bytes, rid: str) -> Reply:
         arrived = asyncio.get_running_loop().time()
         self.admission.check_room()  # before any work on the body
         max_model_len = await self.max_model_len()
-        req, prompts, grammar = await self.pool.run(prepare, raw, max_model_len)
+        ready = await self.pool.run(prepare, raw, max_model_len)
         deadline = None if self._opts.request_timeout_s is None else arrived + self._opts.request_timeout_s
-        return await self._run(req, prompts, grammar, rid, deadline)
-
-    # -- per-request CPU work (a pool thread) -------------------------------------------------
-
-    def _prepare_completion(self, raw: bytes, max_model_len: int) -> Prepared:
-        req: CompletionRequest = parse_request(CompletionRequest, raw)
-        self._checks.completion(req, max_model_len)  # before tokenizing
-        return req, self._prompts.completion(req.prompt), request_grammar(req, self._opts.limits)
-
-    def _prepare_chat(self, raw: bytes, max_model_len: int) -> Prepared:
-        req: ChatCompletionRequest = parse_request(ChatCompletionRequest, raw)
-        self._checks.chat(req, max_model_len)  # before templating
-        prompts = [self._chat.prompt(req)]
-        grammar, forced = request_grammar(req, self._opts.limits), self._chat.grammar(req)
-        if grammar is not None and forced is not None:
-            raise bad_request("tool_choice required/named cannot be combined with an output format",
-                              param="tool_choice")  # fmt: skip
-        return req, prompts, grammar or forced
+        return await self._run(ready.req, ready.prompts, ready.grammar, rid, deadline)
 
     @property
     def inflight(self) -> int:
@@ -237,8 +218,7 @@ class OpenAIService:
         ticket = self.admission.admit(run.work())
         endpoint = "chat" if run.builder.chat else "completions"
         try:
-            run.fanout.deadline = deadline
-            await self._before(deadline, self._start(run.fanout))
+            await before_deadline(deadline, self._start(run.fanout))
         except BaseException:
             await run.fanout.close_all()
             ticket.release()
@@ -246,6 +226,7 @@ class OpenAIService:
         timer = RequestTimer(self.metrics, endpoint, t0)
         headers = self._headers(run)
         if req.stream:
+            run.fanout.deadline = deadline  # each wait for a delta; the writes: WriteTimeout
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             events = self._events(run, timer, include_usage, ticket, rid)
             # NOTE: a generator that is never iterated (client gone before the body started)
@@ -253,11 +234,11 @@ class OpenAIService:
             weakref.finalize(events, ticket.release)
             return Reply(headers, events=events)
         try:
-            run = await self._before(deadline, self._collect_restarting(run, timer, prompts, grammar))
+            run = await before_deadline(deadline, self._collect_restarting(run, timer, prompts, grammar))
             headers = self._headers(run)
-            body = await self.pool.run(self._final_body, run)
+            body, repaired = await self.pool.run(self._final_body, run)
             self._count_tokens(run)
-            return Reply({**headers, **body[1]}, body=body[0])
+            return Reply({**headers, **repaired}, body=body)
         finally:
             timer.done()
             await run.fanout.close_all()
@@ -269,21 +250,6 @@ class OpenAIService:
         kept = best_of(run.choices, [st.prompt_index for st in run.fanout.streams], run.keep)
         body = run.builder.final(kept, usage_of(run.choices)).model_dump_json(exclude_none=True)
         return body.encode(), repaired_header([c.repaired_tokens for c in kept])
-
-    async def _before(self, deadline: float | None, step: Awaitable[T]) -> T:
-        """`step` within the request's deadline (504 past it; the caller closes the streams)."""
-        if deadline is None:
-            return await step
-        try:
-            async with asyncio.timeout_at(deadline):
-                return await step
-        except TimeoutError:
-            raise self._deadline_error() from None
-
-    def _deadline_error(self) -> APIError:
-        return APIError(504, f"the request took longer than the server's limit of "
-                        f"{self._opts.request_timeout_s:g}s (request_timeout_s) and was stopped; "
-                        "ask for fewer tokens", type="timeout_error", code="request_timeout")  # fmt: skip
 
     async def _collect_restarting(self, run: _Run, timer: RequestTimer, prompts: list[list[int]],
                                   grammar: Any) -> _Run:  # fmt: skip
@@ -376,8 +342,6 @@ class OpenAIService:
                     return
         except APIError:
             raise
-        except DeadlineExceeded:
-            raise self._deadline_error() from None
         except Exception as e:  # noqa: BLE001
             raise translate_worker_error(e, self._opts.retry_after_s) from e
 
