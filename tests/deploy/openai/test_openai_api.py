@@ -201,26 +201,6 @@ def test_bad_inputs_table_then_still_serving(tokenizer: Any) -> None:
     assert h.engines[0].stats().full.used == 0
 
 
-def test_api_key_required_on_v1_only(tokenizer: Any) -> None:
-    """With an API key, /v1/* answers 401 without the bearer token; /health stays open."""
-    h = make_harness(tokenizer, api_key="s3cret")
-    req = {"model": MODEL, "prompt": "hi", "max_tokens": 1}
-
-    async def go() -> list[Any]:
-        async with h.client() as c:
-            return [
-                await c.post("/v1/completions", json=req),
-                await c.post("/v1/completions", json=req, headers={"Authorization": "Bearer wrong"}),
-                await c.post("/v1/completions", json=req, headers={"Authorization": "Bearer s3cret"}),
-                await c.get("/health"),
-            ]
-
-    none, wrong, right, health = run(go())
-    assert none.status_code == wrong.status_code == 401
-    assert none.json()["error"]["type"] == "authentication_error"
-    assert right.status_code == 200 and health.status_code == 200
-
-
 def test_api_key_from_the_key_file(
     tokenizer: Any, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
