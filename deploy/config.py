@@ -14,9 +14,10 @@ beside placement, scaling, routing and HTTP.
         args: {model: tiny, routing: swa_prefix, page_size: 16,
                autoscaling: {min_replicas: 1, max_replicas: 4, target_ongoing_requests: 16}}
 
-The API key is the one secret here: it is read from `SWASERVE_API_KEY` (this module is the only
-place that reads the environment) so that it never has to be written into a config file or into
-the RayService object on Kubernetes. There the key is a file instead, named by
+The API key is the one secret here (with `metrics_key`, the scrapers' key, read the same way from
+`SWASERVE_METRICS_KEY`): it is read from `SWASERVE_API_KEY` (this module is the only place that
+reads the environment) so that it never has to be written into a config file or into the
+RayService object on Kubernetes. There the key is a file instead, named by
 `SWASERVE_API_KEY_FILE` and mounted only in the pods that host the ingress; the ingress replica
 reads it when it starts (`api_key_from_file`), so it is in no Ray object either.
 """
