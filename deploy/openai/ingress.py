@@ -84,13 +84,23 @@ class _ClosingStream(StreamingResponse):
     """Closes its event generator however the response ends: a write that failed or timed out
     (`WriteTimeout`) leaves the generator suspended at a `yield`, and only closing it runs its
     `finally` (the worker streams closed, the request aborted, its admission share back) at
-    once rather than whenever it is collected."""
+    once rather than whenever it is collected (an exception's traceback can keep it for a
+    garbage collection).
+
+    NOTE: the close is a task of its own, not awaited here: this `finally` may run inside a
+    cancelled anyio scope (the client gone), where every await is cancelled again, and the
+    generator's `finally` would stop at its first await."""
 
     async def stream_response(self, send: Any) -> None:
         try:
             await super().stream_response(send)
         finally:
-            await self.body_iterator.aclose()  # type: ignore[attr-defined]
+            closing = asyncio.ensure_future(self.body_iterator.aclose())  # type: ignore[attr-defined]
+            _CLOSING.add(closing)  # the loop holds tasks weakly
+            closing.add_done_callback(_CLOSING.discard)
+
+
+_CLOSING: set[asyncio.Future[None]] = set()
 
 
 # An oversized body is read to its end (up to this much, for this long) before the 413 goes

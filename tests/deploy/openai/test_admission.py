@@ -199,6 +199,9 @@ def test_a_client_that_stops_reading_is_cut_off_and_its_kv_freed(
             await asyncio.sleep(0)  # waits on the request reaching the worker
         held = h.engines[0].stats().full.used
         await asyncio.wait_for(task, 30)  # the write timeout ends it
+        deadline = asyncio.get_running_loop().time() + 30
+        while h.engines[0].stats().full.used and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0)  # waits on the stream's close (a task of its own)
         return held, h.engines[0].stats().full.used
 
     with caplog.at_level(logging.WARNING, logger="swaserve.ingress"):
