@@ -1,7 +1,10 @@
 """What an error tells the client, and what only the log hears (docs/design.md §4.2).
 
 Every response carries `x-request-id`: the client's own when it sent a usable one (vLLM does the
-same; `vllm bench serve` sends one), else one made here. An error body says what the client can
+same; `vllm bench serve` sends one), else one made here. Under Serve its HTTP server (proxy or
+direct ingress) sets the header and puts its id (the client's, or a new one) into the request's
+headers, where this module reads it; a client id that is not plain is still answered in Serve's
+header as sent, while bodies and logs name the one made here. An error body says what the client can
 act on and nothing from inside the server: no exception text, no paths, no Ray tracebacks. A
 5xx names the request id in its message, and the log line with the details names it too.
 

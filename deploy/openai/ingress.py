@@ -58,6 +58,9 @@ class IngressOptions:
     metrics_auth: bool = True  # /metrics asks for a key (the API key or metrics_key) when one is set
     metrics_key: str | None = None  # a key for /metrics alone (a scraper's)
     write_timeout_s: float = 30.0  # one response write waiting on the client longer: cut off
+    # Answer with `x-request-id`; False under Serve, whose HTTP servers (its proxy, direct
+    # ingress) already add it: the client's, or the one they put in the request's headers.
+    request_id_header: bool = True
 
 
 def with_key_file(options: IngressOptions) -> IngressOptions:
@@ -176,7 +179,8 @@ def create_app(service: OpenAIService, options: IngressOptions) -> FastAPI:
         # the request id header is set here.
         rid = _rid(request)
         response = error_response(public(internal_error(e), rid))
-        response.headers[REQUEST_ID_HEADER] = rid
+        if options.request_id_header:
+            response.headers[REQUEST_ID_HEADER] = rid
         return response
 
     @app.post("/v1/completions", openapi_extra=body_spec(CompletionRequest, CompletionResponse))
@@ -241,7 +245,8 @@ class GuardMiddleware:
         async def counting_send(message: MutableMapping[str, Any]) -> None:
             if message["type"] == "http.response.start":
                 status["code"], status["started"] = message["status"], 1
-                message["headers"] = [*message.get("headers", []), (REQUEST_ID_HEADER.encode(), rid.encode())]
+                if self._options.request_id_header:
+                    message["headers"] = [*message.get("headers", []), (REQUEST_ID_HEADER.encode(), rid.encode())]
             await send(message)
 
         try:
@@ -318,7 +323,7 @@ class IngressDeployment:
         # `swaserve serve` binds this replica to its port: there the server's own writes wait
         # on the client, so the write timeout goes around the server's app (WriteTimeout).
         direct_ingress_server(lambda app: WriteTimeout(app, options.write_timeout_s))
-        options = with_key_file(options)
+        options = dataclasses.replace(with_key_file(options), request_id_header=False)
         self._options = options
         model_dir = resolve_model_dir(options.model)
         tokenizer = load_tokenizer(model_dir)

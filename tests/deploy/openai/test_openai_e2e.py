@@ -297,13 +297,14 @@ def test_a_client_that_stops_reading_is_cut_off_and_its_kv_freed(server: Server)
 
     Under Serve our app only queues its messages; the write that waits is the direct-ingress
     server's own (`cluster.ray_private.direct_ingress_server` wraps it in `WriteTimeout`)."""
-    # The first event echoes the prompt with 20 logprobs per token (hundreds of KB): more than
-    # the socket buffers take, so the server's first write already waits on the client; the
-    # generation (nearly the whole context) would take far longer than the write timeout.
+    # Eight choices of nearly the whole context, 20 logprobs a token and the prompt echoed: some
+    # 20 MB of events, while the server's socket buffer grows to at most 4 MB (tcp_wmem) and the
+    # client's stays at a few KB: the server's writes wait long before the generation could end
+    # (measured on this machine: cut off after 5.6 s with about a quarter generated).
     prompt = "Count: " + "one two three four " * 200
     tok = httpx.post(f"{server.url}/tokenize", json={"model": MODEL, "prompt": prompt}, timeout=30).json()
     body = json.dumps({"model": MODEL, "prompt": prompt, "max_tokens": tok["max_model_len"] - tok["count"] - 64,
-                       "echo": True, "logprobs": 20, "stream": True, "ignore_eos": True}).encode()  # fmt: skip
+                       "n": 8, "echo": True, "logprobs": 20, "stream": True, "ignore_eos": True}).encode()  # fmt: skip
     aborts_before = sum(_per_replica(_metrics(server), "swaserve_engine_aborts").values())
     host, port = server.url.removeprefix("http://").split(":")
     sock = socket.socket()
