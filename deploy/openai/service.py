@@ -129,6 +129,10 @@ class OpenAIService:
         self._prepare = Preparer(checks, PromptBuilder(tokenizer), self._chat, options.limits)
         self.admission = Admission(options.admission, options.retry_after_s, self.metrics)
         self.pool = CpuPool(options.cpu_threads)
+        # NOTE: a fast tokenizer's first call may reset the truncation/padding a tokenizer.json
+        # set (a write to the Rust object); done here, before the pool's threads share it, so
+        # they only ever read it ("Already borrowed" otherwise).
+        tokenizer("warm-up")
         self._created = int(time.time())
 
     @property
