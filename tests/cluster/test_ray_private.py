@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 
+import pytest
 import ray
 from ray import serve
 from ray.serve.request_router import RequestRouter
@@ -123,6 +124,22 @@ def test_direct_ingress_still_binds_through_the_function_patched_for_address_reu
         assert wrapped == [app] and not replaced
     finally:
         replica.start_asgi_http_server = before
+
+
+def test_direct_ingress_gives_each_replica_a_port_of_its_own() -> None:
+    """Why `swaserve serve` runs one ingress replica (`direct_ingress_server`'s NOTE): each
+    direct-ingress replica binds the port the controller allocates it from the range, and a
+    range of one port (`direct_ingress_env`) has none left for a second replica, SO_REUSEPORT
+    or not."""
+    from ray.serve._private import replica
+    from ray.serve._private.node_port_manager import NoAvailablePortError, PortAllocator
+
+    source = inspect.getsource(replica.Replica._maybe_start_direct_ingress_servers)
+    assert "allocate_replica_port.remote(" in source and "start_server_fn(port)" in source
+    ports = PortAllocator(8123, 8124, "HTTP", "node")
+    assert ports.allocate("ingress-1") == 8123
+    with pytest.raises(NoAvailablePortError):
+        ports.allocate("ingress-2")
 
 
 def test_build_app_and_deployment_config_work_offline() -> None:
