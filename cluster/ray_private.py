@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 
@@ -101,31 +101,37 @@ def grpc_stream_handle(handle: Any, method_name: str) -> Any:
     )
 
 
-def reuse_address_for_direct_ingress() -> None:
+def direct_ingress_server(wrap_app: Callable[[Any], Any]) -> None:
     """In this process, Serve's direct-ingress HTTP server binds its port with SO_REUSEADDR
     (and SO_REUSEPORT), as Serve's own HTTP proxy does (`SOCKET_REUSE_PORT_ENABLED`, on by
-    default).
+    default), and serves `wrap_app(app)` instead of Serve's app.
 
     Why private: a direct-ingress replica binds through `start_asgi_http_server(...,
     enable_so_reuseport=False)` (`Replica._maybe_start_direct_ingress_servers`), a bare socket.
     Every connection that replica closed then leaves a TIME_WAIT socket that blocks any later
     bind of the port for a minute: a restarted `swaserve serve`, or the replica Serve starts
-    in place of a dead ingress replica. No option reaches that socket; this swaps the function
-    the replica module calls for one that passes `enable_so_reuseport=True`. The ingress
-    replica calls it in its constructor, which Serve runs before it starts the server.
+    in place of a dead ingress replica. And the app that server runs is Serve's
+    (`Replica._direct_ingress_asgi`), whose writes to the client are the ones that wait on a
+    slow reader (the user code's only queue messages for it): a bound on those writes has to
+    wrap that app. No option reaches that socket or that app; this swaps the function the
+    replica module calls for one that passes `enable_so_reuseport=True` and the wrapped app.
+    The ingress replica calls it in its constructor, which Serve runs before it starts the
+    server; a second call replaces the first's wrapper.
+
+    NOTE: SO_REUSEPORT here does not let two ingress replicas share the port: Serve's
+    controller gives each direct-ingress replica its own port from
+    `[RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT, ..._MAX_HTTP_PORT)` (`PortAllocator`), so
+    `swaserve serve` runs one ingress replica on its port (more need Serve's proxy).
     """
     import functools
 
     from ray.serve._private import http_util, replica
 
-    if getattr(replica.start_asgi_http_server, "_swaserve_reuse", False):
-        return
     original = http_util.start_asgi_http_server
 
     @functools.wraps(original)
-    async def start(*args: Any, **kwargs: Any) -> Any:
+    async def start(app: Any, *args: Any, **kwargs: Any) -> Any:
         kwargs["enable_so_reuseport"] = True
-        return await original(*args, **kwargs)
+        return await original(wrap_app(app), *args, **kwargs)
 
-    start._swaserve_reuse = True  # type: ignore[attr-defined]
     replica.start_asgi_http_server = start

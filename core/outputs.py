@@ -7,6 +7,12 @@ from typing import Literal
 
 FinishReason = Literal["stop", "length", "abort"]
 
+# The kinds of `error` (`Output.error`, `StreamDelta.error`) written for the request's client,
+# as "<kind>: <what happened>": the engine's per-request endings (a grammar that failed or
+# allows no token, no finite logit left to sample). The ingress shows these to the client and
+# keeps any other error text (an exception's, a dying engine's) for its log alone.
+CLIENT_ERROR_KINDS = ("structured output", "sampling")
+
 
 @dataclass(frozen=True)
 class TokenLogprob:

@@ -22,6 +22,7 @@ from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
 from deploy.config import INGRESS_DEPLOYMENT, WORKER_DEPLOYMENT, ServeConfig
+from deploy.openai.admission import AdmissionLimits
 from deploy.openai.ingress import IngressDeployment, IngressOptions
 from deploy.openai.service import ServiceOptions
 from deploy.replica.deployment import EngineFactory, WorkerDeployment, WorkerOptions
@@ -29,13 +30,11 @@ from deploy.replica.deployment import EngineFactory, WorkerDeployment, WorkerOpt
 
 @dataclass(frozen=True)
 class IngressSettings:
-    """Ingress knobs that are not (yet) `ServeConfig` fields; the defaults suit both CPU and GPU."""
+    """Ingress knobs that are not `ServeConfig` fields; the defaults suit both CPU and GPU."""
 
-    max_inflight: int = 1024  # generation requests one ingress replica holds; beyond: 429
     max_queued: int = 256  # requests the proxy queues for a busy ingress replica; beyond: 503
     retry_after_s: int = 1
     num_cpus: float = 0.25  # tokenization and SSE only; a fraction keeps small hosts schedulable
-    replicas: int = 1
 
 
 ROUTER_CLASS = "router.serve_router:SwaPrefixRequestRouter"
@@ -69,8 +68,10 @@ def build_app_from_config(
     worker = serve.deployment(name=WORKER_DEPLOYMENT, **worker_options(cfg))(WorkerDeployment)
     front = serve.deployment(
         name=INGRESS_DEPLOYMENT,
-        num_replicas=ingress.replicas,
-        max_ongoing_requests=ingress.max_inflight + 32,  # headroom for /health and /metrics
+        num_replicas=cfg.ingress_replicas,
+        # A generation request is one sequence at least (admission counts them): the rest is
+        # headroom for /health, /metrics and the utility routes.
+        max_ongoing_requests=cfg.max_inflight_sequences + 32,
         max_queued_requests=ingress.max_queued,  # beyond: the proxy answers 503, never a hang
         ray_actor_options={"num_cpus": ingress.num_cpus},
     )(IngressDeployment)
@@ -90,13 +91,17 @@ def worker_options(cfg: ServeConfig) -> dict[str, Any]:
 def ingress_options(cfg: ServeConfig, ingress: IngressSettings) -> IngressOptions:
     service = ServiceOptions(
         model_name=cfg.served_model_name or cfg.engine.model,
-        max_inflight=ingress.max_inflight,
+        admission=AdmissionLimits(cfg.max_inflight_sequences, cfg.max_inflight_tokens),
         retry_after_s=ingress.retry_after_s,
+        request_timeout_s=cfg.request_timeout_s,
     )
     api_key = cfg.api_key.get_secret_value() if cfg.api_key is not None else None
+    metrics_key = cfg.metrics_key.get_secret_value() if cfg.metrics_key is not None else None
     return IngressOptions(
-        service=service, api_key=api_key or None, max_request_bytes=cfg.max_request_bytes, model=cfg.engine.model
-    )
+        service=service, api_key=api_key or None, max_request_bytes=cfg.max_request_bytes,
+        model=cfg.engine.model, metrics_auth=cfg.metrics_auth, metrics_key=metrics_key or None,
+        write_timeout_s=cfg.write_timeout_s,
+    )  # fmt: skip
 
 
 def request_router_config(cfg: ServeConfig) -> RequestRouterConfig:

@@ -14,9 +14,10 @@ beside placement, scaling, routing and HTTP.
         args: {model: tiny, routing: swa_prefix, page_size: 16,
                autoscaling: {min_replicas: 1, max_replicas: 4, target_ongoing_requests: 16}}
 
-The API key is the one secret here: it is read from `SWASERVE_API_KEY` (this module is the only
-place that reads the environment) so that it never has to be written into a config file or into
-the RayService object on Kubernetes. There the key is a file instead, named by
+The API key is the one secret here (with `metrics_key`, the scrapers' key, read the same way from
+`SWASERVE_METRICS_KEY`): it is read from `SWASERVE_API_KEY` (this module is the only place that
+reads the environment) so that it never has to be written into a config file or into the
+RayService object on Kubernetes. There the key is a file instead, named by
 `SWASERVE_API_KEY_FILE` and mounted only in the pods that host the ingress; the ingress replica
 reads it when it starts (`api_key_from_file`), so it is in no Ray object either.
 """
@@ -47,6 +48,7 @@ INGRESS_DEPLOYMENT = "Ingress"
 WORKER_DEPLOYMENT = "Worker"
 API_KEY_ENV = "SWASERVE_API_KEY"
 API_KEY_FILE_ENV = "SWASERVE_API_KEY_FILE"
+METRICS_KEY_ENV = "SWASERVE_METRICS_KEY"
 
 DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024  # a 128k-token prompt is ~0.5 MB of JSON text
 
@@ -56,6 +58,11 @@ PlacementStrategy = Literal["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"]
 
 def _api_key_from_env() -> SecretStr | None:
     value = os.environ.get(API_KEY_ENV, "").strip()
+    return SecretStr(value) if value else None
+
+
+def _metrics_key_from_env() -> SecretStr | None:
+    value = os.environ.get(METRICS_KEY_ENV, "").strip()
     return SecretStr(value) if value else None
 
 
@@ -222,6 +229,64 @@ class ServeConfig(EngineFields):
         DEFAULT_MAX_REQUEST_BYTES,
         ge=1024,
         description="Largest HTTP request body accepted (larger: 413).",
+    )
+    metrics_auth: bool = Field(
+        True,
+        description=(
+            "/metrics asks for a bearer token (the API key or metrics_key) whenever either is "
+            "set; false: /metrics answers without one (a scraper on a closed network). /health "
+            "never asks."
+        ),
+    )
+    metrics_key: SecretStr | None = Field(
+        default_factory=_metrics_key_from_env,
+        description=(
+            f"A bearer token for /metrics alone (Prometheus's `authorization: credentials`), so the "
+            f"scraper holds no key that can generate; /metrics takes it or the API key. Unset: read "
+            f"from env {METRICS_KEY_ENV}."
+        ),
+    )
+    ingress_replicas: int = Field(
+        1,
+        ge=1,
+        description=(
+            "Ingress replicas (HTTP parsing, tokenizing, streaming), each with its own admission "
+            "bounds. More than one needs Serve's HTTP proxy in front (`swaserve serve "
+            "--serve-proxy`, or a cluster): direct ingress gives each replica a port of its own."
+        ),
+    )
+    max_inflight_sequences: int = Field(
+        1024,
+        ge=1,
+        description=(
+            "Sequences (prompts x choices, best_of counted) one ingress replica holds in flight; "
+            "a request over what is left gets 429 + Retry-After, one larger than this alone 400."
+        ),
+    )
+    max_inflight_tokens: int = Field(
+        8_388_608,
+        ge=1,
+        description=(
+            "Tokens (each prompt once plus max_tokens for each of its choices) one ingress "
+            "replica holds in flight; a request over what is left gets 429 + Retry-After, one "
+            "larger than this alone 400."
+        ),
+    )
+    request_timeout_s: float | None = Field(
+        1800.0,
+        gt=0,
+        description=(
+            "Longest a generation request may take from arrival; past it the request is aborted "
+            "on its worker (KV freed) and answered 504 (a stream: an error event). null: no limit."
+        ),
+    )
+    write_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        description=(
+            "Longest one response write may wait on a client that stops reading; past it the "
+            "connection is closed and the request aborted on its worker (KV freed)."
+        ),
     )
 
     _engine: EngineConfig = PrivateAttr()

@@ -9,7 +9,9 @@ The ingress replica listens on `--host/--port` itself (Serve's direct ingress,
 HTTP proxy process in between (one process hop and two messages fewer per streamed token;
 docs/design.md §4.2). Serve still starts its proxy on the head node, on another free port;
 `--serve-proxy` puts the proxy on `--host/--port` instead, as a Ray Serve deployment on a
-cluster (the Helm chart) has it.
+cluster (the Helm chart) has it. Direct ingress is one ingress replica: Serve gives each one a
+port of its own, so `ingress_replicas` > 1 needs `--serve-proxy` (the proxy spreads requests
+over them; SIGTERM's drain then reaches one of them, the others stop with Serve).
 
 SIGTERM (what Kubernetes, systemd and `docker stop` send) or Ctrl-C drains, then stops: the
 ingress stops admitting (503 + Retry-After, `/health` 503), the requests in flight get up to the
@@ -87,9 +89,9 @@ def plan(req: ServeRequest) -> Plan:
 
         loaded = load_serve_file(req.config)
         host, port = loaded.host, loaded.port
-        base = loaded.config.model_dump(mode="json", exclude_unset=True, exclude={"api_key"})
-        if loaded.config.api_key is not None:
-            base["api_key"] = loaded.config.api_key.get_secret_value()
+        secrets = {"api_key": loaded.config.api_key, "metrics_key": loaded.config.metrics_key}
+        base = loaded.config.model_dump(mode="json", exclude_unset=True, exclude=set(secrets))
+        base.update({k: v.get_secret_value() for k, v in secrets.items() if v is not None})
     flags = {"model": req.model, "workers": req.workers, "routing": req.routing, "device": req.device}
     args = {**base, **{k: v for k, v in flags.items() if v is not None}}
     if req.workers is not None:
@@ -102,6 +104,13 @@ def plan(req: ServeRequest) -> Plan:
     cfg = ServeConfig.model_validate(args)
     cfg = _fit_cpus(cfg, args, num_cpus)
     _check_gpus(cfg)
+    if cfg.ingress_replicas > 1 and not req.serve_proxy:
+        # Serve's direct ingress gives each ingress replica a port of its own from its range
+        # (cluster.ray_private.direct_ingress_server): a second one could not have this port.
+        raise ValueError(
+            f"ingress_replicas={cfg.ingress_replicas} needs --serve-proxy: without it the one "
+            "ingress replica listens on the port itself; Serve's proxy spreads requests over many"
+        )
     return Plan(cfg, req.host or host or DEFAULT_HOST, req.port or port or DEFAULT_PORT, num_cpus,
                 req.serve_proxy)  # fmt: skip
 
@@ -112,18 +121,19 @@ def _fit_cpus(cfg: ServeConfig, args: dict[str, Any], num_cpus: int) -> ServeCon
     replicas_max = cfg.autoscaling.max_replicas if cfg.autoscaling else cfg.workers
     replicas_min = cfg.autoscaling.min_replicas if cfg.autoscaling else cfg.workers
     ranks = cfg.engine.tensor_parallel_size
+    ingress_cpus = INGRESS_CPUS * cfg.ingress_replicas
     if cfg.engine.device == "cpu" and "worker_num_cpus" not in args:
-        share = max(0.05, min(1.0, (num_cpus - INGRESS_CPUS) / max(1, replicas_max * ranks)))
+        share = max(0.05, min(1.0, (num_cpus - ingress_cpus) / max(1, replicas_max * ranks)))
         fitted = {"worker_num_cpus": round(share - 0.005, 2)}
         if ranks > 1 and "rank_num_cpus" not in args:
             fitted["rank_num_cpus"] = fitted["worker_num_cpus"]
         cfg = ServeConfig.model_validate({**args, **fitted})
     per_replica = cfg.worker_num_cpus + (ranks - 1) * cfg.rank_num_cpus
-    need = replicas_min * per_replica + INGRESS_CPUS
+    need = replicas_min * per_replica + ingress_cpus
     if need > num_cpus:
         raise ValueError(
             f"{replicas_min} worker(s) x {per_replica:g} CPUs (worker_num_cpus + rank actors) plus "
-            f"the ingress's {INGRESS_CPUS} need {need:g} CPUs but the local cluster has "
+            f"the ingress's {ingress_cpus:g} need {need:g} CPUs but the local cluster has "
             f"{num_cpus}; lower worker_num_cpus or --workers, or raise --num-cpus"
         )
     return cfg

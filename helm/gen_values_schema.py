@@ -4,8 +4,8 @@
 generated from the pydantic model (descriptions included; the engine fields' come from
 `EngineConfig`'s declarations), with three chart-only rules:
 
-- `api_key` is not allowed: the RayService object is readable by anyone who can read the
-  namespace, so the key travels as a Secret in env `SWASERVE_API_KEY` (values `apiKey`);
+- `api_key` and `metrics_key` are not allowed: the RayService object is readable by anyone who
+  can read the namespace, so the API key travels as a Secret (values `apiKey`);
 - `worker_num_cpus` and `worker_num_gpus` are required: the pods' resources come from them;
 - `workers` or `autoscaling` (when both are set `workers` wins: the chart drops `autoscaling`,
   because `helm lint` cannot unset the default block with null), and `autoscaling` with all its
@@ -42,7 +42,7 @@ def serve_config_schema() -> dict[str, Any]:
     raw = ServeConfig.model_json_schema()
     autoscaling = copy.deepcopy(raw["$defs"]["AutoscalingSettings"])
     autoscaling["required"] = sorted(autoscaling["properties"])
-    props = {k: v for k, v in raw["properties"].items() if k != "api_key"}
+    props = {k: v for k, v in raw["properties"].items() if k not in ("api_key", "metrics_key")}
     props["autoscaling"] = {"description": props["autoscaling"]["description"], **autoscaling}
     schema = {
         "type": "object",

@@ -45,6 +45,10 @@ class RequestChecks:
                 raise bad_request("best_of > n cannot be streamed (choices are ranked at the end)", param="best_of")
         self._prompt_size(req.prompt, max_model_len)
 
+    def text(self, text: str, max_model_len: int) -> None:
+        """Text to tokenize alone (`/tokenize`): the byte bound of a prompt."""
+        self._prompt_size(text, max_model_len)
+
     def chat(self, req: ChatCompletionRequest, max_model_len: int) -> None:
         self._common(req)
         if req.top_logprobs and not req.logprobs:

@@ -4,18 +4,47 @@ Each stream is read by its own pump task after its `StreamStart`; closing a stre
 of its choices cut by stop strings, or the client gone) cancels that pump, and the stream is
 closed inside the pump, so no generator is ever closed while another task is iterating it
 (`aclose(): asynchronous generator is already running`). A single stream needs no task.
+
+With a `deadline` (the event loop's clock), each wait for the next delta ends there:
+`DeadlineExceeded`, and the caller closes the streams (which aborts the requests on the workers).
+The bound is on each await, never across a `yield`: the consumer's own time (writing to a slow
+client) is the write timeout's (`deploy/openai/write_timeout.py`).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from cluster.messages import RoutedRequest, StreamStart
 from core.outputs import StreamDelta
+from deploy.openai.schema import APIError
 
+T = TypeVar("T")
 _Item = tuple["PromptStream", StreamDelta | BaseException | None]
+
+
+class DeadlineExceeded(APIError):
+    """The request's deadline passed while it waited for its workers: 504, and the caller
+    closes the streams."""
+
+    def __init__(self) -> None:
+        super().__init__(504, "the request took longer than the server allows (request_timeout_s) "
+                         "and was stopped; ask for fewer tokens", type="timeout_error",
+                         code="request_timeout")  # fmt: skip
+
+
+async def before_deadline(deadline: float | None, step: Awaitable[T]) -> T:
+    """`step`, or `DeadlineExceeded` once the loop's clock reaches `deadline` (None: no limit)."""
+    if deadline is None:
+        return await step
+    try:
+        async with asyncio.timeout_at(deadline):
+            return await step
+    except TimeoutError:
+        raise DeadlineExceeded from None
 
 
 @dataclass(eq=False)
@@ -40,8 +69,9 @@ async def _aclose(stream: AsyncIterator[StreamStart | StreamDelta] | None) -> No
 
 
 class Fanout:
-    def __init__(self, streams: list[PromptStream]) -> None:
+    def __init__(self, streams: list[PromptStream], deadline: float | None = None) -> None:
         self.streams = streams
+        self.deadline = deadline  # loop time; None: no deadline
         self.failed: PromptStream | None = None  # the stream whose error `deltas` raised
         self._queue: asyncio.Queue[_Item] = asyncio.Queue()
 
@@ -51,9 +81,11 @@ class Fanout:
             s = self.streams[0]
             assert s.stream is not None
             try:
-                async for item in s.stream:
+                while (item := await before_deadline(self.deadline, anext(s.stream, None))) is not None:
                     assert isinstance(item, StreamDelta), f"worker sent {type(item).__name__} mid-stream"
                     yield s, item
+            except DeadlineExceeded:
+                raise
             except Exception:
                 self.failed = s
                 raise
@@ -62,7 +94,7 @@ class Fanout:
             s.task = asyncio.create_task(self._pump(s))
         live = len(self.streams)
         while live:
-            s, got = await self._queue.get()
+            s, got = await before_deadline(self.deadline, self._queue.get())
             if got is None:
                 live -= 1
             elif isinstance(got, BaseException):

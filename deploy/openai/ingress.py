@@ -7,11 +7,13 @@ a `ServeWorkerClient` around the worker handle) and hands Serve the app through
 
 | concern | where | answer |
 |---|---|---|
-| auth | `GuardMiddleware`, `/v1/*` only; the key from the config or `with_key_file` | 401 without `Authorization: Bearer <key>` |
+| auth | `GuardMiddleware`: every route but `/health`; `/metrics` per `metrics_auth`, with the API key or `metrics_key`; the key from the config or `with_key_file` | 401 without `Authorization: Bearer <key>` |
+| request id | `GuardMiddleware`: the client's `x-request-id` or a new one (`deploy/openai/errors.py`) | `x-request-id` on every response; a 5xx names it |
 | body size | `GuardMiddleware` (Content-Length) and `_read_body` (actual bytes) | 413, after reading the rest (`drain_body`) |
-| overload | `OpenAIService._admit` (in-flight bound) / worker backpressure | 429 / 503 + `Retry-After` |
+| overload | `Admission` (sequences and tokens in flight) / worker backpressure | 429 / 503 + `Retry-After` |
+| deadline, slow reader | `request_timeout_s` (`OpenAIService`), `WriteTimeout` | 504 (a stream: an error event); the connection closed |
 | shutdown | `DrainGate`, closed by `IngressDeployment.drain` (SIGTERM) | 503 + `Retry-After`; `/health` 503 |
-| any error | `APIError` handler, plus 404/405/500 mapped to the same shape | `{"error": {...}}` |
+| any error | `APIError` handler, plus 404/405/500 mapped to the same shape, nothing internal (`errors.public`) | `{"error": {...}}` |
 | client gone before headers | `GuardMiddleware` | counted as 499 in `/metrics` |
 | schema | `deploy.openai.openapi` (`/openapi.json`, `/docs`); `/tokenize` etc. in `utility_routes` | |
 """
@@ -36,10 +38,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from deploy.config import api_key_from_file
 from deploy.metrics import CONTENT_TYPE, IngressMetrics
 from deploy.openai.bodies import ChatCompletionResponse, CompletionResponse
+from deploy.openai.errors import REQUEST_ID_HEADER, internal_error, public, request_id
 from deploy.openai.openapi import body_spec, install_openapi
 from deploy.openai.schema import APIError, ChatCompletionRequest, CompletionRequest, overloaded
 from deploy.openai.service import OpenAIService, Reply, ServiceOptions
 from deploy.openai.utility_routes import add_utility_routes
+from deploy.openai.write_timeout import WriteTimeout
 
 log = logging.getLogger("swaserve.ingress")
 CLIENT_CLOSED = 499  # nginx's status for a client that hung up before the response
@@ -51,6 +55,12 @@ class IngressOptions:
     api_key: str | None = None
     max_request_bytes: int = 4 * 1024 * 1024
     model: str = "tiny"  # 'tiny' or a local HF directory: where the tokenizer comes from
+    metrics_auth: bool = True  # /metrics asks for a key (the API key or metrics_key) when one is set
+    metrics_key: str | None = None  # a key for /metrics alone (a scraper's)
+    write_timeout_s: float = 30.0  # one response write waiting on the client longer: cut off
+    # Answer with `x-request-id`; False under Serve, whose HTTP servers (its proxy, direct
+    # ingress) already add it: the client's, or the one they put in the request's headers.
+    request_id_header: bool = True
 
 
 def with_key_file(options: IngressOptions) -> IngressOptions:
@@ -68,10 +78,32 @@ def error_response(e: APIError) -> JSONResponse:
 def to_response(reply: Reply) -> Response:
     if reply.events is not None:
         headers = {**reply.headers, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-        return StreamingResponse(reply.events, media_type="text/event-stream", headers=headers)
+        return _ClosingStream(reply.events, media_type="text/event-stream", headers=headers)
     assert reply.body is not None
-    content = reply.body.model_dump_json(exclude_none=True)
-    return Response(content, media_type="application/json", headers=reply.headers)
+    return Response(reply.body, media_type="application/json", headers=reply.headers)
+
+
+class _ClosingStream(StreamingResponse):
+    """Closes its event generator however the response ends: a write that failed or timed out
+    (`WriteTimeout`) leaves the generator suspended at a `yield`, and only closing it runs its
+    `finally` (the worker streams closed, the request aborted, its admission share back) at
+    once rather than whenever it is collected (an exception's traceback can keep it for a
+    garbage collection).
+
+    NOTE: the close is a task of its own, not awaited here: this `finally` may run inside a
+    cancelled anyio scope (the client gone), where every await is cancelled again, and the
+    generator's `finally` would stop at its first await."""
+
+    async def stream_response(self, send: Any) -> None:
+        try:
+            await super().stream_response(send)
+        finally:
+            closing = asyncio.ensure_future(self.body_iterator.aclose())  # type: ignore[attr-defined]
+            _CLOSING.add(closing)  # the loop holds tasks weakly
+            closing.add_done_callback(_CLOSING.discard)
+
+
+_CLOSING: set[asyncio.Future[None]] = set()
 
 
 # An oversized body is read to its end (up to this much, for this long) before the 413 goes
@@ -128,32 +160,38 @@ def create_app(service: OpenAIService, options: IngressOptions) -> FastAPI:
     app.state.drain = gate = DrainGate()
 
     app.add_middleware(GuardMiddleware, options=options, metrics=metrics, gate=gate)
+    app.add_middleware(WriteTimeout, timeout_s=options.write_timeout_s)  # around GuardMiddleware
 
     @app.exception_handler(APIError)
-    async def _api_error(_: Request, e: APIError) -> JSONResponse:
-        return error_response(e)
+    async def _api_error(request: Request, e: APIError) -> JSONResponse:
+        return error_response(public(e, _rid(request)))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
         message = str(e.detail)
         if e.status_code in (404, 405):  # OpenAI's wording for routes it does not serve
             message = f"Invalid URL ({request.method} {request.url.path}): {e.detail}"
-        return error_response(APIError(e.status_code, message))
+        return error_response(public(APIError(e.status_code, message), _rid(request)))
 
     @app.exception_handler(Exception)
-    async def _internal(_: Request, e: Exception) -> JSONResponse:
-        log.exception("unhandled error")
-        return error_response(APIError(500, f"internal error: {type(e).__name__}: {e}", type="server_error"))
+    async def _internal(request: Request, e: Exception) -> JSONResponse:
+        # NOTE: Starlette answers this one outside every middleware (GuardMiddleware too), so
+        # the request id header is set here.
+        rid = _rid(request)
+        response = error_response(public(internal_error(e), rid))
+        if options.request_id_header:
+            response.headers[REQUEST_ID_HEADER] = rid
+        return response
 
     @app.post("/v1/completions", openapi_extra=body_spec(CompletionRequest, CompletionResponse))
     async def completions(request: Request) -> Response:
         raw = await _read_body(request, options.max_request_bytes)
-        return to_response(await service.completions(raw))
+        return to_response(await service.completions(raw, _rid(request)))
 
     @app.post("/v1/chat/completions", openapi_extra=body_spec(ChatCompletionRequest, ChatCompletionResponse))
     async def chat(request: Request) -> Response:
         raw = await _read_body(request, options.max_request_bytes)
-        return to_response(await service.chat(raw))
+        return to_response(await service.chat(raw, _rid(request)))
 
     @app.get("/v1/models")
     async def models() -> Response:
@@ -180,9 +218,14 @@ def create_app(service: OpenAIService, options: IngressOptions) -> FastAPI:
     return app
 
 
+def _rid(request: Request) -> str:
+    return str(request.scope.get("state", {}).get("request_id", ""))
+
+
 class GuardMiddleware:
     """Pure ASGI (no BaseHTTPMiddleware, which gets in the way of streaming and cancellation):
-    auth and the Content-Length limit on `/v1/*`, and a status counter on every response."""
+    the request id (`scope["state"]["request_id"]`, and the `x-request-id` response header),
+    auth, the Content-Length limit, and a status counter on every response."""
 
     def __init__(
         self, app: Any, options: IngressOptions, metrics: IngressMetrics, gate: DrainGate
@@ -195,23 +238,26 @@ class GuardMiddleware:
             return
         path = scope["path"]
         status = {"code": 500, "started": 0}
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        rid = request_id(headers.get(REQUEST_ID_HEADER))
+        scope.setdefault("state", {})["request_id"] = rid
 
         async def counting_send(message: MutableMapping[str, Any]) -> None:
             if message["type"] == "http.response.start":
                 status["code"], status["started"] = message["status"], 1
+                if self._options.request_id_header:
+                    message["headers"] = [*message.get("headers", []), (REQUEST_ID_HEADER.encode(), rid.encode())]
             await send(message)
 
         try:
+            _check_auth(headers, self._keys(path))
             if self._gate.closed:
                 _check_open(path, scope["method"], self._options.service.retry_after_s)
-            if path.startswith("/v1/"):
-                headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-                _check_auth(headers, self._options.api_key)
-                _check_length(headers, self._options.max_request_bytes)
+            _check_length(headers, self._options.max_request_bytes)
         except APIError as e:
             if e.status == 413:
                 await drain_body(receive)  # before the answer: see MAX_DRAIN_BYTES
-            await error_response(e)(scope, receive, counting_send)
+            await error_response(public(e, rid))(scope, receive, counting_send)
         else:
             try:
                 await self._app(scope, receive, counting_send)
@@ -222,12 +268,25 @@ class GuardMiddleware:
         finally:
             self._metrics.requests.labels(_endpoint(path), str(status["code"])).inc()
 
+    def _keys(self, path: str) -> tuple[str, ...]:
+        """The keys `path` takes; none: it answers anyone. Only `/health` is always open (load
+        balancers and Kubernetes probe it without credentials)."""
+        o = self._options
+        if path == "/health":
+            return ()
+        if path == "/metrics":
+            return tuple(k for k in (o.api_key, o.metrics_key) if k) if o.metrics_auth else ()
+        return (o.api_key,) if o.api_key else ()
 
-def _check_auth(headers: dict[str, str], api_key: str | None) -> None:
-    if not api_key:
+
+def _check_auth(headers: dict[str, str], keys: tuple[str, ...]) -> None:
+    if not keys:
         return
     scheme, _, token = headers.get("authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
+    sent = token.strip().encode()
+    # Every key is compared (no early exit): the time taken says nothing about which one is close.
+    matches = [hmac.compare_digest(sent, key.encode()) for key in keys]
+    if scheme.lower() != "bearer" or not any(matches):
         raise APIError(
             401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
             type="authentication_error", code="invalid_api_key",
@@ -256,20 +315,20 @@ class IngressDeployment:
     `__serve_build_asgi_app__` (Serve calls it after `__init__`)."""
 
     def __init__(self, worker: DeploymentHandle, options: IngressOptions) -> None:
-        from cluster.ray_private import reuse_address_for_direct_ingress
+        from cluster.ray_private import direct_ingress_server
         from deploy.openai.chat_format import chat_format_for
         from deploy.replica.client import ServeWorkerClient
         from worker.models.model_dir import load_tokenizer, resolve_model_dir
 
-        reuse_address_for_direct_ingress()  # `swaserve serve` binds this replica to its port
-        options = with_key_file(options)
+        # `swaserve serve` binds this replica to its port: there the server's own writes wait
+        # on the client, so the write timeout goes around the server's app (WriteTimeout).
+        direct_ingress_server(lambda app: WriteTimeout(app, options.write_timeout_s))
+        options = dataclasses.replace(with_key_file(options), request_id_header=False)
         self._options = options
         model_dir = resolve_model_dir(options.model)
         tokenizer = load_tokenizer(model_dir)
         chat = chat_format_for(tokenizer, str(model_dir))
-        # `root` names what is loaded where a client can load its tokenizer from (vLLM's clients do)
-        service = dataclasses.replace(options.service, model_root=str(model_dir))
-        self._service = OpenAIService(tokenizer, ServeWorkerClient(worker), service, chat_format=chat)
+        self._service = OpenAIService(tokenizer, ServeWorkerClient(worker), options.service, chat_format=chat)
         self._app = create_app(self._service, options)
 
     def __serve_build_asgi_app__(self) -> FastAPI:

@@ -35,6 +35,7 @@ from deploy.openai.choices import (
     prompt_logprobs_body,
 )
 from deploy.openai.detokenize import IncrementalDetokenizer
+from deploy.openai.streaming import from_model
 from deploy.openai.tools import ChatPiece
 
 
@@ -60,6 +61,7 @@ class ResponseBuilder:
         self.created = now()
         self._prompts = prompts
         self._offsets: dict[int, OffsetTracker] = {}  # choice index -> offsets of its tokens
+        self._started: set[int] = set()  # completion choices whose first chunk went out
 
     # -- completions ---------------------------------------------------------------------------
 
@@ -167,6 +169,36 @@ class ResponseBuilder:
             return None
         choice = self._completion_choice(c, text, delta.token_ids, lps, first, final)
         return CompletionResponse(id=self.id, created=self.created, model=self.model, choices=[choice])
+
+    # -- one worker delta, folded into its choice --------------------------------------------
+
+    def fold(self, c: ChoiceState, delta: StreamDelta) -> None:
+        """A non-streamed choice takes one delta (its text, counters and chat parser)."""
+        piece = c.consume(delta)
+        if c.parser is not None:
+            c.parser.feed(piece.text, delta.token_ids)
+            if c.done:
+                c.parser.finish()
+
+    def event(self, c: ChoiceState, delta: StreamDelta) -> str | None:
+        """A streamed choice takes one delta; returns its SSE event, or None while the delta
+        shows nothing yet (text held back for a stop string or a whole character)."""
+        piece = c.consume(delta)
+        chunk: BaseModel | None
+        if c.parser is not None:
+            chat_piece = c.parser.feed(piece.text, delta.token_ids)
+            if c.done:
+                tail = c.parser.finish()
+                chat_piece.content += tail.content
+                chat_piece.reasoning += tail.reasoning
+                chat_piece.tool_calls += tail.tool_calls
+            chunk = self.chat_chunk(c, chat_piece, delta, final=c.done)
+        else:
+            first = c.index not in self._started
+            chunk = self.completion_chunk(c, piece.text, delta, first=first, final=c.done)
+            if chunk is not None:
+                self._started.add(c.index)
+        return None if chunk is None else from_model(chunk)
 
     def usage_chunk(self, usage: Usage) -> BaseModel:
         if self.chat:

@@ -1,11 +1,13 @@
 """The OpenAI endpoints' logic, independent of FastAPI and Ray.
 
-A request goes: admission (bounded in-flight counter -> 429) -> strict parse -> tokenize (chat
-format for chat) -> `SamplingParams` -> one worker stream per prompt carrying all of its choices
-(`n`, or `best_of`; they share one prefill on one replica) -> the first item of each stream
-(`StreamStart`: replica id, or a refusal -> 400/503) -> a JSON body or SSE events. Leaving early
-(client gone) closes the worker streams, which aborts the requests on the workers and frees
-their KV.
+A request goes: strict parse, checks, tokenize (chat format for chat), all on a pool thread
+(`deploy/openai/offload.py`) -> `SamplingParams` -> admission by its work (sequences and tokens,
+`deploy/openai/admission.py`: 429 / 400) -> one worker stream per prompt carrying all of its
+choices (`n`, or `best_of`; they share one prefill on one replica) -> the first item of each
+stream (`StreamStart`: replica id, or a refusal -> 400/503) -> a JSON body or SSE events, each
+delta rendered on the loop when small, else on the pool. Leaving early (client gone, the
+request's deadline, a client that stops reading) closes the worker streams, which aborts the
+requests on the workers and frees their KV.
 """
 
 from __future__ import annotations
@@ -15,21 +17,24 @@ import logging
 import time
 import weakref
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
-from typing import Any
-
-from pydantic import BaseModel
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 from cluster.messages import RoutedRequest, StreamStart
+from core.outputs import StreamDelta
 from deploy.metrics import IngressMetrics
+from deploy.openai.admission import Admission, AdmissionLimits, Ticket, Work
 from deploy.openai.bodies import ModelCard, ModelList
 from deploy.openai.chat_format import ChatFormat, TemplateChat
 from deploy.openai.checks import RequestChecks, sampling_params, sibling_params
 from deploy.openai.choices import ChoiceState, best_of, usage_of
 from deploy.openai.detokenize import StopTextStream
-from deploy.openai.fanout import Fanout, PromptStream
+from deploy.openai.errors import generation_failed, public
+from deploy.openai.fanout import Fanout, PromptStream, before_deadline
 from deploy.openai.headers import REPLICA_HEADER, prediction_headers, served_headers
 from deploy.openai.limits import RequestLimits
+from deploy.openai.offload import SMALL_DELTA, CpuPool
+from deploy.openai.prepare import Prepared, Preparer
 from deploy.openai.prompts import PromptBuilder
 from deploy.openai.responses import ResponseBuilder, Shape
 from deploy.openai.schema import (
@@ -38,10 +43,8 @@ from deploy.openai.schema import (
     CompletionRequest,
     bad_request,
     overloaded,
-    parse_request,
 )
 from deploy.openai.streaming import RequestTimer, from_model, sse, translate_worker_error
-from deploy.openai.structured import request_grammar
 from deploy.replica.client import (
     DeathRecord,
     ReplicaSnapshot,
@@ -53,6 +56,7 @@ from router import routing_record
 from router.metrics import default_metrics as routing_metrics
 
 log = logging.getLogger("swaserve.ingress")
+T = TypeVar("T")
 
 # Restarts of a non-streaming request whose worker replica was lost mid-generation (one at most
 # when its engine died running it: `DeathRecord`).
@@ -76,11 +80,12 @@ def _placement(s: PromptStream) -> routing_record.Placement | None:
 @dataclass(frozen=True)
 class ServiceOptions:
     model_name: str
-    max_inflight: int = 256  # generation requests in flight at this ingress; more -> 429
+    admission: AdmissionLimits = field(default_factory=AdmissionLimits)  # in flight here; more: 429
     retry_after_s: int = 1
     default_max_tokens: int = 16  # /v1/completions without max_tokens (OpenAI's default)
-    model_root: str | None = None  # what /v1/models reports as `root`: the model directory
     limits: RequestLimits = RequestLimits()  # what one request may hold (README "Limits")
+    request_timeout_s: float | None = None  # a generation request's deadline from its arrival
+    cpu_threads: int = 4  # the pool for per-request CPU work (`deploy/openai/offload.py`)
 
 
 @dataclass(frozen=True)
@@ -88,7 +93,7 @@ class Reply:
     """What an endpoint produced: a JSON body or an SSE event stream, plus headers."""
 
     headers: dict[str, str]
-    body: BaseModel | None = None
+    body: bytes | None = None
     events: AsyncIterator[str] | None = None
 
 
@@ -102,6 +107,16 @@ class _Run:
     builder: ResponseBuilder
     keep: int  # choices returned per prompt (n); more were generated when best_of > n
     deaths: DeathRecord  # replicas whose engine died running it, over its resends and restarts
+
+    def work(self) -> Work:
+        """What this request holds while it runs: sequences, and tokens (each prompt once, and
+        max_tokens for each of its choices)."""
+        streams = [s.request for s in self.fanout.streams]
+        tokens = sum(len(r.token_ids) + r.max_new_tokens for r in streams)
+        best = getattr(self.req, "best_of", None)
+        chat_limit = getattr(self.req, "max_completion_tokens", None) is not None
+        return Work(len(self.choices), tokens, "best_of" if best and best > self.req.n else "n",
+                    "max_completion_tokens" if chat_limit else "max_tokens")  # fmt: skip
 
 
 class OpenAIService:
@@ -117,15 +132,24 @@ class OpenAIService:
         self._client = client
         self._opts = options
         self.metrics = metrics or IngressMetrics()
-        self._prompts = PromptBuilder(tokenizer)
-        self._checks = RequestChecks(options.model_name, len(tokenizer), options.limits)
         self._chat = chat_format or TemplateChat(tokenizer, "")
-        self._inflight = 0
+        checks = RequestChecks(options.model_name, len(tokenizer), options.limits)
+        self._prepare = Preparer(checks, PromptBuilder(tokenizer), self._chat, options.limits)
+        self.admission = Admission(options.admission, options.retry_after_s, self.metrics)
+        self.pool = CpuPool(options.cpu_threads)
+        # NOTE: a fast tokenizer's first call may reset the truncation/padding a tokenizer.json
+        # set (a write to the Rust object); done here, before the pool's threads share it, so
+        # they only ever read it ("Already borrowed" otherwise).
+        tokenizer("warm-up")
         self._created = int(time.time())
 
     @property
     def tokenizer(self) -> Any:
         return self._tok
+
+    @property
+    def limits(self) -> RequestLimits:
+        return self._opts.limits
 
     # -- endpoints -------------------------------------------------------------------------
 
@@ -133,9 +157,10 @@ class OpenAIService:
         return await self._client.replica_stats()
 
     async def model_card(self) -> ModelCard:
+        """`root` is the served name too: a client reading it learns no path of this server."""
         info = await self._client.info()
-        root = self._opts.model_root or self._opts.model_name
-        return ModelCard(id=self._opts.model_name, created=self._created, root=root, max_model_len=info.max_model_len)
+        name = self._opts.model_name
+        return ModelCard(id=name, created=self._created, root=name, max_model_len=info.max_model_len)
 
     async def models(self) -> ModelList:
         return ModelList(data=[await self.model_card()])
@@ -143,57 +168,25 @@ class OpenAIService:
     async def max_model_len(self) -> int:
         return (await self._client.info()).max_model_len
 
-    async def completions(self, raw: bytes) -> Reply:
-        with_release = self._admit()
-        try:
-            req: CompletionRequest = parse_request(CompletionRequest, raw)
-            self._checks.completion(req, await self.max_model_len())  # before tokenizing
-            prompts = self._prompts.completion(req.prompt)
-            return await self._run(req, prompts, request_grammar(req, self._opts.limits), with_release)
-        except BaseException:
-            with_release()
-            raise
+    async def completions(self, raw: bytes, rid: str = "") -> Reply:
+        """`rid`: the request id errors name (`deploy/openai/errors.py`)."""
+        return await self._generate(self._prepare.completion, raw, rid)
 
-    async def chat(self, raw: bytes) -> Reply:
-        with_release = self._admit()
-        try:
-            req: ChatCompletionRequest = parse_request(ChatCompletionRequest, raw)
-            self._checks.chat(req, await self.max_model_len())  # before templating
-            prompts = [self._chat.prompt(req)]
-            grammar, forced = request_grammar(req, self._opts.limits), self._chat.grammar(req)
-            if grammar is not None and forced is not None:
-                raise bad_request("tool_choice required/named cannot be combined with an output format",
-                                  param="tool_choice")  # fmt: skip
-            return await self._run(req, prompts, grammar or forced, with_release)
-        except BaseException:
-            with_release()
-            raise
+    async def chat(self, raw: bytes, rid: str = "") -> Reply:
+        return await self._generate(self._prepare.chat, raw, rid)
 
-    # -- admission ---------------------------------------------------------------------------
-
-    def _admit(self) -> Callable[[], None]:
-        """Take an in-flight slot or answer 429; returns an idempotent release."""
-        if self._inflight >= self._opts.max_inflight:
-            raise overloaded(
-                429, f"server busy: {self._inflight} requests in flight (max_inflight="
-                f"{self._opts.max_inflight}); retry later", self._opts.retry_after_s,
-            )  # fmt: skip
-        self._inflight += 1
-        self.metrics.in_flight.set(self._inflight)
-        released = False
-
-        def release() -> None:
-            nonlocal released
-            if not released:
-                released = True
-                self._inflight -= 1
-                self.metrics.in_flight.set(self._inflight)
-
-        return release
+    async def _generate(self, prepare: Callable[[bytes, int], Prepared], raw: bytes, rid: str) -> Reply:
+        arrived = asyncio.get_running_loop().time()
+        self.admission.check_room()  # before any work on the body
+        max_model_len = await self.max_model_len()
+        ready = await self.pool.run(prepare, raw, max_model_len)
+        deadline = None if self._opts.request_timeout_s is None else arrived + self._opts.request_timeout_s
+        return await self._run(ready.req, ready.prompts, ready.grammar, rid, deadline)
 
     @property
     def inflight(self) -> int:
-        return self._inflight
+        """Generation requests in flight (admitted, not yet answered or closed)."""
+        return self.admission.requests
 
     # -- running -----------------------------------------------------------------------------
 
@@ -232,36 +225,45 @@ class OpenAIService:
         return _Run(req, Fanout(streams), choices, builder, keep=req.n, deaths=deaths or DeathRecord())
 
     async def _run(self, req: CompletionRequest | ChatCompletionRequest, prompts: list[list[int]],
-                   grammar: Any, release: Callable[[], None]) -> Reply:  # fmt: skip
+                   grammar: Any, rid: str, deadline: float | None) -> Reply:  # fmt: skip
         t0 = time.monotonic()
         run = await self._plan(req, prompts, grammar)
+        ticket = self.admission.admit(run.work())
         endpoint = "chat" if run.builder.chat else "completions"
         try:
-            await self._start(run)
+            await before_deadline(deadline, self._start(run))
         except BaseException:
             await run.fanout.close_all()
+            ticket.release()
             raise
         timer = RequestTimer(self.metrics, endpoint, t0)
         headers = self._headers(run)
         if req.stream:
+            run.fanout.deadline = deadline  # each wait for a delta; the writes: WriteTimeout
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            events = self._events(run, timer, include_usage, release)
+            events = self._events(run, timer, include_usage, ticket, rid)
             # NOTE: a generator that is never iterated (client gone before the body started)
-            # never runs its `finally`; release the slot when it is collected instead.
-            weakref.finalize(events, release)
+            # never runs its `finally`; release the share when it is collected instead.
+            weakref.finalize(events, ticket.release)
             return Reply(headers, events=events)
         try:
-            run = await self._collect_restarting(run, timer, prompts, grammar)
+            run = await before_deadline(deadline, self._collect_restarting(run, timer, prompts, grammar))
             headers = self._headers(run)
-            kept = best_of(run.choices, [st.prompt_index for st in run.fanout.streams], run.keep)
-            body = run.builder.final(kept, usage_of(run.choices))
+            body, served = await self.pool.run(self._final_body, run)
             self._count_tokens(run)
-            headers.update(served_headers([c.repaired_tokens for c in kept], [c.loaded_tokens for c in kept]))
-            return Reply(headers, body=body)
+            return Reply({**headers, **served}, body=body)
         finally:
             timer.done()
             await run.fanout.close_all()
-            release()
+            ticket.release()
+
+    @staticmethod
+    def _final_body(run: _Run) -> tuple[bytes, dict[str, str]]:
+        """The JSON body of a non-streamed answer, and its repaired- and loaded-tokens headers
+        (pool thread)."""
+        kept = best_of(run.choices, [st.prompt_index for st in run.fanout.streams], run.keep)
+        body = run.builder.final(kept, usage_of(run.choices)).model_dump_json(exclude_none=True)
+        return body.encode(), served_headers([c.repaired_tokens for c in kept], [c.loaded_tokens for c in kept])
 
     async def _collect_restarting(self, run: _Run, timer: RequestTimer, prompts: list[list[int]],
                                   grammar: Any) -> _Run:  # fmt: skip
@@ -331,22 +333,28 @@ class OpenAIService:
         s.start = first
         return first
 
-    async def _deltas(self, run: _Run, timer: RequestTimer) -> AsyncIterator[tuple[ChoiceState, Any]]:
-        """(choice, text piece) per worker delta, until every choice is done; a stream whose
-        choices are all done is closed at once (stop strings end choices before the worker)."""
+    async def _deltas(self, run: _Run, timer: RequestTimer,
+                      step: Callable[[ChoiceState, StreamDelta], T]) -> AsyncIterator[T]:  # fmt: skip
+        """`step(choice, delta)` per worker delta (on the loop when the delta is small, else on
+        the pool), until every choice is done; a stream whose choices are all done is closed at
+        once (stop strings end choices before the worker)."""
         by_id = {c.request_id: c for c in run.choices}
+        echo = run.builder.shape.echo
         try:
             async for s, delta in run.fanout.deltas():
                 if delta.error:
-                    raise APIError(500, f"generation failed: {delta.error}", type="server_error")
+                    raise generation_failed(delta.error)
                 c = by_id[delta.request_id]
                 if delta.prompt_logprobs is not None:  # every choice of the prompt shows them
                     for other in run.choices:
                         if other.prompt_index == c.prompt_index and other.prompt_logprobs is None:
                             other.prompt_logprobs = delta.prompt_logprobs
                 timer.tokens(len(delta.token_ids))
-                piece = c.consume(delta)
-                yield c, (piece, delta)
+                small = len(delta.token_ids) <= SMALL_DELTA and delta.prompt_logprobs is None
+                if small and not (echo and not c.token_ids):  # the first chunk echoes the prompt
+                    yield step(c, delta)
+                else:
+                    yield await self.pool.run(step, c, delta)
                 mine = [x for x in run.choices if x.prompt_index == s.prompt_index]
                 if all(x.done for x in mine):
                     await run.fanout.close(s)
@@ -358,47 +366,32 @@ class OpenAIService:
             raise translate_worker_error(e, self._opts.retry_after_s) from e
 
     async def _collect(self, run: _Run, timer: RequestTimer) -> None:
-        async for c, (piece, delta) in self._deltas(run, timer):
-            if c.parser is not None:
-                c.parser.feed(piece.text, delta.token_ids)
-                if c.done:
-                    c.parser.finish()
+        async for _ in self._deltas(run, timer, run.builder.fold):
+            pass
 
-    async def _events(self, run: _Run, timer: RequestTimer, include_usage: bool,
-                      release: Callable[[], None]) -> AsyncIterator[str]:  # fmt: skip
-        builder, started = run.builder, set()
+    async def _events(self, run: _Run, timer: RequestTimer, include_usage: bool, ticket: Ticket,
+                      rid: str) -> AsyncIterator[str]:  # fmt: skip
+        builder = run.builder
         try:
             if builder.chat:  # OpenAI opens each chat choice with a role-only delta
                 for c in run.choices:
                     yield from_model(builder.first_chunk(c))
-            async for c, (piece, delta) in self._deltas(run, timer):
-                chunk: BaseModel | None
-                if c.parser is not None:
-                    chat_piece = c.parser.feed(piece.text, delta.token_ids)
-                    if c.done:
-                        tail = c.parser.finish()
-                        chat_piece.content += tail.content
-                        chat_piece.reasoning += tail.reasoning
-                        chat_piece.tool_calls += tail.tool_calls
-                    chunk = builder.chat_chunk(c, chat_piece, delta, final=c.done)
-                else:
-                    first = c.index not in started
-                    chunk = builder.completion_chunk(c, piece.text, delta, first=first, final=c.done)
-                    if chunk is not None:
-                        started.add(c.index)
-                if chunk is not None:
-                    yield from_model(chunk)
+            async for event in self._deltas(run, timer, builder.event):
+                if event is not None:
+                    yield event
             if include_usage:
                 yield from_model(builder.usage_chunk(usage_of(run.choices)))
             self._count_tokens(run)
             yield "data: [DONE]\n\n"
         except Exception as e:  # noqa: BLE001 - the status line is gone; report in-band
             err = e if isinstance(e, APIError) else translate_worker_error(e, self._opts.retry_after_s)
-            yield sse(err.body())
+            if not isinstance(e, APIError):
+                err.__cause__ = e
+            yield sse(public(err, rid).body())
         finally:
             timer.done()
             await run.fanout.close_all()
-            release()
+            ticket.release()
 
     def _count_tokens(self, run: _Run) -> None:
         """Token counters, and the router's prediction against what the worker really reused."""

@@ -60,7 +60,9 @@ def translate_worker_error(e: BaseException, retry_after_s: int) -> APIError:
     name = type(e).__name__
     if "ActorDied" in name or "ActorUnavailable" in name or "ReplicaUnavailable" in name:
         return overloaded(503, f"a worker replica went away ({name}); retry", retry_after_s)
-    return APIError(500, f"internal error while generating: {name}: {e}", type="server_error")
+    # The exception's text (a Ray traceback, a path) is for the log: `errors.public` puts it
+    # there under the request id, which is all the client gets of it.
+    return APIError(500, "internal error while generating", type="server_error")
 
 
 def sse(obj: dict[str, Any]) -> str:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 
+import pytest
 import ray
 from ray import serve
 from ray.serve.request_router import RequestRouter
@@ -78,8 +79,9 @@ def test_a_handle_router_can_still_run_on_the_calling_loop() -> None:
 
 def test_direct_ingress_still_binds_through_the_function_patched_for_address_reuse() -> None:
     """A direct-ingress replica starts its HTTP server through the `start_asgi_http_server`
-    name of the replica module, with `enable_so_reuseport=False`; after the patch that server's
-    socket has SO_REUSEADDR (so a port its closed connections leave in TIME_WAIT binds again)."""
+    name of the replica module, with `enable_so_reuseport=False` and Serve's app first; after
+    the patch that server's socket has SO_REUSEADDR (so a port its closed connections leave in
+    TIME_WAIT binds again) and it serves the wrapped app (the last call's wrapper)."""
     import asyncio
     import socket
 
@@ -88,10 +90,13 @@ def test_direct_ingress_still_binds_through_the_function_patched_for_address_reu
 
     source = inspect.getsource(replica.Replica._maybe_start_direct_ingress_servers)
     assert "start_asgi_http_server(" in source and "enable_so_reuseport=False" in source
+    assert "self._direct_ingress_asgi," in source  # the app, positionally
     before = replica.start_asgi_http_server
+    replaced: list[object] = []
+    wrapped: list[object] = []
     try:
-        ray_private.reuse_address_for_direct_ingress()
-        ray_private.reuse_address_for_direct_ingress()  # idempotent
+        ray_private.direct_ingress_server(lambda app: replaced.append(app) or app)
+        ray_private.direct_ingress_server(lambda app: wrapped.append(app) or app)
         assert replica.start_asgi_http_server is not before
 
         async def app(scope: dict, receive: object, send: object) -> None:  # never called
@@ -116,8 +121,25 @@ def test_direct_ingress_still_binds_through_the_function_patched_for_address_reu
                 await asyncio.wait_for(task, 30)
 
         assert asyncio.run(bind()) != 0
+        assert wrapped == [app] and not replaced
     finally:
         replica.start_asgi_http_server = before
+
+
+def test_direct_ingress_gives_each_replica_a_port_of_its_own() -> None:
+    """Why `swaserve serve` runs one ingress replica (`direct_ingress_server`'s NOTE): each
+    direct-ingress replica binds the port the controller allocates it from the range, and a
+    range of one port (`direct_ingress_env`) has none left for a second replica, SO_REUSEPORT
+    or not."""
+    from ray.serve._private import replica
+    from ray.serve._private.node_port_manager import NoAvailablePortError, PortAllocator
+
+    source = inspect.getsource(replica.Replica._maybe_start_direct_ingress_servers)
+    assert "allocate_replica_port.remote(" in source and "start_server_fn(port)" in source
+    ports = PortAllocator(8123, 8124, "HTTP", "node")
+    assert ports.allocate("ingress-1") == 8123
+    with pytest.raises(NoAvailablePortError):
+        ports.allocate("ingress-2")
 
 
 def test_build_app_and_deployment_config_work_offline() -> None:

@@ -60,6 +60,19 @@ def test_the_ingress_takes_the_port_unless_serve_proxy_is_asked() -> None:
     assert plan(ServeRequest(port=8123, num_cpus=2, serve_proxy=True)).direct_ingress_port is None
 
 
+def test_more_than_one_ingress_replica_needs_the_serve_proxy(tmp_path: Path) -> None:
+    """Direct ingress is one replica on the port (Serve gives each direct-ingress replica its own
+    port): ingress_replicas > 1 is refused without --serve-proxy and planned with it, each
+    replica's CPU share counted; metrics_key from the file survives the merge."""
+    doc = tmp_path / "cfg.yaml"
+    doc.write_text("model: tiny\ningress_replicas: 3\nmetrics_key: scrape\n")
+    with pytest.raises(ValueError, match="ingress_replicas=3 needs --serve-proxy"):
+        plan(ServeRequest(config=str(doc), num_cpus=2))
+    p = plan(ServeRequest(config=str(doc), num_cpus=2, serve_proxy=True))
+    assert p.config.ingress_replicas == 3 and p.config.metrics_key.get_secret_value() == "scrape"
+    assert p.config.worker_num_cpus + 3 * 0.25 <= 2
+
+
 def test_plan_refuses_workers_that_cannot_fit(tmp_path: Path) -> None:
     """Explicit worker CPUs beyond the cluster are refused before anything starts."""
     doc = tmp_path / "cfg.yaml"

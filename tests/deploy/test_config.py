@@ -274,6 +274,24 @@ def test_served_model_name_is_the_model_id_clients_use() -> None:
     assert ingress_options(ServeConfig(model="tiny"), IngressSettings()).service.model_name == "tiny"
 
 
+def test_the_ingress_fields_reach_the_ingress() -> None:
+    """Admission bounds, deadline, write timeout, metrics key and switch, ingress replicas:
+    from ServeConfig to the ingress options and the Ingress deployment."""
+    from deploy.app import IngressSettings, build_app_from_config, ingress_options
+    from deploy.openai.admission import AdmissionLimits
+    from tests import serve_internals
+
+    cfg = ServeConfig(model="tiny", max_inflight_sequences=8, max_inflight_tokens=4096, request_timeout_s=5,
+                      write_timeout_s=2, metrics_key="scrape", metrics_auth=False, ingress_replicas=2)  # fmt: skip
+    opts = ingress_options(cfg, IngressSettings())
+    assert opts.service.admission == AdmissionLimits(8, 4096) and opts.service.request_timeout_s == 5
+    assert (opts.write_timeout_s, opts.metrics_key, opts.metrics_auth) == (2, "scrape", False)
+    app = serve_internals.build_app(build_app_from_config(cfg), name="swaserve")
+    (ingress,) = [d for d in app.deployments if d.name == "Ingress"]
+    assert ingress.num_replicas == 2 and ingress.max_ongoing_requests == 8 + 32
+    assert ServeConfig(model="tiny").request_timeout_s == 1800 and ServeConfig(request_timeout_s=None).request_timeout_s is None
+
+
 def test_tensor_parallel_reserves_one_bundle_per_rank() -> None:
     """TP = N: N bundles (replica first, rank actors after), STRICT_PACK, a GPU each on CUDA."""
     gpu = ServeConfig(device="cuda", worker_num_gpus=1, worker_num_cpus=4, rank_num_cpus=2,

@@ -2,8 +2,9 @@
 
 Needs `deploy/app.py`. The serving test starts one loopback Ray cluster (2 CPUs, no
 dashboard, auth off, a small object store) and deploys local.yaml through the same controller
-path as `serve run FILE` and KubeRay (`deploy_apps` of a `ServeDeploySchema`). Only the port
-changes, so that it does not collide with other runs.
+path as `serve run FILE` and KubeRay (`deploy_apps` of a `ServeDeploySchema`), through Serve's
+HTTP proxy as on a cluster. The port changes, so that it does not collide with other runs, and
+the app gets an API key, a metrics key and two ingress replicas (what a cluster would set).
 """
 
 from __future__ import annotations
@@ -104,13 +105,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+API_KEY, METRICS_KEY = "test-key", "scrape-key"
+
+
 def _http(
-    method: str, url: str, body: dict | None = None, timeout: float = 60.0
+    method: str, url: str, body: dict | None = None, timeout: float = 60.0, key: str | None = API_KEY
 ) -> tuple[int, dict, Any]:
     data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(
-        url, data=data, method=method, headers={"Content-Type": "application/json"}
-    )
+    headers = {"Content-Type": "application/json"}
+    if key is not None:
+        headers["Authorization"] = f"Bearer {key}"
+    req = urllib.request.Request(url, data=data, method=method, headers=headers)
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
             raw = resp.read()
@@ -148,13 +153,15 @@ def served_local() -> Iterator[tuple[str, ServeConfig]]:
     port = _free_port()
     doc = yaml.safe_load(LOCAL.read_text())
     doc["http_options"]["port"] = port
+    keys = {"api_key": API_KEY, "metrics_key": METRICS_KEY, "ingress_replicas": 2}
+    doc["applications"][0]["args"].update(keys)
     cluster = start_local_ray(LocalRayConfig(num_cpus=2))
     try:
         serve_internals.deploy_config_file(doc)
         base = f"http://127.0.0.1:{port}"
         wait_running(APP_NAME, 300)
         _wait_for_routes(base)
-        yield base, load_serve_config(LOCAL)
+        yield base, load_serve_config(LOCAL).model_copy(update=keys)
     finally:
         serve.shutdown()
         stop_local_ray(cluster)
@@ -186,3 +193,35 @@ def test_local_config_runs_the_configured_worker(served_local) -> None:
     assert str(app.status).endswith("RUNNING") and str(worker.status).endswith("HEALTHY")
     running = sum(n for state, n in worker.replica_states.items() if str(state).endswith("RUNNING"))
     assert cfg.autoscaling.min_replicas <= running <= cfg.autoscaling.max_replicas
+
+
+def test_every_route_but_health_needs_the_key_through_the_proxy(served_local) -> None:
+    """Through Serve's proxy: without the key every route answers 401 (/metrics, /docs,
+    /tokenize, /v1/models included); /health answers anyone; the metrics key opens /metrics
+    alone; answers carry x-request-id, the client's own when it sent one."""
+    base, _ = served_local
+    routes = [("GET", "/v1/models", None), ("POST", "/tokenize", {"prompt": "hi"}), ("GET", "/docs", None),
+              ("GET", "/openapi.json", None), ("GET", "/metrics", None),
+              ("POST", "/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 2})]  # fmt: skip
+    for method, path, body in routes:
+        assert _http(method, f"{base}{path}", body, key=None)[0] == 401, path
+        assert _http(method, f"{base}{path}", body, key=METRICS_KEY)[0] == (200 if path == "/metrics" else 401), path
+        assert _http(method, f"{base}{path}", body)[0] == 200, path
+    assert _http("GET", f"{base}/health", key=None)[0] == 200
+    req = urllib.request.Request(f"{base}/v1/models", headers={"Authorization": f"Bearer {API_KEY}", "x-request-id": "mine-1"})
+    with urllib.request.urlopen(req, timeout=60) as resp:
+        assert resp.headers["x-request-id"] == "mine-1"
+
+
+def test_two_ingress_replicas_serve_behind_the_proxy(served_local) -> None:
+    """ingress_replicas: 2 runs two Ingress replicas; requests through the proxy are answered
+    while both run (the proxy spreads them; each replica admits on its own)."""
+    from ray import serve
+
+    base, cfg = served_local
+    ingress = serve.status().applications[APP_NAME].deployments[INGRESS_DEPLOYMENT]
+    running = sum(n for state, n in ingress.replica_states.items() if str(state).endswith("RUNNING"))
+    assert cfg.ingress_replicas == running == 2
+    for i in range(6):
+        status, _, out = _http("POST", f"{base}/v1/completions", {"model": "tiny", "prompt": f"hello {i}", "max_tokens": 2})
+        assert status == 200, out

@@ -8,6 +8,7 @@ from typing import Any
 
 import httpx
 
+from deploy.openai.admission import AdmissionLimits
 from deploy.openai.ingress import IngressOptions, create_app
 from deploy.openai.limits import RequestLimits
 from deploy.openai.service import OpenAIService, ServiceOptions
@@ -37,26 +38,34 @@ def make_harness(
     tokenizer: Any,
     *,
     workers: int = 1,
-    max_inflight: int = 64,
+    admission: AdmissionLimits | None = None,
     api_key: str | None = None,
+    metrics_key: str | None = None,
+    metrics_auth: bool = True,
     max_request_bytes: int = 64 * 1024,
     step_s: float = 0.001,
     script: list[int] | None = None,
     chat_format: Any = None,
     max_model_len: int = MAX_MODEL_LEN,
     limits: RequestLimits | None = None,
+    request_timeout_s: float | None = None,
+    write_timeout_s: float = 30.0,
+    engine: type[FakeEngine] = FakeEngine,
 ) -> Harness:
     engines: list[FakeEngine] = []
 
     def factory(cfg: EngineConfig) -> FakeEngine:
-        engines.append(FakeEngine(cfg, vocab_size=len(tokenizer), step_s=step_s, model_dir=Path("."), script=script))
+        engines.append(engine(cfg, vocab_size=len(tokenizer), step_s=step_s, model_dir=Path("."), script=script))
         return engines[-1]
 
     cfg = EngineConfig(page_size=4, max_model_len=max_model_len)
     deployments = [WorkerDeployment(cfg, engine_factory=factory, replica_id=f"w{i}") for i in range(workers)]
-    options = ServiceOptions(model_name=MODEL, max_inflight=max_inflight, limits=limits or RequestLimits())
+    options = ServiceOptions(model_name=MODEL, admission=admission or AdmissionLimits(sequences=64),
+                             limits=limits or RequestLimits(), request_timeout_s=request_timeout_s)  # fmt: skip
     service = OpenAIService(tokenizer, InProcessWorkerClient(deployments), options, chat_format=chat_format)
-    app = create_app(service, IngressOptions(service=options, api_key=api_key, max_request_bytes=max_request_bytes))
+    ingress = IngressOptions(service=options, api_key=api_key, max_request_bytes=max_request_bytes,
+                             metrics_key=metrics_key, metrics_auth=metrics_auth, write_timeout_s=write_timeout_s)  # fmt: skip
+    app = create_app(service, ingress)
     return Harness(app, service, deployments, engines, tokenizer)
 
 

@@ -76,7 +76,7 @@ def test_a_poison_request_kills_two_replicas_not_all(tokenizer: Any, after: int)
     h = _harness(tokenizer, workers=3, after=after)
     r = _post(h, _body(POISON))
     assert r.status_code == 503 and r.headers["Retry-After"] == "1", r.text
-    assert r.json()["error"]["message"] == ENGINE_DIED
+    assert r.json()["error"]["message"].startswith(ENGINE_DIED)  # then the request id (5xx)
     assert [e.error is not None for e in h.engines] == [True, True, False]
     assert [len(e.seen) for e in h.engines] == [1, 1, 0]
     ok = _post(h, _body([11, 22, 33]))  # round robin: the third replica
@@ -101,7 +101,7 @@ def test_a_stream_whose_engine_dies_ends_with_a_503_event(tokenizer: Any) -> Non
     assert r.status_code == 200
     events = sse_events(r.text)
     assert events[-1]["error"]["code"] == "service_unavailable", events[-1]
-    assert events[-1]["error"]["message"] == ENGINE_DIED
+    assert events[-1]["error"]["message"].startswith(ENGINE_DIED)
     assert [len(e.seen) for e in h.engines] == [1, 0]  # not sent again: it had tokens
 
 

@@ -10,6 +10,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from deploy.config import API_KEY_FILE_ENV
+from deploy.openai.admission import AdmissionLimits
 from deploy.openai.ingress import IngressOptions, with_key_file
 from deploy.openai.service import ServiceOptions
 from tests.deploy.openai.bad_inputs import bad_inputs, check_error
@@ -200,26 +201,6 @@ def test_bad_inputs_table_then_still_serving(tokenizer: Any) -> None:
     assert h.engines[0].stats().full.used == 0
 
 
-def test_api_key_required_on_v1_only(tokenizer: Any) -> None:
-    """With an API key, /v1/* answers 401 without the bearer token; /health stays open."""
-    h = make_harness(tokenizer, api_key="s3cret")
-    req = {"model": MODEL, "prompt": "hi", "max_tokens": 1}
-
-    async def go() -> list[Any]:
-        async with h.client() as c:
-            return [
-                await c.post("/v1/completions", json=req),
-                await c.post("/v1/completions", json=req, headers={"Authorization": "Bearer wrong"}),
-                await c.post("/v1/completions", json=req, headers={"Authorization": "Bearer s3cret"}),
-                await c.get("/health"),
-            ]
-
-    none, wrong, right, health = run(go())
-    assert none.status_code == wrong.status_code == 401
-    assert none.json()["error"]["type"] == "authentication_error"
-    assert right.status_code == 200 and health.status_code == 200
-
-
 def test_api_key_from_the_key_file(
     tokenizer: Any, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -263,8 +244,8 @@ def test_body_limit_413_by_header_and_by_bytes(tokenizer: Any) -> None:
 
 
 def test_overload_429_with_retry_after(tokenizer: Any) -> None:
-    """Past max_inflight the ingress answers 429 with Retry-After at once, and recovers after."""
-    h = make_harness(tokenizer, max_inflight=1, step_s=0.01)
+    """Past max_inflight_sequences the ingress answers 429 with Retry-After at once, and recovers after."""
+    h = make_harness(tokenizer, admission=AdmissionLimits(sequences=1), step_s=0.01)
     raw = json.dumps({"model": MODEL, "prompt": "hold", "max_tokens": 5, "stream": True}).encode()
 
     async def go() -> tuple[Any, Any, Any]:

@@ -6,6 +6,7 @@ stops it with SIGTERM while requests run and checks the drain and the exit."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import socket
@@ -287,6 +288,48 @@ def test_replicas_run_at_normal_priority(server: Server) -> None:
     for pid in roles["engine"]:
         info = read_proc(pid)
         assert info is not None and info.nice == (-5 if may_lower else 0), info
+
+
+def test_a_client_that_stops_reading_is_cut_off_and_its_kv_freed(server: Server) -> None:
+    """A stream whose client stops reading (a small receive buffer, never drained): once the
+    server's writes have waited WRITE_TIMEOUT_S, the connection is closed and the request
+    aborted on its worker, long before it would have finished, and the KV is back to idle.
+
+    Under Serve our app only queues its messages; the write that waits is the direct-ingress
+    server's own (`cluster.ray_private.direct_ingress_server` wraps it in `WriteTimeout`)."""
+    # Eight choices of nearly the whole context, 20 logprobs a token and the prompt echoed: some
+    # 20 MB of events, while the server's socket buffer grows to at most 4 MB (tcp_wmem) and the
+    # client's stays at a few KB: the server's writes wait long before the generation could end
+    # (measured on this machine: cut off after 5.6 s with about a quarter generated).
+    prompt = "Count: " + "one two three four " * 200
+    tok = httpx.post(f"{server.url}/tokenize", json={"model": MODEL, "prompt": prompt}, timeout=30).json()
+    body = json.dumps({"model": MODEL, "prompt": prompt, "max_tokens": tok["max_model_len"] - tok["count"] - 64,
+                       "n": 8, "echo": True, "logprobs": 20, "stream": True, "ignore_eos": True}).encode()  # fmt: skip
+    aborts_before = sum(_per_replica(_metrics(server), "swaserve_engine_aborts").values())
+    host, port = server.url.removeprefix("http://").split(":")
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connecting: a small window
+    sock.settimeout(60)
+    sock.connect((host, int(port)))
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n%s" % (len(body), body))  # fmt: skip
+    assert sock.recv(1024).startswith(b"HTTP/1.1 200"), "the stream did not start"
+    try:
+        deadline = time.monotonic() + 180
+        while True:  # the client reads nothing more meanwhile
+            fam = _metrics(server)
+            used = sum(_per_replica(fam, "swaserve_kv_used_tokens", "full").values())
+            aborts = sum(_per_replica(fam, "swaserve_engine_aborts").values())
+            if used == 0 and aborts > aborts_before:
+                break
+            assert time.monotonic() < deadline, f"KV still used ({used}) or no abort ({aborts}) after 180s"
+            time.sleep(0.5)  # waits on the write timeout, the abort and the stats report
+        closed, deadline = False, time.monotonic() + 60
+        while not closed and time.monotonic() < deadline:
+            closed = sock.recv(65536) == b""  # what the server wrote, then its close
+        assert closed, "the server kept the connection open"
+    finally:
+        sock.close()
 
 
 def test_sigterm_drains_then_exits_cleanly(server: Server) -> None:
