@@ -71,6 +71,7 @@ def max_model_len(config: EngineConfig, spec: ModelSpec) -> int:
 def build_rank(config: EngineConfig, model_dir: Path, spec: ModelSpec, group: TPGroup) -> RankParts:
     """Rank `group.rank`'s shard of the model, its pools, backend and runner (pools.py says when
     the plan is made). `spec` is the whole model's."""
+    select_device(group.device)
     dtype = torch_dtype(config.dtype)
     rank_spec = shard_spec(spec, group.size)
     plan = plan_before_load(config, rank_spec, dtype, group.device)
@@ -87,6 +88,17 @@ def build_rank(config: EngineConfig, model_dir: Path, spec: ModelSpec, group: TP
     if group.size == 1:  # NOTE: tensor-parallel ranks run eagerly (docs/design.md §18.2)
         runner.graphs = decode_graphs(config, runner, width)
     return RankParts(rank_spec, plan, runner)
+
+
+def select_device(device: torch.device) -> None:
+    """Make a CUDA `device` this thread's current one, before anything is allocated.
+
+    NOTE: tensors carry their device, but CUDA graphs, events and the current stream belong to
+    the current device: with `device: cuda:1` and no `set_device`, a capture recorded on
+    device 0 while the kernels ran on 1. The step threads pin it again where they replay
+    (`DecodeGraphs`)."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
 
 
 def _runner(

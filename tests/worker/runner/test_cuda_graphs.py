@@ -88,3 +88,22 @@ def test_graph_replay_matches_eager_greedy(tmp_path: Path) -> None:
         while same < len(eager) and eager[same] == graph[same]:
             same += 1
         assert same >= 8, f"graph and eager greedy tokens diverge after {same} (bf16 near-ties aside)"
+
+
+def test_the_configured_cuda_device_is_made_current(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`device: cuda:1` on one device: the device is made current before anything is built
+    (graphs, events and streams belong to the current device), a CPU device is left alone, and
+    every rank's build goes through it."""
+    import worker.assembly.rank as rank
+    from worker.engine.engine import Engine
+
+    made: list[torch.device] = []
+    monkeypatch.setattr(torch.cuda, "set_device", made.append)
+    rank.select_device(torch.device("cuda", 1))
+    rank.select_device(torch.device("cpu"))
+    assert made == [torch.device("cuda", 1)]
+
+    selected: list[torch.device] = []
+    monkeypatch.setattr(rank, "select_device", selected.append)
+    Engine(EngineConfig(model="tiny", max_total_tokens=256)).close()
+    assert selected == [torch.device("cpu")]
