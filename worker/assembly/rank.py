@@ -27,6 +27,7 @@ import torch
 
 from worker.assembly.pools import allocator_sizes, plan_after_load, plan_before_load
 from worker.attention import create_backend
+from worker.attention.flashinfer_backend import FA2_MAX_QUERY_ROWS
 from worker.config import EngineConfig
 from worker.errors import ConfigError
 from worker.kv.hybrid_allocator import HybridAllocator
@@ -41,7 +42,7 @@ from worker.parallel.group import TPAddress, TPGroup, connect_store, rank_device
 from worker.parallel.runner import serve_rank
 from worker.parallel.shard import shard_spec
 from worker.runner.cuda_graphs import DecodeGraphs, capturable, graph_batch_sizes
-from worker.runner.model_runner import ModelRunner
+from worker.runner.model_runner import WARM_UP_SIZES, ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -83,8 +84,9 @@ def build_rank(config: EngineConfig, model_dir: Path, spec: ModelSpec, group: TP
         logger.info("KV pools%s: %s", ranks, plan.describe())
     width = max_model_len(config, spec) + config.page_size  # page-table positions per row
     runner = _runner(config, rank_spec, plan, model, group, width)
-    if model.compiled is not None:
-        _warm_up(runner)
+    sizes = warm_up_sizes(model, group.device)
+    if sizes is not None:
+        _warm_up(runner, sizes)
     if group.size == 1:  # NOTE: tensor-parallel ranks run eagerly (docs/design.md §18.2)
         runner.graphs = decode_graphs(config, runner, width)
     return RankParts(rank_spec, plan, runner)
@@ -139,10 +141,22 @@ def _load(
     return model
 
 
-def _warm_up(runner: ModelRunner) -> None:
-    """Compile now (before any graph capture): the runner is ready after it."""
+def warm_up_sizes(model: CausalLM, device: torch.device) -> tuple[int, ...] | None:
+    """The token counts of the warm-up forwards, or None for no warm-up.
+
+    A compiled model compiles its variants there. On CUDA, FlashInfer JIT-builds the kernels it
+    runs on first use (minutes for a fresh cache): a warm-up on every rank, tensor-parallel
+    ones too, builds the decode kernels and, with a query longer than `FA2_MAX_QUERY_ROWS`,
+    the long-prefill ones, before the engine serves anything."""
+    if device.type == "cuda":
+        return (*WARM_UP_SIZES, FA2_MAX_QUERY_ROWS + 1)
+    return WARM_UP_SIZES if model.compiled is not None else None
+
+
+def _warm_up(runner: ModelRunner, sizes: tuple[int, ...]) -> None:
+    """Compile and build kernels now (before any graph capture): the runner is ready after it."""
     try:
-        runner.warm_up()
+        runner.warm_up(sizes)
     except Exception as exc:
         if runner.device.type != "cpu":
             raise

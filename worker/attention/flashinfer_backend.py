@@ -273,6 +273,21 @@ class FlashInferBackend(AttentionBackend):
             )
         k_buf, v_buf = self.pool.kv_buffers(layer.layer_id)
         paged = (k_buf.unsqueeze(1), v_buf.unsqueeze(1))  # [rows, page=1, heads, dim]
-        if sinks is not None:
-            return plan.wrapper.run(q.contiguous(), paged, sinks.float(), layer.scaling)
-        return plan.wrapper.run(q.contiguous(), paged)
+        return run_wrapper(plan.wrapper, q, paged, sinks, layer)
+
+
+def run_wrapper(
+    wrapper: Any,
+    q: torch.Tensor,  # [T, Hq, D]
+    paged: tuple[torch.Tensor, torch.Tensor],
+    sinks: torch.Tensor | None,
+    layer: AttentionLayer,
+) -> torch.Tensor:
+    """One layer through a planned wrapper, into an output it does not zero.
+
+    NOTE: without `out`, FlashInfer's run allocates its output with `torch.zeros`: one fill
+    kernel per layer per step for values the kernel overwrites anyway."""
+    out = q.new_empty(q.shape[0], layer.num_q_heads, layer.v_head_dim)
+    if sinks is not None:
+        return wrapper.run(q.contiguous(), paged, sinks.float(), layer.scaling, out=out)
+    return wrapper.run(q.contiguous(), paged, out=out)

@@ -107,3 +107,21 @@ def test_the_configured_cuda_device_is_made_current(monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(rank, "select_device", selected.append)
     Engine(EngineConfig(model="tiny", max_total_tokens=256)).close()
     assert selected == [torch.device("cpu")]
+
+
+def test_cuda_engines_warm_up_every_kernel_before_serving() -> None:
+    """A CUDA rank always warms up (FlashInfer JIT-builds kernels on first use; tensor-parallel
+    ranks, which never compile, too), with a query past FA2's 64 rows so the long-prefill
+    kernels are built as well; a CPU rank warms up only to compile."""
+    import worker.assembly.rank as rank
+    from worker.attention.flashinfer_backend import FA2_MAX_QUERY_ROWS
+    from worker.runner.model_runner import WARM_UP_SIZES
+
+    eager, compiled = torch.nn.Module(), torch.nn.Module()
+    eager.compiled, compiled.compiled = None, object()  # type: ignore[assignment]
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    sizes = rank.warm_up_sizes(eager, cuda)  # type: ignore[arg-type]
+    assert sizes is not None and max(sizes) > FA2_MAX_QUERY_ROWS and 1 in sizes
+    assert rank.warm_up_sizes(compiled, cuda) == sizes  # type: ignore[arg-type]
+    assert rank.warm_up_sizes(eager, cpu) is None  # type: ignore[arg-type]
+    assert rank.warm_up_sizes(compiled, cpu) == WARM_UP_SIZES  # type: ignore[arg-type]
