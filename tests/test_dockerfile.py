@@ -4,8 +4,9 @@ build's check all name one version, torch is the project's pin, and bench/ is in
 from __future__ import annotations
 
 import re
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 REPO = Path(__file__).parents[1]
 DOCKERFILE = (REPO / "Dockerfile").read_text()
