@@ -542,12 +542,26 @@ def test_containers_run_read_only_unprivileged(name: str) -> None:
         for c in spec["containers"]:
             assert c["securityContext"] == locked
             writable = {m["mountPath"] for m in c["volumeMounts"] if m["name"] in empty_dirs}
-            assert writable == {"/tmp", CACHE_DIR}
+            assert writable - {"/dev/shm"} == {"/tmp", CACHE_DIR}
             env = {e["name"]: e.get("value") for e in c["env"]}
             assert env["TRITON_CACHE_DIR"].startswith(CACHE_DIR + "/")
             assert env["CUDA_CACHE_PATH"].startswith(CACHE_DIR + "/")
     head_empty = {v["name"] for v in _pods(name)["head"]["volumes"] if "emptyDir" in v}
     assert {m["mountPath"] for m in autoscaler["volumeMounts"] if m["name"] in head_empty} == {"/tmp"}
+
+
+@pytest.mark.parametrize("name", VALUE_SETS)
+def test_worker_pods_mount_dev_shm_in_memory(name: str) -> None:
+    """NCCL's shared-memory transport between one replica's GPUs (tensor parallelism) needs a
+    /dev/shm larger than a container's 64 MB default: every worker container mounts an emptyDir
+    of medium Memory there; the head (no GPUs, no replicas) none."""
+    pods = _pods(name)
+    volumes = {v["name"]: v for v in pods["worker"]["volumes"]}
+    for c in pods["worker"]["containers"]:
+        (mount,) = [m for m in c["volumeMounts"] if m["mountPath"] == "/dev/shm"]
+        assert volumes[mount["name"]]["emptyDir"]["medium"] == "Memory"
+    for c in pods["head"]["containers"]:
+        assert all(m["mountPath"] != "/dev/shm" for m in c["volumeMounts"])
 
 
 @pytest.mark.parametrize("name", [*VALUE_SETS, "ingress-defaults"])

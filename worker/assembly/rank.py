@@ -27,6 +27,7 @@ import torch
 
 from worker.assembly.pools import allocator_sizes, plan_after_load, plan_before_load
 from worker.attention import create_backend
+from worker.attention.flashinfer_backend import FA2_MAX_QUERY_ROWS
 from worker.config import EngineConfig
 from worker.errors import ConfigError
 from worker.kv.hybrid_allocator import HybridAllocator
@@ -41,7 +42,7 @@ from worker.parallel.group import TPAddress, TPGroup, connect_store, rank_device
 from worker.parallel.runner import serve_rank
 from worker.parallel.shard import shard_spec
 from worker.runner.cuda_graphs import DecodeGraphs, capturable, graph_batch_sizes
-from worker.runner.model_runner import ModelRunner
+from worker.runner.model_runner import WARM_UP_SIZES, ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +72,7 @@ def max_model_len(config: EngineConfig, spec: ModelSpec) -> int:
 def build_rank(config: EngineConfig, model_dir: Path, spec: ModelSpec, group: TPGroup) -> RankParts:
     """Rank `group.rank`'s shard of the model, its pools, backend and runner (pools.py says when
     the plan is made). `spec` is the whole model's."""
+    select_device(group.device)
     dtype = torch_dtype(config.dtype)
     rank_spec = shard_spec(spec, group.size)
     plan = plan_before_load(config, rank_spec, dtype, group.device)
@@ -82,11 +84,23 @@ def build_rank(config: EngineConfig, model_dir: Path, spec: ModelSpec, group: TP
         logger.info("KV pools%s: %s", ranks, plan.describe())
     width = max_model_len(config, spec) + config.page_size  # page-table positions per row
     runner = _runner(config, rank_spec, plan, model, group, width)
-    if model.compiled is not None:
-        _warm_up(runner)
+    sizes = warm_up_sizes(model, group.device)
+    if sizes is not None:
+        _warm_up(runner, sizes)
     if group.size == 1:  # NOTE: tensor-parallel ranks run eagerly (docs/design.md §18.2)
         runner.graphs = decode_graphs(config, runner, width)
     return RankParts(rank_spec, plan, runner)
+
+
+def select_device(device: torch.device) -> None:
+    """Make a CUDA `device` this thread's current one, before anything is allocated.
+
+    NOTE: tensors carry their device, but CUDA graphs, events and the current stream belong to
+    the current device: with `device: cuda:1` and no `set_device`, a capture recorded on
+    device 0 while the kernels ran on 1. The step threads pin it again where they replay
+    (`DecodeGraphs`)."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
 
 
 def _runner(
@@ -127,10 +141,22 @@ def _load(
     return model
 
 
-def _warm_up(runner: ModelRunner) -> None:
-    """Compile now (before any graph capture): the runner is ready after it."""
+def warm_up_sizes(model: CausalLM, device: torch.device) -> tuple[int, ...] | None:
+    """The token counts of the warm-up forwards, or None for no warm-up.
+
+    A compiled model compiles its variants there. On CUDA, FlashInfer JIT-builds the kernels it
+    runs on first use (minutes for a fresh cache): a warm-up on every rank, tensor-parallel
+    ones too, builds the decode kernels and, with a query longer than `FA2_MAX_QUERY_ROWS`,
+    the long-prefill ones, before the engine serves anything."""
+    if device.type == "cuda":
+        return (*WARM_UP_SIZES, FA2_MAX_QUERY_ROWS + 1)
+    return WARM_UP_SIZES if model.compiled is not None else None
+
+
+def _warm_up(runner: ModelRunner, sizes: tuple[int, ...]) -> None:
+    """Compile and build kernels now (before any graph capture): the runner is ready after it."""
     try:
-        runner.warm_up()
+        runner.warm_up(sizes)
     except Exception as exc:
         if runner.device.type != "cpu":
             raise

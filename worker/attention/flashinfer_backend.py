@@ -14,6 +14,14 @@ scale, softcap and sinks are the layer's):
 - sinks: `BatchAttentionWithAttentionSinkWrapper`, sinks passed per layer at run time (float32);
 - softcap: ``logits_soft_cap`` at plan time (Gemma 2).
 
+Kernel choice (FA2 or Hopper's FA3): the plain paged wrapper chooses at each plan, FA2 for
+queries of at most 64 rows (FA3's 128-row query tiles are mostly empty on a decode). The sink
+wrapper fixes its kernel when it is built, so there is one sink wrapper per choice and each
+batch picks (`sink_backend`): FA2 for a batch whose longest query has at most
+`FA2_MAX_QUERY_ROWS` rows (decodes, short chunks), FlashInfer's own choice otherwise.
+
+Head dims must be multiples of 16, at most 256 (FlashInfer's kernels; `check_head_dims`).
+
 CUDA graphs (`plan_graph`, docs/design.md §18.2): a decode batch padded to a captured size is
 planned into per-size wrappers built with ``use_cuda_graph=True`` and fixed buffers, outside the
 graph; the graph's kernels read those buffers on replay.
@@ -36,6 +44,27 @@ if TYPE_CHECKING:
 
 WORKSPACE_BYTES = 256 * 1024 * 1024
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
+FA2_MAX_QUERY_ROWS = 64  # FlashInfer's own threshold for its plain wrapper
+HEAD_DIM_MULTIPLE, MAX_HEAD_DIM = 16, 256
+
+
+def sink_backend(q_lens: tuple[int, ...]) -> str:
+    """The kernel a sink wrapper is built for, per batch: ``fa2`` when every query has at most
+    `FA2_MAX_QUERY_ROWS` rows, else ``auto`` (FA3 on Hopper where it supports the dims)."""
+    return "fa2" if max(q_lens, default=1) <= FA2_MAX_QUERY_ROWS else "auto"
+
+
+def check_head_dims(spec: ModelSpec) -> None:
+    """Raise ValueError naming a layer kind whose head dims FlashInfer's kernels cannot run."""
+    for kind in dict.fromkeys(spec.layer_kinds):  # each kind once, in layer order
+        shape = spec.shape(kind)
+        for what, dim in (("head_dim", shape.head_dim), ("v_head_dim", shape.v_head_dim)):
+            if dim % HEAD_DIM_MULTIPLE or dim > MAX_HEAD_DIM:
+                raise ValueError(
+                    f"FlashInfer cannot run the {kind.value} layers' {what} {dim}: its kernels "
+                    f"take multiples of {HEAD_DIM_MULTIPLE} up to {MAX_HEAD_DIM}; use "
+                    "attention_backend='torch' for this model"
+                )
 
 
 def _import_flashinfer() -> Any:
@@ -62,13 +91,16 @@ class _PlanKey:
     v_head_dim: int
     scaling: float
     softcap: float | None
+    backend: str  # what a sink wrapper is built for (`sink_backend`); "auto" without sinks
 
     @classmethod
-    def of(cls, layer: AttentionLayer, window: int | None, sinks: bool) -> _PlanKey:
+    def of(cls, layer: AttentionLayer, batch: AttnBatch, sinks: bool) -> _PlanKey:
+        window = batch.window
         window_left = window if layer.kind is LayerKind.SWA and window is not None else -1
+        backend = sink_backend(tuple(batch.q_lens)) if sinks else "auto"
         return cls(
             layer.kind, sinks, window_left, layer.num_q_heads, layer.num_kv_heads,
-            layer.head_dim, layer.v_head_dim, layer.scaling, layer.softcap,
+            layer.head_dim, layer.v_head_dim, layer.scaling, layer.softcap, backend,
         )  # fmt: skip
 
 
@@ -111,6 +143,7 @@ class FlashInferBackend(AttentionBackend):
                 f"FlashInfer kernels take float16/bfloat16 KV, the pool is {pool.dtype}; "
                 "set dtype='bfloat16' or use attention_backend='torch'"
             )
+        check_head_dims(spec)
         self.pool = pool
         self.spec = spec
         self.dtype = pool.dtype
@@ -139,7 +172,7 @@ class FlashInferBackend(AttentionBackend):
                 self._wrappers[key] = fi.BatchAttentionWithAttentionSinkWrapper(
                     self.workspace, "NHD", q_data_type=self.dtype, kv_data_type=self.dtype,
                     head_dim_qk=key.head_dim, head_dim_vo=key.v_head_dim,
-                    window_left=key.window_left,
+                    window_left=key.window_left, backend=key.backend,
                 )  # fmt: skip
             else:
                 self._wrappers[key] = fi.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
@@ -162,7 +195,7 @@ class FlashInferBackend(AttentionBackend):
                 wrapper = fi.BatchAttentionWithAttentionSinkWrapper(
                     self.workspace, "NHD", q_data_type=self.dtype, kv_data_type=self.dtype,
                     head_dim_qk=key.head_dim, head_dim_vo=key.v_head_dim,
-                    window_left=key.window_left, **bufs,
+                    window_left=key.window_left, backend=key.backend, **bufs,
                 )  # fmt: skip
             else:
                 wrapper = fi.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", **bufs)
@@ -183,7 +216,7 @@ class FlashInferBackend(AttentionBackend):
             raise ValueError(f"plan_graph: the batch has {batch.batch_size} requests, the graph {bs}")
         meta = self.plan(batch)
         for layer, sinks in layers:
-            key = _PlanKey.of(layer, batch.window, sinks)
+            key = _PlanKey.of(layer, batch, sinks)
             done = meta.planned.get(key.kind)
             if done is not None:
                 if done.key != key:
@@ -229,7 +262,7 @@ class FlashInferBackend(AttentionBackend):
         metadata: FlashInferMetadata,
         sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        key = _PlanKey.of(layer, metadata.batch.window, sinks is not None)
+        key = _PlanKey.of(layer, metadata.batch, sinks is not None)
         plan = metadata.planned.get(layer.kind)
         if plan is None:
             plan = metadata.planned[layer.kind] = self._plan_kind(metadata, key)
@@ -240,6 +273,21 @@ class FlashInferBackend(AttentionBackend):
             )
         k_buf, v_buf = self.pool.kv_buffers(layer.layer_id)
         paged = (k_buf.unsqueeze(1), v_buf.unsqueeze(1))  # [rows, page=1, heads, dim]
-        if sinks is not None:
-            return plan.wrapper.run(q.contiguous(), paged, sinks.float(), layer.scaling)
-        return plan.wrapper.run(q.contiguous(), paged)
+        return run_wrapper(plan.wrapper, q, paged, sinks, layer)
+
+
+def run_wrapper(
+    wrapper: Any,
+    q: torch.Tensor,  # [T, Hq, D]
+    paged: tuple[torch.Tensor, torch.Tensor],
+    sinks: torch.Tensor | None,
+    layer: AttentionLayer,
+) -> torch.Tensor:
+    """One layer through a planned wrapper, into an output it does not zero.
+
+    NOTE: without `out`, FlashInfer's run allocates its output with `torch.zeros`: one fill
+    kernel per layer per step for values the kernel overwrites anyway."""
+    out = q.new_empty(q.shape[0], layer.num_q_heads, layer.v_head_dim)
+    if sinks is not None:
+        return wrapper.run(q.contiguous(), paged, sinks.float(), layer.scaling, out=out)
+    return wrapper.run(q.contiguous(), paged, out=out)

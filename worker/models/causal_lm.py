@@ -42,6 +42,11 @@ class DecoderModel(nn.Module):
         self.ropes = ropes
         self.layer_kinds = tuple(layer_kinds)
 
+    def place_ropes(self, device: torch.device) -> None:
+        """Put every rope's frequencies on `device` (after the weights were allocated there)."""
+        for rope in {id(r): r for r in self.ropes.values() if r is not None}.values():
+            rope.to(device)
+
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
     ) -> torch.Tensor:

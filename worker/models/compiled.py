@@ -14,8 +14,10 @@ explicitly. The engine runs one step at a time per thread, so one slot per threa
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
+import types
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
@@ -144,10 +146,10 @@ class CompiledForward:
             {"freezing": True} if backend == "inductor" and on_cpu and not packed else None
         )
         self._decoder = torch.compile(
-            lambda ids, pos: decoder(ids, pos, None), backend=backend, options=options
+            _own_code(lambda ids, pos: decoder(ids, pos, None)), backend=backend, options=options
         )
         self._logits: Callable[[torch.Tensor], torch.Tensor] = torch.compile(
-            model.logits_eager, backend=backend, options=options
+            _own_code(lambda hidden: model.logits_eager(hidden)), backend=backend, options=options
         )
         self.warmed = False
 
@@ -168,6 +170,24 @@ class CompiledForward:
         torch._dynamo.maybe_mark_dynamic(hidden, 0)
         with self._guards():
             return self._logits(hidden)
+
+
+_compiled_models = itertools.count()
+
+
+def _own_code(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """`fn` with a code object of its own, under a name of its own.
+
+    NOTE: dynamo keeps compiled variants per code object and its automatic-dynamic memory per
+    code name: with one code object for every model of a process (several engines: tests,
+    `bench compile`, `bench gpu-check`), a second model's variants sit beside the first's
+    (`skip_guard_eval_unsafe` tells variants apart by their differing guards only), and
+    attributes that differed between the models (a MoE block's registry index, a rope scale)
+    became symbolic and recompiled. A renamed copy per `CompiledForward` keeps each model's own.
+    """
+    name = f"{fn.__name__}_model{next(_compiled_models)}"
+    code = fn.__code__.replace(co_name=name, co_qualname=name)
+    return types.FunctionType(code, fn.__globals__, name, fn.__defaults__, fn.__closure__)
 
 
 def prepare_model(

@@ -130,18 +130,27 @@ class GatedMLP(nn.Module):
         return self.down_proj(self.act_fn(gate) * up)
 
 
+def rounded_scale(scale: float) -> dict[torch.dtype, float]:
+    """`scale` rounded to each weight dtype, as HF does (a float32 scalar cast to the weight's
+    dtype; rounding the Python float directly could differ by one ulp in bfloat16). Python
+    floats, computed once: a tensor made per forward would be a host tensor copied to the
+    device on every call (a sync, and illegal in a CUDA-graph capture)."""
+    f32 = torch.tensor(scale, dtype=torch.float32, device="cpu")
+    return {dt: f32.to(dt).item() for dt in (torch.float32, torch.bfloat16, torch.float16)}
+
+
 class ScaledEmbedding(nn.Embedding):
     """Gemma's embedding: the lookup times ``sqrt(hidden)`` rounded to the weight dtype."""
 
     def __init__(self, vocab: int, hidden: int, scale: float) -> None:
         super().__init__(vocab, hidden)
         self.scale = scale
+        self.scales = rounded_scale(scale)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        # NOTE: HF rounds a float32 scalar to the weight dtype; rounding the Python float
-        # directly could differ by one ulp in bfloat16.
-        scale = torch.tensor(self.scale, dtype=torch.float32).to(self.weight.dtype)
-        return super().forward(ids) * scale.to(self.weight.device)
+        # NOTE: a Python float times the weight-dtype tensor is the product HF takes with its
+        # 0-dim tensor of that dtype (the value is exact in the dtype; the math in float32).
+        return super().forward(ids) * self.scales[self.weight.dtype]
 
 
 class PagedAttention(nn.Module):

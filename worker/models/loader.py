@@ -63,6 +63,7 @@ def _build(
 
             plan = shard_model(model, group)
     model.to_empty(device=device)
+    model.model.place_ropes(torch.device(device))
     model.tie_weights()
     return model.eval(), plan
 

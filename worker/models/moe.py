@@ -6,10 +6,17 @@ Both run each expert that received tokens on its rows (tokens sorted by expert o
 FLOPs, the same arithmetic as HF's per-expert loop, and few ops per step for the small expert
 counts this project runs on CPU. Under tensor parallelism each rank holds a contiguous range of
 whole experts (`ExpertShard`) and its partial sum is all-reduced (docs/design.md §17.2).
+
+NOTE: the per-expert loop needs the token counts on the host (one sync), which `torch.compile`
+cannot trace: a graph break there made every decoder layer a frame of its own, recompiled per
+layer, and after warm-up `skip_guard_eval_unsafe` turns such a recompile into an error. Under
+compile a block is therefore one opaque operator, ``swaserve::moe(x, index)`` (`MoEBlock`; the
+module found by index in a weak registry, as `PackedLinear` does), like attention (§19).
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -18,7 +25,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from worker.models.layers import GatedMLP
+from worker.models.opaque_ops import define_opaque_op
 from worker.models.spec import HFConfig
+
+# Every MoE block of the process, by index, for the opaque op (weak: a freed model frees them).
+_REGISTRY: list[weakref.ref[MoEBlock]] = []
 
 
 @dataclass(frozen=True)
@@ -71,6 +82,38 @@ def _combine(
     return out.index_add_(0, token, y.to(out.dtype))
 
 
+class MoEBlock(nn.Module):
+    """A mixture-of-experts block: `mix` routes and combines; under `torch.compile` it is the
+    opaque ``swaserve::moe`` op (module docstring)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.index = len(_REGISTRY)
+        _REGISTRY.append(weakref.ref(self))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            return torch.ops.swaserve.moe(x, self.index)
+        return self.mix(x)
+
+    def mix(self, x: torch.Tensor) -> torch.Tensor:
+        """``[T, H]`` -> ``[T, H]``, a fresh tensor (the opaque op's contract)."""
+        raise NotImplementedError
+
+
+def _moe(x: torch.Tensor, index: int) -> torch.Tensor:
+    block = _REGISTRY[index]()
+    assert block is not None, f"MoE block {index} was freed"
+    return block.mix(x)
+
+
+def _moe_fake(x: torch.Tensor, index: int) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+define_opaque_op("moe", "(Tensor x, int index) -> Tensor", _moe, _moe_fake)
+
+
 class GptOssRouter(nn.Module):
     def __init__(self, hidden: int, num_experts: int, top_k: int) -> None:
         super().__init__()
@@ -106,7 +149,7 @@ class GptOssExperts(nn.Module):
         return ((up + 1) * glu) @ self.down_proj[e] + self.down_proj_bias[e]
 
 
-class GptOssMoE(nn.Module):
+class GptOssMoE(MoEBlock):
     def __init__(
         self,
         hidden: int,
@@ -121,7 +164,7 @@ class GptOssMoE(nn.Module):
         self.experts = GptOssExperts(hidden, intermediate, num_experts, alpha, limit)
         self.shard = ExpertShard(range(num_experts))  # the fused tensors hold these, in order
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def mix(self, x: torch.Tensor) -> torch.Tensor:
         top_idx, top_w = self.router(x)
         first = self.shard.experts.start
 
@@ -165,7 +208,7 @@ class MiMoRouter(nn.Module):
         return top_idx, top_w * self.routed_scaling_factor
 
 
-class MiMoMoE(nn.Module):
+class MiMoMoE(MoEBlock):
     """``mlp.gate`` (router) and ``mlp.experts.N.{gate,up,down}_proj`` (checkpoint layout)."""
 
     def __init__(self, config: HFConfig) -> None:
@@ -186,7 +229,7 @@ class MiMoMoE(nn.Module):
         # Under TP, experts outside the range are empty modules (their index stays their name).
         self.shard = ExpertShard(range(config.n_routed_experts))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def mix(self, x: torch.Tensor) -> torch.Tensor:
         top_idx, top_w = self.gate(x)
         out = _combine(x, top_idx, top_w, lambda e, rows: self.experts[e](rows), self.shard.experts)
         return self.shard.finish(out)

@@ -126,16 +126,20 @@ class Rotary:
     def __init__(
         self, inv_freq: torch.Tensor, attention_scaling: float, layout: RopeLayout
     ) -> None:
-        self.inv_freq = inv_freq  # float32 CPU; copied per device on first use
+        self.inv_freq = inv_freq  # float32, on the CPU until `to` places it (once, at load)
         self.attention_scaling = attention_scaling
         self.layout = layout
-        self._per_device: dict[torch.device, torch.Tensor] = {}
+
+    def to(self, device: torch.device) -> None:
+        """Place the frequencies on the model's device, once, when the model is allocated.
+
+        NOTE: never per call: a host-to-device copy inside a forward blocks the host, is
+        illegal while a CUDA graph captures, and a compiled forward would replay it each call.
+        """
+        self.inv_freq = self.inv_freq.to(device)
 
     def __call__(self, positions: torch.Tensor, dtype: torch.dtype) -> CosSin:
-        dev = positions.device
-        if dev not in self._per_device:
-            self._per_device[dev] = self.inv_freq.to(dev)
-        freqs = positions[:, None].float() * self._per_device[dev]
+        freqs = positions[:, None].float() * self.inv_freq
         if self.layout == "neox":
             emb = torch.cat((freqs, freqs), dim=-1)
         else:

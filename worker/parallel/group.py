@@ -99,8 +99,7 @@ class TPGroup:
         store.set(f"loaded/{self.rank}", "1")
         if self.is_first:
             _wait_loaded(store, self.size, self._peers_failure or (lambda: None))
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
+        # NOTE: `build_rank` made `self.device` current before the load (NCCL binds to it).
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         dist.init_process_group(
             backend,

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from worker.models.layers import rounded_scale
 from worker.models.packed import PackedLinear
 from worker.parallel.group import TPGroup
 
@@ -112,18 +113,17 @@ class VocabParallelEmbedding(nn.Module):
     ) -> None:
         super().__init__()
         self.weight = _param(rows, orig.embedding_dim, like=orig.weight)
-        self.start, self.rows, self.group, self.scale = start, rows, group, scale
+        self.start, self.rows, self.group = start, rows, group
+        self.scales = None if scale is None else rounded_scale(scale)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         local = ids - self.start
         mine = (local >= 0) & (local < self.rows)
         h = F.embedding(local.clamp(0, self.rows - 1), self.weight) * mine.unsqueeze(-1)
         h = self.group.all_reduce(h)
-        if self.scale is None:
+        if self.scales is None:
             return h
-        # NOTE: as ScaledEmbedding: the float32 scalar rounded to the weight dtype first.
-        scale = torch.tensor(self.scale, dtype=torch.float32).to(self.weight.dtype)
-        return h * scale.to(h.device)
+        return h * self.scales[self.weight.dtype]  # as ScaledEmbedding (no tensor per call)
 
 
 class VocabParallelHead(nn.Module):

@@ -120,6 +120,10 @@ class DecodeGraphs:
     @torch.inference_mode()
     def capture(self) -> None:
         """Capture every size, largest first (smaller graphs reuse its memory pool)."""
+        with torch.cuda.device(self.device):
+            self._capture()
+
+    def _capture(self) -> None:
         mempool = torch.cuda.graph_pool_handle()
         for bs in reversed(self.sizes):
             meta = self._plan(self._dummy(bs), bs)
@@ -169,7 +173,10 @@ class DecodeGraphs:
             self.swa_out[:B].copy_(swa_out)
             self.swa_out[B:bs].zero_()
         self._plan(self._padded(attn, bs), bs)  # the plan, outside the graph
-        self.graphs[bs].replay()
+        # NOTE: a replay launches on the current device's stream, and the step thread is not
+        # the thread that built the engine (whose current device `select_device` set).
+        with torch.cuda.device(self.device):
+            self.graphs[bs].replay()
         self.replays += 1
         return self.hidden[bs][:B]
 

@@ -208,7 +208,7 @@ class _Stager:
         staged.copy_(packed)
         out = staged.to(self.device, non_blocking=True)
         ev = torch.cuda.Event()
-        ev.record()
+        ev.record(torch.cuda.current_stream(self.device))  # this device's, from any thread
         self._events[i] = ev
         return out
 

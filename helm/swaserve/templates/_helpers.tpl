@@ -224,7 +224,9 @@ file on the workers only (the ingress replicas run there: the head has num-cpus 
 Volumes of a Ray pod: (list $root $role). The model; the writable scratch of the read-only root
 filesystem; on the head the autoscaler's /tmp and its API credentials (`kube-api-access`, what
 Kubernetes would automount, but here mounted into the autoscaler container only); on the
-workers the API key Secret (0440: root-owned, readable through fsGroup).
+workers /dev/shm in memory (NCCL's shared-memory transport between a replica's GPUs, and Ray's
+object store: the chart's own rather than whatever the operator adds) and the API key Secret
+(0440: root-owned, readable through fsGroup).
 */}}
 {{- define "swaserve.volumes" -}}
 {{- $root := index . 0 }}
@@ -240,7 +242,10 @@ workers the API key Secret (0440: root-owned, readable through fsGroup).
 {{- $ca := dict "configMap" (dict "name" "kube-root-ca.crt" "items" (list (dict "key" "ca.crt" "path" "ca.crt"))) }}
 {{- $ns := dict "downwardAPI" (dict "items" (list (dict "path" "namespace" "fieldRef" (dict "apiVersion" "v1" "fieldPath" "metadata.namespace")))) }}
 {{- $volumes = append $volumes (dict "name" "kube-api-access" "projected" (dict "defaultMode" 420 "sources" (list $token $ca $ns))) }}
-{{- else if include "swaserve.apiKeyEnabled" $root }}
+{{- else }}
+{{- $volumes = append $volumes (dict "name" "dshm" "emptyDir" (dict "medium" "Memory")) }}
+{{- end }}
+{{- if and (eq (index . 1) "worker") (include "swaserve.apiKeyEnabled" $root) }}
 {{- $items := list (dict "key" $root.Values.apiKey.secretKey "path" "api-key") }}
 {{- $secret := dict "secretName" (include "swaserve.apiKeySecretName" $root) "items" $items "defaultMode" 288 }}
 {{- $volumes = append $volumes (dict "name" "api-key" "secret" $secret) }}
@@ -257,6 +262,9 @@ workers the API key Secret (0440: root-owned, readable through fsGroup).
 {{- end }}
 {{- $mounts = append $mounts (dict "name" "tmp" "mountPath" "/tmp") }}
 {{- $mounts = append $mounts (dict "name" "cache" "mountPath" (include "swaserve.cacheDir" $root)) }}
+{{- if eq (index . 1) "worker" }}
+{{- $mounts = append $mounts (dict "name" "dshm" "mountPath" "/dev/shm") }}
+{{- end }}
 {{- if and (eq (index . 1) "worker") (include "swaserve.apiKeyEnabled" $root) }}
 {{- $mounts = append $mounts (dict "name" "api-key" "mountPath" (include "swaserve.apiKeyDir" $root) "readOnly" true) }}
 {{- end }}

@@ -139,3 +139,99 @@ def test_flashinfer_is_refused_off_cuda() -> None:
         attention.create_backend("flashinfer", pool, spec, "cpu")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="unknown; choose one of torch, flashinfer"):
         attention.create_backend("triton", pool, spec, "cpu")  # type: ignore[arg-type]
+
+
+def test_unsupported_head_dims_are_refused_with_the_layer_kind() -> None:
+    """FlashInfer's kernels take head dims in multiples of 16 up to 256: anything else is
+    refused when the backend is made, naming the kind and the dim (MiMo's 192/128 passes)."""
+    from worker.attention.flashinfer_backend import check_head_dims
+
+    check_head_dims(_spec(KindShape(8, 2, 192, 128, True), 127))
+    check_head_dims(_spec(KindShape(8, 2, 64, 64, True), 127))
+    with pytest.raises(ValueError, match="full layers' v_head_dim 8: .*multiples of 16 up to 256"):
+        check_head_dims(_spec(KindShape(4, 1, 16, 8), 7))
+    with pytest.raises(ValueError, match="head_dim 320"):
+        check_head_dims(_spec(KindShape(4, 1, 320, 320), 7))
+
+
+def test_sink_kernels_are_chosen_per_batch_shape() -> None:
+    """A sink wrapper is built for one kernel: decodes and short chunks (<= 64 query rows) get
+    FA2, longer chunks FlashInfer's choice (FA3 on Hopper), each batch its own wrapper key;
+    wrappers without sinks leave the choice to FlashInfer's plan."""
+    from worker.attention.flashinfer_backend import _PlanKey, sink_backend
+
+    assert sink_backend((1,) * 256) == "fa2"
+    assert sink_backend((1, 64, 1)) == "fa2"
+    assert sink_backend((1, 65)) == "auto"
+    layer = AttentionLayer(0, LayerKind.SWA, 8, 2, 64, 64, scaling=0.125)
+
+    def batch(q_lens: tuple[int, ...]) -> AttnBatch:
+        return AttnBatch(q_lens, q_lens, torch.zeros(sum(q_lens)), {}, 31)
+
+    decode, prefill = batch((1, 1, 1)), batch((1, 300))
+    assert _PlanKey.of(layer, decode, True).backend == "fa2"
+    assert _PlanKey.of(layer, prefill, True).backend == "auto"
+    assert _PlanKey.of(layer, decode, True) != _PlanKey.of(layer, prefill, True)
+    assert _PlanKey.of(layer, decode, False).backend == "auto"
+
+
+def test_the_gpu_extra_pins_a_flashinfer_without_the_module_name_collision() -> None:
+    """FlashInfer 0.7.0 to 0.7.2.post1 named the sink kernel's module without its head dims, so
+    GPT-OSS's (64) and MiMo's (192/128) shapes loaded one module in a process: the `gpu` extra
+    admits 0.7.4 and later only."""
+    from pathlib import Path
+
+    import tomllib
+    from packaging.requirements import Requirement
+
+    pyproject = Path(__file__).parents[3] / "pyproject.toml"
+    extra = tomllib.loads(pyproject.read_text())["project"]["optional-dependencies"]["gpu"]
+    (pin,) = [Requirement(r) for r in extra if Requirement(r).name == "flashinfer-python"]
+    for bad in ("0.7.0", "0.7.2", "0.7.2.post1", "0.7.3"):
+        assert not pin.specifier.contains(bad), (pin, bad)
+    assert pin.specifier.contains("0.7.4") and pin.specifier.contains("0.8.0")
+
+
+def test_the_two_gpu_test_model_has_head_dims_flashinfer_runs(tmp_path) -> None:
+    """The MiMo shapes the 2-GPU FlashInfer test uses pass the head-dim check; the default tiny
+    ones (16 / 8) are refused, which is why that test overrides them."""
+    from tests.worker.models.hf_tiny import make_tiny
+    from tests.worker.parallel.test_tp_gpu import FLASHINFER_MIMO
+    from worker.attention.flashinfer_backend import check_head_dims
+    from worker.models.hf_config import load_spec
+
+    check_head_dims(load_spec(make_tiny("mimo_v2_flash", tmp_path / "fi", **FLASHINFER_MIMO).path))
+    with pytest.raises(ValueError, match="v_head_dim 8"):
+        check_head_dims(load_spec(make_tiny("mimo_v2_flash", tmp_path / "default").path))
+
+
+def test_a_layer_runs_into_an_output_that_is_not_zeroed() -> None:
+    """FlashInfer's run zero-fills an output it allocates itself; the backend hands it an empty
+    one of the layer's [tokens, q heads, v head dim] instead (no fill kernel per layer)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from worker.attention.flashinfer_backend import run_wrapper
+
+    class Ops(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.names: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            self.names.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    class Wrapper:
+        def run(self, q: torch.Tensor, paged: object, *args: object, out: torch.Tensor) -> torch.Tensor:
+            self.args, self.out = args, out
+            return out
+
+    layer = AttentionLayer(0, LayerKind.SWA, 8, 2, 32, 16, scaling=0.5)
+    q, paged = torch.randn(5, 8, 32), (torch.zeros(4, 1, 2, 32), torch.zeros(4, 1, 2, 16))
+    for sinks in (None, torch.zeros(8)):
+        wrapper = Wrapper()
+        with Ops() as ops:
+            got = run_wrapper(wrapper, q, paged, sinks, layer)
+        assert got is wrapper.out and got.shape == (5, 8, 16)
+        assert not [n for n in ops.names if "zero" in n or "fill" in n], ops.names
+        assert len(wrapper.args) == (0 if sinks is None else 2)

@@ -139,10 +139,14 @@ class TinyHF:
     path: Path  # its save_pretrained directory
 
 
-def make_tiny(arch: str, root: Path, seed: int = 0) -> TinyHF:
+def make_tiny(arch: str, root: Path, seed: int = 0, **overrides: Any) -> TinyHF:
+    """The tiny model of `arch`, with config fields replaced by `overrides` (FlashInfer's tests
+    need head dims in multiples of 16)."""
     from transformers import AutoModelForCausalLM
 
     config = CONFIGS[arch]()
+    for field, value in overrides.items():
+        setattr(config, field, value)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").float().eval()
     randomize(model, arch, seed)

@@ -8,6 +8,7 @@ capture around the custom op, not inductor's kernels (those run in `swaserve ben
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from tests.worker.models.conftest import Archs, prompt_of
@@ -17,13 +18,16 @@ from worker.models.compiled import CompilePlan, prepare_model
 from worker.models.loader import load_model
 
 
-def test_compiled_decoder_matches_transformers(archs: Archs) -> None:
-    """Gemma 3 (SWA + full layers, q/k norms): a long and a short prompt, prefill then decode.
-    Warm-up compiles every variant the steps use: after it, with guard evaluation cut to the
-    guards that tell variants apart, prefill, mixed and decode steps compile nothing more."""
+@pytest.mark.parametrize("name", ["gemma3_text", "mimo_v2_flash", "gpt_oss"])
+def test_compiled_decoder_matches_transformers(archs: Archs, name: str) -> None:
+    """A dense model (Gemma 3: SWA + full layers, q/k norms) and both MoE ones: a long and a
+    short prompt, prefill then decode. Warm-up compiles every variant the steps use: after it,
+    with guard evaluation cut to the guards that tell variants apart, prefill, mixed and decode
+    steps compile nothing more (a MoE block is one opaque op: no graph break, no per-layer
+    recompile that `skip_guard_eval_unsafe` would turn into an error)."""
     from torch._dynamo.testing import CompileCounterWithBackend
 
-    arch = archs["gemma3_text"]
+    arch = archs[name]
     model = load_model(arch.tiny.path, arch.spec)
     counter = CompileCounterWithBackend("aot_eager")
     done = prepare_model(
@@ -67,3 +71,25 @@ def test_packed_linears_are_one_opaque_op_under_compile(archs: Archs, monkeypatc
     drv.run(seqs)
     for s in seqs:
         check_against_hf(arch, s)
+
+
+def test_compiled_graph_copies_nothing_to_the_device(archs: Archs) -> None:
+    """Gemma 3 (rope per kind, scaled embedding): the traced graphs create no tensor from
+    Python values and move nothing between devices. On CUDA each such op was a blocking host
+    copy per call, and illegal inside a CUDA-graph capture (the capture failed, graphs off)."""
+    calls: list[tuple[str, list[object]]] = []
+
+    def recording(gm: torch.fx.GraphModule, example_inputs: object) -> object:
+        for node in gm.graph.nodes:
+            consts = [a for a in (*node.args, *node.kwargs.values()) if not isinstance(a, torch.fx.Node)]
+            calls.append((str(node.target), consts))
+        return gm.forward
+
+    arch = archs["gemma3_text"]
+    model = load_model(arch.tiny.path, arch.spec)
+    prepare_model(model, CompilePlan(pack=False, backend=recording), torch.device("cpu"), torch.float32)  # type: ignore[arg-type]
+    Driver(arch.spec, model, page_size=4).runner.warm_up()
+    assert calls
+    moved = [c for c in calls if any(isinstance(a, torch.device) for a in c[1])]
+    made = [c for c in calls if "built-in method tensor" in c[0]]
+    assert moved == [] and made == [], (moved, made)

@@ -88,3 +88,40 @@ def test_graph_replay_matches_eager_greedy(tmp_path: Path) -> None:
         while same < len(eager) and eager[same] == graph[same]:
             same += 1
         assert same >= 8, f"graph and eager greedy tokens diverge after {same} (bf16 near-ties aside)"
+
+
+def test_the_configured_cuda_device_is_made_current(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`device: cuda:1` on one device: the device is made current before anything is built
+    (graphs, events and streams belong to the current device), a CPU device is left alone, and
+    every rank's build goes through it."""
+    import worker.assembly.rank as rank
+    from worker.engine.engine import Engine
+
+    made: list[torch.device] = []
+    monkeypatch.setattr(torch.cuda, "set_device", made.append)
+    rank.select_device(torch.device("cuda", 1))
+    rank.select_device(torch.device("cpu"))
+    assert made == [torch.device("cuda", 1)]
+
+    selected: list[torch.device] = []
+    monkeypatch.setattr(rank, "select_device", selected.append)
+    Engine(EngineConfig(model="tiny", max_total_tokens=256)).close()
+    assert selected == [torch.device("cpu")]
+
+
+def test_cuda_engines_warm_up_every_kernel_before_serving() -> None:
+    """A CUDA rank always warms up (FlashInfer JIT-builds kernels on first use; tensor-parallel
+    ranks, which never compile, too), with a query past FA2's 64 rows so the long-prefill
+    kernels are built as well; a CPU rank warms up only to compile."""
+    import worker.assembly.rank as rank
+    from worker.attention.flashinfer_backend import FA2_MAX_QUERY_ROWS
+    from worker.runner.model_runner import WARM_UP_SIZES
+
+    eager, compiled = torch.nn.Module(), torch.nn.Module()
+    eager.compiled, compiled.compiled = None, object()  # type: ignore[assignment]
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    sizes = rank.warm_up_sizes(eager, cuda)  # type: ignore[arg-type]
+    assert sizes is not None and max(sizes) > FA2_MAX_QUERY_ROWS and 1 in sizes
+    assert rank.warm_up_sizes(compiled, cuda) == sizes  # type: ignore[arg-type]
+    assert rank.warm_up_sizes(eager, cpu) is None  # type: ignore[arg-type]
+    assert rank.warm_up_sizes(compiled, cpu) == WARM_UP_SIZES  # type: ignore[arg-type]
