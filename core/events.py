@@ -40,16 +40,29 @@ import struct
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-# Pages are named by *chained* hashes: h_i = H(h_{i-1}, tokens of page i), h_{-1} = ROOT_HASH,
-# so one hash names a whole page-aligned prefix. The router computes the same chain.
+# Pages are named by *chained* hashes: h_i = H(h_{i-1}, tokens of page i), h_{-1} = the root
+# hash, so one hash names a whole page-aligned prefix. The router computes the same chain. The
+# root hash is ROOT_HASH, or a request's cache salt's (`salted_root`, docs/design.md §9.10).
 ROOT_HASH = 0
+_MASK_63 = 0x7FFF_FFFF_FFFF_FFFF
+_SALT_PERSON = b"swaserve-salt"  # blake2b's personalisation: no salt hashes like a page
+
+
+def salted_root(salt: str | None) -> int:
+    """The root hash of a request's chain: ROOT_HASH without a cache salt, else a hash of the
+    salt. Requests with different salts then share no page hash (and no tree root), so neither
+    the worker's cache nor the router's index can match one salt's prefix for another."""
+    if salt is None:
+        return ROOT_HASH
+    h = hashlib.blake2b(salt.encode(errors="surrogatepass"), digest_size=8, person=_SALT_PERSON)
+    return int.from_bytes(h.digest(), "little") & _MASK_63
 
 
 def _page_hash(parent: int, tokens: Sequence[int]) -> int:
     h = hashlib.blake2b(digest_size=8)
     h.update(struct.pack("<Q", parent))
     h.update(struct.pack(f"<{len(tokens)}q", *tokens))
-    return int.from_bytes(h.digest(), "little") & 0x7FFF_FFFF_FFFF_FFFF
+    return int.from_bytes(h.digest(), "little") & _MASK_63
 
 
 def page_hashes(tokens: Sequence[int], page_size: int, parent: int = ROOT_HASH) -> list[int]:

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Literal
 
+from core.events import salted_root
+
 MAX_LOGPROBS = 20  # OpenAI's limit for top logprobs
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for one logit_bias value: [-100, 100]
 
@@ -62,6 +64,10 @@ class SamplingParams:
     (OpenAI's, over the generated tokens), ``repetition_penalty`` (vLLM's, over prompt and
     generated tokens: positive logits divided by it, negative ones multiplied), then the
     ``grammar`` mask.
+
+    ``cache_salt`` (vLLM's): requests with different salts never share cached KV, on a worker
+    or in the router's index (docs/design.md §9.10); one salt per tenant isolates tenants. Kept
+    out of the repr: it is a tenant's secret.
     """
 
     max_tokens: int = 16
@@ -81,6 +87,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = field(default=())
     grammar: Grammar | None = None
+    cache_salt: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         # Normalise list inputs (the HTTP layer passes lists) so the dataclass stays hashable.
@@ -99,6 +106,12 @@ class SamplingParams:
     @cached_property
     def stop_token_set(self) -> frozenset[int]:
         return frozenset(self.stop_token_ids)
+
+    @cached_property
+    def root_hash(self) -> int:
+        """Where the request's page-hash chain starts, and which root of a worker's tree it
+        uses: ROOT_HASH without a salt (`core.events.salted_root`)."""
+        return salted_root(self.cache_salt)
 
     @cached_property
     def longest_stop(self) -> int:
@@ -154,6 +167,8 @@ class SamplingParams:
                  for t, b in self.logit_bias),
              f"logit_bias must map token ids >= 0 to numbers in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]"),
             (self.grammar is None or isinstance(self.grammar, Grammar), "grammar must be a Grammar"),
+            (self.cache_salt is None or (isinstance(self.cache_salt, str) and self.cache_salt != ""),
+             "cache_salt must be a non-empty string or null"),
         ]  # fmt: skip
 
     def _value_of(self, message: str) -> object:

@@ -2,6 +2,10 @@
 
 `serve_router.py` is a thin adapter that turns Serve's `RunningReplica`s into `Candidate`s and
 the decision back into ranks; everything testable lives here.
+
+A request's page-hash chain starts from its root hash (`SamplingParams.root_hash`: its cache
+salt's, docs/design.md §9.10), as the worker's does: the index holds each salt's pages under
+their own hashes, so a prediction never counts another salt's prefix.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from typing import NamedTuple
 
 from cluster.index import ClusterIndex, WorkerEntry
 from cluster.messages import WorkerLoad
+from core.events import ROOT_HASH
 from core.geometry import Geometry
 from core.reuse import Reuse, TieredMatch, choose_reuse, live_after, plan_reuse
 from router.cost import WorkerView
@@ -89,15 +94,16 @@ class RouterCore:
         request_key: str | None = None,
         now: float | None = None,
         avoid: Sequence[str] = (),
+        root_hash: int = ROOT_HASH,
     ) -> RoutingDecision:
         """Rank the candidates for one prompt (workers in `avoid` last); with `request_key`,
         count it as in flight on the first-ranked worker, and its prompt's pages as pending
         there, until its completion (`complete`) or what `router.inflight` / `router.pending`
-        say ends them earlier."""
+        say ends them earlier. `root_hash`: the request's (its cache salt's)."""
         now = time.time() if now is None else now
         self.pending.settle(self.index, now)
         ordered = sorted(candidates, key=lambda c: c.worker_id)
-        matched = self._match(token_ids, [c.worker_id for c in ordered])
+        matched = self._match(token_ids, [c.worker_id for c in ordered], root_hash)
         views = [self._view(c, matched.get(c.worker_id)) for c in ordered]
         ranked = self.policy.rank(RequestView(len(token_ids), max_new_tokens), views)
         if avoid:
@@ -114,11 +120,16 @@ class RouterCore:
         )
         if request_key is not None and ranked:
             best = views[ranked[0].position]
-            self._place(request_key, token_ids, best, matched.get(best.worker_id), now)
+            self._place(request_key, token_ids, best, matched.get(best.worker_id), now, root_hash)
         return decision
 
     def placed(
-        self, request_key: str, token_ids: Sequence[int], worker_id: str, now: float | None = None
+        self,
+        request_key: str,
+        token_ids: Sequence[int],
+        worker_id: str,
+        now: float | None = None,
+        root_hash: int = ROOT_HASH,
     ) -> None:
         """Serve sent the request to `worker_id`; move its records there if they sit elsewhere
         (the first rank was full and Serve took the next one)."""
@@ -127,8 +138,9 @@ class RouterCore:
             return
         now = time.time() if now is None else now
         self.pending.complete(request_key)
-        matched = self._match(token_ids, [worker_id]).get(worker_id)
-        self._place(request_key, token_ids, self._view(Candidate(worker_id), matched), matched, now)
+        matched = self._match(token_ids, [worker_id], root_hash).get(worker_id)
+        view = self._view(Candidate(worker_id), matched)
+        self._place(request_key, token_ids, view, matched, now, root_hash)
 
     def complete(self, request_key: str, now: float | None = None) -> None:
         self.inflight.complete(request_key, time.time() if now is None else now)
@@ -145,6 +157,7 @@ class RouterCore:
         view: WorkerView,
         matched: tuple[WorkerEntry, TieredMatch] | None,
         now: float,
+        root_hash: int,
     ) -> None:
         uncached = max(0, len(token_ids) - view.valid_cached)
         self.inflight.record(request_key, view.worker_id, uncached, now)
@@ -156,19 +169,21 @@ class RouterCore:
         reuse = Reuse(view.valid_cached, view.repaired, view.loaded_full, view.loaded_swa)
         first_live, loaded_end = device_after(reuse, view.full_cached, geometry)
         page = geometry.page_size
-        chain = self.hasher.hashes(token_ids, page)
+        chain = self.hasher.hashes(token_ids, page, root_hash)
         loaded = chain[: min(loaded_end, first_live) // page]
         self.pending.record(request_key, entry, chain[first_live // page :], now, loaded)
 
-    def match(self, token_ids: Sequence[int], worker_ids: Sequence[str]) -> dict[str, TieredMatch]:
+    def match(
+        self, token_ids: Sequence[int], worker_ids: Sequence[str], root_hash: int = ROOT_HASH
+    ) -> dict[str, TieredMatch]:
         """Per known, fresh worker: its tiered match in tokens for this prompt.
 
         The worker computes at least one token, so it matches `token_ids[:-1]`; so do we.
         """
-        return {wid: m for wid, (_, m) in self._match(token_ids, worker_ids).items()}
+        return {wid: m for wid, (_, m) in self._match(token_ids, worker_ids, root_hash).items()}
 
     def _match(
-        self, token_ids: Sequence[int], worker_ids: Sequence[str]
+        self, token_ids: Sequence[int], worker_ids: Sequence[str], root_hash: int
     ) -> dict[str, tuple[WorkerEntry, TieredMatch]]:
         prefix = token_ids[: len(token_ids) - 1]
         by_page_size: dict[int, list[WorkerEntry]] = {}
@@ -181,7 +196,7 @@ class RouterCore:
         pages = self.pending.overlay(self.index.page_map)
         for page_size, entries in by_page_size.items():
             geometries = {e.bit: e.meta.geometry for e in entries}
-            hashes = self.hasher.iter_hashes(prefix, page_size)
+            hashes = self.hasher.iter_hashes(prefix, page_size, root_hash)
             by_bit = match_chain(hashes, pages, geometries)
             for e in entries:
                 out[e.meta.worker_id] = (e, by_bit[e.bit])

@@ -1,7 +1,8 @@
 """Page-hash chains for routing, computed lazily and memoised.
 
 The values are exactly `core.events.page_hashes` (a test checks it on random input): same
-blake2b-8 over ``parent (u64 LE) || tokens (i64 LE)``, same 63-bit mask. Three things make it fast
+blake2b-8 over ``parent (u64 LE) || tokens (i64 LE)``, same 63-bit mask, and the chain starts
+from the same root hash (a request's cache salt's, docs/design.md §9.10; ROOT_HASH without one). Three things make it fast
 enough for a sub-millisecond decision on a 4k-token prompt:
 
 - all tokens are packed once (one `struct.pack`), each page hashes a slice of that buffer;
@@ -51,8 +52,8 @@ class PageHasher:
             parent = value
             yield value
 
-    def hashes(self, tokens: Sequence[int], page_size: int) -> list[int]:
-        return list(self.iter_hashes(tokens, page_size))
+    def hashes(self, tokens: Sequence[int], page_size: int, parent: int = ROOT_HASH) -> list[int]:
+        return list(self.iter_hashes(tokens, page_size, parent))
 
     def _miss(self, key: tuple[int, bytes]) -> int:
         value = self._old.get(key)

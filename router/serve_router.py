@@ -38,6 +38,7 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 from cluster import transport
 from cluster.index import ClusterIndex, IndexLimits
 from cluster.messages import RoutedRequest, WorkerLoad, WorkerRemoved
+from core.events import ROOT_HASH
 from router import metrics as router_metrics
 from router import routing_record
 from router.core import Candidate, RouterCore, RoutingDecision
@@ -136,6 +137,7 @@ class SwaPrefixRequestRouter(RequestRouter):
             max_new_tokens=request.max_new_tokens if request else 0,
             request_key=key if request else None,
             avoid=(*(request.avoid if request else ()), *self._suspects()),
+            root_hash=_root_hash(request),
         )
         elapsed = time.perf_counter() - start
         if request is not None and key is not None:
@@ -156,7 +158,7 @@ class SwaPrefixRequestRouter(RequestRouter):
         if request is not None:
             key = pending_request.metadata.internal_request_id
             worker_id = replica_id.unique_id
-            self.core.placed(key, request.token_ids, worker_id)
+            self.core.placed(key, request.token_ids, worker_id, root_hash=_root_hash(request))
             if request.request_id:
                 placement = self._placement(self._decisions.pop(key, None), worker_id)
                 routing_record.note_placed(request.request_id, placement)
@@ -328,3 +330,9 @@ def _routed_request(pending_request: PendingRequest | None) -> RoutedRequest | N
         return None
     first = pending_request.args[0]
     return first if isinstance(first, RoutedRequest) else None
+
+
+def _root_hash(request: RoutedRequest | None) -> int:
+    """Where the request's page-hash chain starts: its cache salt's (docs/design.md §9.10)."""
+    params = request.params if request is not None else None
+    return ROOT_HASH if params is None else params.root_hash

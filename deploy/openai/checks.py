@@ -204,6 +204,7 @@ def sampling_params(
         repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
         logit_bias=tuple((int(k), float(v)) for k, v in (req.logit_bias or {}).items()),
         grammar=grammar,
+        cache_salt=req.cache_salt,
     )
     try:
         params.validate()

@@ -90,6 +90,7 @@ def parse_request(model: type[BaseModel], raw: bytes) -> Any:
 
 _STRICT = ConfigDict(strict=True, extra="forbid")
 LOGPROBS_MAX = 20
+CACHE_SALT_CHARS = 256  # a 256-bit salt is 43 base64 characters; hashed once per request
 
 
 class StreamOptions(BaseModel):
@@ -153,6 +154,11 @@ class _CommonRequest(BaseModel):
     guided_choice: list[str] | None = Field(None, description="Output is exactly one of these strings.")
     guided_grammar: str | None = Field(None, description="Output follows this Lark grammar.")
     structured_outputs: StructuredOutputs | None = None
+    cache_salt: str | None = Field(
+        None, min_length=1, max_length=CACHE_SALT_CHARS,
+        description="Requests with different salts never share cached KV (vLLM's): one secret, "
+        "random salt per tenant keeps the prefix cache from telling one tenant another's prompts.",
+    )  # fmt: skip
     # accepted, no effect
     user: str | None = None
     metadata: dict[str, str] | None = None

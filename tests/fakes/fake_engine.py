@@ -2,7 +2,8 @@
 
 It "generates" deterministic tokens (greedy: a function of the previous token; sampled: a seeded
 RNG), keeps a token-granular KV budget per request so tests can watch KV being freed on abort,
-and a prompt history that reports page-aligned prefix hits as `cached_tokens`.
+and a prompt history that reports page-aligned prefix hits as `cached_tokens` (within one cache
+salt, as the real cache shares KV).
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ class FakeEngine:
         self._lock = threading.Lock()
         self._held: dict[str, int] = {}  # request id -> KV tokens held
         self._aborted: set[str] = set()
-        self._history: list[tuple[int, ...]] = []
+        self._history: list[tuple[int, tuple[int, ...]]] = []  # (root hash, prompt)
         self._counters = {"prompt": 0, "generated": 0, "hits": 0, "aborts": 0, "steps": 0}
         self._peak = 0
         self.shut_down = False
@@ -78,7 +79,7 @@ class FakeEngine:
     ) -> AsyncGenerator[StreamDelta, None]:
         self.validate(token_ids, params)
         self.seen.append((request_id, params, follows))
-        cached = self._admit(request_id, token_ids)
+        cached = self._admit(request_id, token_ids, params.root_hash)
         rng = random.Random(params.seed if params.seed is not None else 0)
         last, produced, done = token_ids[-1], 0, False
         prompt_lps: list[TokenLogprob | None] | None = None
@@ -174,16 +175,18 @@ class FakeEngine:
             return (last * 31 + 7) % self._vocab
         return rng.randrange(self._vocab)
 
-    def _admit(self, request_id: str, token_ids: list[int]) -> int:
+    def _admit(self, request_id: str, token_ids: list[int], root_hash: int) -> int:
         page = self.config.page_size
         best = 0
         with self._lock:
-            for past in self._history:
+            for root, past in self._history:
+                if root != root_hash:
+                    continue
                 n = 0
                 while n < min(len(past), len(token_ids) - 1) and past[n] == token_ids[n]:
                     n += 1
                 best = max(best, n // page * page)
-            self._history.append(tuple(token_ids))
+            self._history.append((root_hash, tuple(token_ids)))
             self._held[request_id] = len(token_ids)
             self._counters["prompt"] += len(token_ids)
             self._counters["hits"] += best

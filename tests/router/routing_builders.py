@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from cluster.index import ClusterIndex
 from cluster.messages import CacheSnapshot, PoolHeadroom, WorkerLoad, WorkerMeta, WorkerResync
-from core.events import PageState, page_hashes
+from core.events import ROOT_HASH, PageState, page_hashes
 from core.geometry import Geometry
 from core.reuse import TierCosts
 
@@ -28,9 +28,11 @@ def index_with(
     swa_layers: int = 0,
     repair: bool = False,
     tier_costs: TierCosts | None = None,
+    root: int = ROOT_HASH,
 ) -> ClusterIndex:
-    """layout: worker id → one char per page of tokens[:-1] (`STATES`, . absent)."""
-    chain = page_hashes(tokens[:-1], PAGE)
+    """layout: worker id → one char per page of tokens[:-1] (`STATES`, . absent), the pages
+    named by `root`'s chain (a cache salt's, or none)."""
+    chain = page_hashes(tokens[:-1], PAGE, root)
     index = ClusterIndex()
     for wid, states in layout.items():
         pages = {h: STATES[c] for h, c in zip(chain, states) if c != "."}

@@ -1,6 +1,8 @@
 """The router's mirror is exact: fed the real radix cache's events, its valid and full matches
 equal the cache's own `match_prefix` for every probe, after every insert, SWA free and eviction,
-and its (reused, repaired) prediction is the worker's own repair decision (core/reuse.py)."""
+and its (reused, repaired) prediction is the worker's own repair decision (core/reuse.py). The
+prompts come under three root hashes (no cache salt, two salts: docs/design.md §9.10), so a
+prediction that counted another salt's prefix would differ from the cache's match."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from hypothesis import strategies as st
 
 from cluster.index import ClusterIndex
 from cluster.messages import CacheSnapshot, EventBatch, WorkerMeta, WorkerResync
+from core.events import ROOT_HASH, salted_root
 from core.geometry import Geometry
 from core.reuse import plan_reuse
 from router.core import Candidate, RouterCore
@@ -22,6 +25,7 @@ from worker.kv.hybrid_allocator import HybridAllocator
 
 PAGE = 2
 SWA_LAYERS = 2
+ROOTS = (ROOT_HASH, salted_root("tenant-a"), salted_root("tenant-b"))
 
 
 class MirroredWorker:
@@ -36,13 +40,13 @@ class MirroredWorker:
         self.core = RouterCore(self.index, make_policy())
         self.seq = 0
 
-    def insert(self, tokens: list[int], evicted: int) -> None:
+    def insert(self, tokens: list[int], evicted: int, root: int = ROOT_HASH) -> None:
         slots = self._alloc(len(tokens))
         if slots is None:
             return
         if evicted:
             self.cache.allocator.free_swa(slots[:evicted])
-        self.cache.insert(tokens, slots, swa_evicted_seqlen=evicted)
+        self.cache.insert(tokens, slots, swa_evicted_seqlen=evicted, root_hash=root)
         self.sync()
 
     def evict(self, full: int, swa: int) -> None:
@@ -58,16 +62,16 @@ class MirroredWorker:
         self.seq += 1
         assert self.index.apply(EventBatch("w", "i", self.seq, tuple(events))).changed
 
-    def predicted(self, prompt: list[int]) -> tuple[int, int, int, int]:
+    def predicted(self, prompt: list[int], root: int = ROOT_HASH) -> tuple[int, int, int, int]:
         """(valid, full) matches, then the decision's (cached, repaired) prediction."""
-        match = self.core.match(prompt, ["w"]).get("w")
+        match = self.core.match(prompt, ["w"], root).get("w")
         valid, full = (0, 0) if match is None else (match.p_valid, match.p_full)
-        best = self.core.decide(prompt, [Candidate("w")]).best
+        best = self.core.decide(prompt, [Candidate("w")], root_hash=root).best
         assert best is not None
         return valid, full, best.predicted_cached_tokens, best.predicted_repaired_tokens
 
-    def actual(self, prompt: list[int]) -> tuple[int, int, int, int]:
-        m = self.cache.match_prefix(prompt[:-1])
+    def actual(self, prompt: list[int], root: int = ROOT_HASH) -> tuple[int, int, int, int]:
+        m = self.cache.match_prefix(prompt[:-1], root)
         reuse = plan_reuse(m.full_length, m.length, Geometry(PAGE, self.cache.window, SWA_LAYERS), repair=True)
         return m.length, m.full_length, reuse.reused, reuse.repaired
 
@@ -103,11 +107,12 @@ def test_prediction_equals_cache_match(window: int, seed: int, steps: int) -> No
             aligned = tokens[: len(tokens) - len(tokens) % PAGE]
             if aligned:
                 frontier = rng.randrange(0, len(aligned) + 1, PAGE)
-                worker.insert(aligned, frontier)
+                worker.insert(aligned, frontier, rng.choice(ROOTS))
         elif rng.random() < 0.9:
             worker.evict(rng.randrange(0, 24, PAGE), rng.randrange(0, 24, PAGE))
         else:
             worker.flush()
         for probe in prompts:
-            assert worker.predicted(probe) == worker.actual(probe), probe
+            for root in ROOTS:
+                assert worker.predicted(probe, root) == worker.actual(probe, root), (probe, root)
     worker.cache.check_integrity()

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from core.events import CacheEvent, PageState
+from core.events import ROOT_HASH, CacheEvent, PageState
 from core.reuse import TieredMatch
 
 if TYPE_CHECKING:
@@ -110,10 +110,12 @@ class PrefixCache(abc.ABC):
     """
 
     @abc.abstractmethod
-    def match_prefix(self, tokens: Sequence[int]) -> MatchResult:
+    def match_prefix(self, tokens: Sequence[int], root_hash: int = ROOT_HASH) -> MatchResult:
         """Longest cached, page-aligned prefix of `tokens` usable for the next query.
 
-        Args: tokens — the prompt (the engine passes all but the last prompt token).
+        Args: tokens — the prompt (the engine passes all but the last prompt token);
+            root_hash — the request's cache salt's (`SamplingParams.root_hash`): only what
+            requests of the same salt inserted matches (docs/design.md §9.10).
         Returns: the match; with SWA, it ends only where the window rule holds (README §match).
         Mutates: may split a node; refreshes LRU order. Locks nothing.
         """
@@ -176,11 +178,13 @@ class PrefixCache(abc.ABC):
         """Flush: free everything unlocked (the engine calls it when idle)."""
         return None
 
-    def match_full(self, tokens: Sequence[int]) -> MatchResult:
+    def match_full(self, tokens: Sequence[int], root_hash: int = ROOT_HASH) -> MatchResult:
         """The full-KV match (tombstones included), ending at a node: what a repair locks."""
-        return self.match_prefix(tokens)
+        return self.match_prefix(tokens, root_hash)
 
-    def prepare_load(self, tokens: Sequence[int], length: int, swa_from: int | None) -> LoadPlan:
+    def prepare_load(
+        self, tokens: Sequence[int], length: int, swa_from: int | None, root_hash: int = ROOT_HASH
+    ) -> LoadPlan:
         """Host tier (docs/design.md §9.9): pin the cached prefix `tokens[:length]` and lock its
         device part; the plan says what loading it (SWA from `swa_from` on) takes per pool."""
         raise NotImplementedError(f"{type(self).__name__} has no host tier")

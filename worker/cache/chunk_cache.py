@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
+from core.events import ROOT_HASH
 from core.geometry import Geometry
 from worker.cache.base import EvictResult, KVUpdate, LockReceipt, MatchResult, PrefixCache
 from worker.cache.node import Node
@@ -30,7 +31,7 @@ class ChunkCache(PrefixCache):
         self.geometry = geometry
         self._root = Node.make_root()
 
-    def match_prefix(self, tokens: Sequence[int]) -> MatchResult:
+    def match_prefix(self, tokens: Sequence[int], root_hash: int = ROOT_HASH) -> MatchResult:
         return MatchResult(torch.empty(0, dtype=torch.int64), 0, self._root)
 
     def lock(self, node: Node) -> LockReceipt:

@@ -26,6 +26,9 @@ frontier is inside it) then a live leaf, capped to one page-aligned window (the 
 cap becomes its parent). If the whole suffix is out of window it becomes one FULL-only leaf
 (the unified tree's choice: full KV stays reusable, e.g. for a later revival).
 
+The key goes under the root of `root_hash` (a request's cache salt's, docs/design.md §9.10),
+created by the first non-empty key under it.
+
 A matched node whose KV is on the host tier (docs/design.md §9.9) adopts the request's device
 KV instead (`_adopt`): the request just computed it, so it is loaded without a copy. A node with
 device full KV and host SWA is revived like a tombstone (its host SWA superseded, SWA_LOADED).
@@ -37,6 +40,7 @@ from dataclasses import dataclass
 
 import torch
 
+from core.events import ROOT_HASH
 from worker.cache.node import Key, Node
 from worker.cache.tree import AllocOps, RadixTree
 from worker.models.spec import LayerKind
@@ -57,6 +61,7 @@ def insert(
     *,
     prev_prefix_len: int,
     swa_evicted: int,
+    root_hash: int = ROOT_HASH,
 ) -> InsertOutcome:
     p = tree.page_size
     n = len(key)
@@ -65,7 +70,8 @@ def insert(
     if tree.window is None:
         swa_evicted = 0  # no SWA rule: nothing is ever out of window
     ops = AllocOps()
-    node, pos = tree.root, 0
+    # (an empty key makes no root: a salt's root exists only while it has children)
+    node, pos = (tree.root_for(root_hash) if n else tree.root), 0
     while pos < n:
         child = tree.child(node, key, pos)
         if child is None:

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, NoReturn
 
 import torch
 
-from core.events import page_hashes
+from core.events import ROOT_HASH, page_hashes
 from worker.cache.host_tier import host_slots
 from worker.models.spec import LayerKind
 
@@ -33,6 +33,7 @@ def check_tree(
     tier: HostTier | None = None,
 ) -> None:
     """Raise AssertionError naming the first broken invariant."""
+    _check_roots(tree)
     nodes = tree.iter_nodes()
     for n in nodes:
         _check_node(tree, n)
@@ -45,6 +46,20 @@ def check_tree(
         _check_host(tier, nodes)
     if running:
         _check_pools(tree, allocator, running)
+
+
+def _check_roots(tree: RadixTree) -> None:
+    """One root per root hash, each filed under its own hash (docs/design.md §9.10); a salt's
+    root goes with its last node, so only the unsalted root may be empty."""
+    if tree.roots.get(ROOT_HASH) is not tree.root:
+        _fail("the unsalted root is not filed under ROOT_HASH")
+    for h, root in tree.roots.items():
+        if root.parent is not None or root.key or root.hashes != [h]:
+            _fail(f"root {h:#x} is not a root of its own hash")
+        if (root.full_lock, root.swa_lock) != (1, 1):
+            _fail(f"root {h:#x}: locks {root.full_lock}/{root.swa_lock}, roots stay locked once")
+        if not root.children and root is not tree.root:
+            _fail(f"root {h:#x}: a salt's root without nodes was kept")
 
 
 def _check_node(tree: RadixTree, n: Node) -> None:

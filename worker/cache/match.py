@@ -14,12 +14,16 @@ the key comparison.
 With a host tier (docs/design.md §9.9) SWA KV on the host counts as live for the rule (`valid`),
 and the same walk finds the deepest match that needs no load (`device`: full KV and the live
 run on the device only), so the caller can price loading the difference.
+
+A walk starts at the root of the request's root hash (its cache salt's, docs/design.md §9.10);
+a salt with no root yet matches nothing.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from core.events import ROOT_HASH
 from worker.cache.node import Key, Node
 from worker.cache.tree import RadixTree
 
@@ -43,24 +47,31 @@ class Walk:
     host_full_all: int
 
 
-def match_path(tree: RadixTree, key: Key, *, window_rule: bool = True) -> tuple[list[Node], int]:
+def match_path(
+    tree: RadixTree, key: Key, *, window_rule: bool = True, root_hash: int = ROOT_HASH
+) -> tuple[list[Node], int]:
     """Nodes of the accepted match (root-side first) and its length in tokens.
 
     `key` must be page-aligned. A partially matched last node is split only when the match
     may end inside it. `window_rule=False` gives the plain full-KV match (what the tree holds,
     used to re-find a just-inserted key, and the path a repair locks).
     """
-    walk = match_walk(tree, key, window_rule=window_rule)
+    walk = match_walk(tree, key, window_rule=window_rule, root_hash=root_hash)
     return walk.path, walk.valid
 
 
-def match_walk(tree: RadixTree, key: Key, *, window_rule: bool = True) -> Walk:
+def match_walk(
+    tree: RadixTree, key: Key, *, window_rule: bool = True, root_hash: int = ROOT_HASH
+) -> Walk:
     """The walk of `key`: both valid matches (a node is split where they end inside it) and
     the full-KV match, unsplit (what a repair could start from, §9.8)."""
     window = tree.window if window_rule else None
     path: list[Node] = []
     best_nodes = best_len = dev_nodes = dev_len = host_full = 0
-    node, pos, run, run_dev, dev_ok = tree.root, 0, _NO_TOMBSTONE, _NO_TOMBSTONE, True
+    root = tree.roots.get(root_hash)
+    if root is None:
+        return Walk(path, 0, 0, 0, 0, 0)
+    node, pos, run, run_dev, dev_ok = root, 0, _NO_TOMBSTONE, _NO_TOMBSTONE, True
     while pos < len(key):
         child = tree.child(node, key, pos)
         if child is None:

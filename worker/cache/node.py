@@ -10,6 +10,8 @@ is None). A node whose full KV is on the host has no KV on the device, and its d
 are on the host too (device-resident nodes are a top part of the tree). `state` names the five
 combinations as `core.events.PageState` does.
 `hashes` holds the chained page hashes of its pages (docs/design.md §4.3); a split slices it.
+A root holds one: its root hash, where its chain starts (ROOT_HASH, or a cache salt's: a tree
+has a root per salt in use, docs/design.md §9.10).
 
 Nothing here touches an allocator; the tree (`tree.py`) keeps the counters and LRUs.
 """
@@ -34,7 +36,7 @@ class Node:
     key: Key
     full: torch.Tensor  # int64, CPU: full-pool slot per token
     swa: torch.Tensor | None  # int64, CPU: SWA-pool slot per token; None = tombstone
-    hashes: list[int]  # chained page hash per page
+    hashes: list[int]  # chained page hash per page (a root: [its root hash])
     parent: Node | None = None
     children: dict[Key, Node] = field(default_factory=dict)  # keyed by the child's first page
     host_full: torch.Tensor | None = None  # int64, CPU: host full slots (full KV on the host)
@@ -53,9 +55,9 @@ class Node:
     in_lru: bool = False
 
     @staticmethod
-    def make_root() -> Node:
+    def make_root(root_hash: int = ROOT_HASH) -> Node:
         # The root is permanently locked so walks that stop "at a locked node" stop there.
-        return Node(key=(), full=_EMPTY, swa=_EMPTY, hashes=[], full_lock=1, swa_lock=1)
+        return Node(key=(), full=_EMPTY, swa=_EMPTY, hashes=[root_hash], full_lock=1, swa_lock=1)
 
     @property
     def is_root(self) -> bool:
@@ -93,8 +95,8 @@ class Node:
 
     @property
     def last_hash(self) -> int:
-        """Chained hash of the prefix ending at this node (ROOT_HASH for the root)."""
-        return self.hashes[-1] if self.hashes else ROOT_HASH
+        """Chained hash of the prefix ending at this node (a root: its root hash)."""
+        return self.hashes[-1]
 
     def __len__(self) -> int:
         return len(self.key)

@@ -5,7 +5,8 @@ It composes the tree state (tree.py) with the algorithms (match.py, insert.py, e
 applies the allocator work they return, and implements the request hooks. With `window` None
 (no SWA layer) or a non-hybrid allocator it is a plain radix cache: no tombstones ever. With a
 host tier (`tier`, docs/design.md §9.9) eviction offloads, a match reports both tiers, and an
-admission loads through `prepare_load` / `load`.
+admission loads through `prepare_load` / `load`. Every lookup and insert names its root hash
+(a request's cache salt's, docs/design.md §9.10; ROOT_HASH without one): salts share nothing.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from dataclasses import replace
 
 import torch
 
-from core.events import CacheEvent, EventKind, EventLog, PageState
+from core.events import ROOT_HASH, CacheEvent, EventKind, EventLog, PageState
 from core.geometry import Geometry, ceil_page, floor_page
 from core.reuse import TieredMatch
 from worker.cache.base import (
@@ -117,8 +118,8 @@ class RadixCache(PrefixCache):
         return self.tree.swa_protected
 
     # ---- match / insert / locks -----------------------------------------------------------
-    def match_prefix(self, tokens: Sequence[int]) -> MatchResult:
-        walk = match_walk(self.tree, self._key(tokens))
+    def match_prefix(self, tokens: Sequence[int], root_hash: int = ROOT_HASH) -> MatchResult:
+        walk = match_walk(self.tree, self._key(tokens), root_hash=root_hash)
         device = walk.path[: walk.device_nodes]
         self.tree.touch(walk.path[-1] if walk.path else self.tree.root, hit=True)
         tiered = None if self.tier is None else self._tiered(walk)
@@ -138,26 +139,28 @@ class RadixCache(PrefixCache):
             walk.full, walk.valid, walk.device, host_full, host_swa, walk.host_full_all
         )
 
-    def match_full(self, tokens: Sequence[int]) -> MatchResult:
-        path, length = match_path(self.tree, self._key(tokens), window_rule=False)
+    def match_full(self, tokens: Sequence[int], root_hash: int = ROOT_HASH) -> MatchResult:
+        path, length = match_path(self.tree, self._key(tokens), window_rule=False, root_hash=root_hash)
         assert not any(n.full_on_host for n in path), "load a repair's prefix before locking it"
         end = path[-1] if path else self.tree.root
         self.tree.touch(end, hit=True)
         return MatchResult(_cat([n.full for n in path]), length, end, length)
 
     # ---- loads from the host tier (docs/design.md §9.9) -----------------------------------
-    def prepare_load(self, tokens: Sequence[int], length: int, swa_from: int | None) -> LoadPlan:
+    def prepare_load(
+        self, tokens: Sequence[int], length: int, swa_from: int | None, root_hash: int = ROOT_HASH
+    ) -> LoadPlan:
         """Get the cached prefix `tokens[:length]` ready to load: its nodes pinned (no eviction
         takes them), its device part locked, a node split at `swa_from` (the first position
         whose host SWA is loaded; None: full KV only). Make room for the plan's tokens, then
         `load` it (or `cancel_load`)."""
         assert self.tier is not None, "no host tier"
         key = self._key(tokens)[:length]
-        path, got = match_path(self.tree, key, window_rule=False)
+        path, got = match_path(self.tree, key, window_rule=False, root_hash=root_hash)
         assert got == length, f"the prefix to load is not cached ({got} < {length})"
         if swa_from is not None and swa_from > 0:
             self._split_at(path, swa_from)
-            path, _ = match_path(self.tree, key, window_rule=False)
+            path, _ = match_path(self.tree, key, window_rule=False, root_hash=root_hash)
         device = [n for n in path if not n.full_on_host]
         receipt = self.tree.lock(device[-1]) if device else None
         for n in path:
@@ -212,8 +215,10 @@ class RadixCache(PrefixCache):
         *,
         prev_prefix_len: int = 0,
         swa_evicted_seqlen: int = 0,
+        root_hash: int = ROOT_HASH,
     ) -> InsertOutcome:
-        """Insert `tokens` (page-aligned) with the request's full slots `full` (int64, CPU).
+        """Insert `tokens` (page-aligned) with the request's full slots `full` (int64, CPU)
+        under the root of `root_hash`.
 
         The tree takes ownership of the request's slots from `prev_prefix_len` on, except
         duplicates of what it already holds, which are freed. Returns what was already cached
@@ -229,6 +234,7 @@ class RadixCache(PrefixCache):
             self.allocator.translate(full),
             prev_prefix_len=prev_prefix_len,
             swa_evicted=swa_evicted_seqlen,
+            root_hash=root_hash,
         )
         self._apply(out.ops)
         return out
@@ -273,6 +279,7 @@ class RadixCache(PrefixCache):
             req.table[:aligned],
             prev_prefix_len=req.cache_protected_len,
             swa_evicted_seqlen=frontier,
+            root_hash=req.root_hash,
         )
         # NOTE: the tree owns [0, aligned) now whatever the window rule says about matching
         # there, so the request's lock and table follow the inserted node, not a re-match
@@ -300,6 +307,7 @@ class RadixCache(PrefixCache):
                 req.table[:aligned],
                 prev_prefix_len=protected,
                 swa_evicted_seqlen=req.swa_evicted_seqlen,
+                root_hash=req.root_hash,
             )
         elif aligned > protected:
             self.allocator.free(req.table[protected:aligned])

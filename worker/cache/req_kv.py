@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from core.events import ROOT_HASH
 from core.geometry import ceil_page
 
 if TYPE_CHECKING:
@@ -37,6 +38,7 @@ class ReqKV:
     cache hook returns, the window frees): the hooks read it and return a `KVUpdate`."""
 
     tokens: list[int]  # token ids so far (prompt + output)
+    root_hash: int = ROOT_HASH  # its cache salt's: the tree root it inserts under (§9.10)
     table: torch.Tensor = field(default_factory=_empty_table)  # int64, CPU: full slot per position
     cache_protected_len: int = 0  # page-aligned; owned by the tree
     swa_evicted_seqlen: int = 0  # page-aligned frontier: SWA freed below it (request-owned part)

@@ -5,6 +5,11 @@ the leaf heap and the event log can never disagree. The algorithms (match.py, in
 evict.py) decide *what* changes; they never touch a counter. Nothing here touches an
 allocator: operations that release KV return the slots (`AllocOps`) to the façade.
 
+Roots: one per root hash in use (docs/design.md §9.10): `root` for requests without a cache
+salt, one more per salt, created by the first insert under it and dropped with its last child,
+so no walk from one root ever meets another salt's nodes. The orders and counters are shared:
+salts compete for the same pools.
+
 Counters (tokens), per pool: a node is *protected* while its lock count for that pool is > 0,
 else *evictable*; a tombstone counts for neither SWA counter. KV on the host tier (docs/design.md
 §9.9) counts in none of them (`host_full`, `host_swa`: tokens held there): it is never locked.
@@ -17,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from core.events import EventKind, EventLog, page_hashes
+from core.events import ROOT_HASH, EventKind, EventLog, page_hashes
 from core.geometry import ceil_page, floor_page
 from worker.cache.base import LockReceipt
 from worker.cache.lru import LeafHeap, LRUList
@@ -50,7 +55,8 @@ class RadixTree:
         self.page_size = page_size
         self.window = window
         self.events = events
-        self.root = Node.make_root()
+        self.root = Node.make_root()  # requests without a cache salt
+        self.roots: dict[int, Node] = {ROOT_HASH: self.root}  # root hash -> root
         self.swa_lru = LRUList()
         # One window tail, page-rounded: what a match ending at a node's end needs live.
         self.tail = None if window is None else max(page_size, ceil_page(window, page_size))
@@ -67,6 +73,13 @@ class RadixTree:
         self._next_boundary_id = 1
 
     # ---- lookup ---------------------------------------------------------------------------
+
+    def root_for(self, root_hash: int) -> Node:
+        """The root of `root_hash`'s chain, created if none is there yet."""
+        root = self.roots.get(root_hash)
+        if root is None:
+            root = self.roots[root_hash] = Node.make_root(root_hash)
+        return root
 
     def child(self, node: Node, key: Key, pos: int) -> Node | None:
         return node.children.get(key[pos : pos + self.page_size])
@@ -147,6 +160,8 @@ class RadixTree:
             self._forget_host_swa(node)
         node.attached = False
         self.events.emit(EventKind.REMOVED, node.hashes)
+        if parent.is_root and not parent.children and parent is not self.root:
+            del self.roots[parent.last_hash]  # a salt's last node: its root goes too
         self._reclassify_leaf(parent)
         if self.retention is not None:
             self.retention.forget(node)
@@ -376,9 +391,9 @@ class RadixTree:
     # ---- whole tree -----------------------------------------------------------------------
 
     def iter_nodes(self) -> list[Node]:
-        """Every non-root node (O(n): integrity checks, snapshots, reset)."""
+        """Every non-root node under every root (O(n): integrity checks, snapshots, reset)."""
         out: list[Node] = []
-        stack = list(self.root.children.values())
+        stack = [c for root in self.roots.values() for c in root.children.values()]
         while stack:
             n = stack.pop()
             out.append(n)

@@ -280,7 +280,7 @@ class Scheduler:
 
     def _admit(self, req: Req, budget: int) -> StepWork | None:
         tokens = req.all_tokens()
-        match = self.cache.match_prefix(tokens[: req.reusable])
+        match = self.cache.match_prefix(tokens[: req.reusable], req.params.root_hash)
         reuse = self._reuse(match)
         if reuse.repaired or reuse.loaded_full or reuse.loaded_swa:
             admit = self._admit_repair if reuse.repaired else self._admit_load
@@ -288,7 +288,7 @@ class Scheduler:
             if admitted:
                 return item
             if reuse.loaded_full or reuse.loaded_swa:  # alone, no room: what the device holds
-                match = self.cache.match_prefix(tokens[: req.reusable])
+                match = self.cache.match_prefix(tokens[: req.reusable], req.params.root_hash)
         kv = self._new_kv(req, tokens, match)
         n = self._admissible_chunk(req, len(tokens) - match.length, budget)
         if n <= 0:
@@ -343,7 +343,7 @@ class Scheduler:
         admission's budgets hold with the loaded tokens counted and the pools make room;
         returns the device match and the tokens loaded, or None (nothing changed)."""
         g = self.limits.geometry
-        plan = self.cache.prepare_load(tokens[: req.reusable], length, swa_from)
+        plan = self.cache.prepare_load(tokens[: req.reusable], length, swa_from, req.params.root_hash)
         future = future_tokens(req, CLIP_MAX_NEW_TOKENS)
         fits = not self.running or full_admits(extend + plan.full_tokens, future, g.page_size, self.rem_full())
         if fits and self.swa_budgeted and swa_from is not None:
@@ -369,7 +369,7 @@ class Scheduler:
             if got is None:
                 return bool(self.running), None
             loaded = got[1]
-        kv = self._new_kv(req, tokens, self.cache.match_full(tokens[: req.reusable]))
+        kv = self._new_kv(req, tokens, self.cache.match_full(tokens[: req.reusable], req.params.root_hash))
         assert kv.cache_protected_len == reuse.reused + rows, "the full match moved"
         extend = len(tokens) - reuse.reused  # the scratch rows + the new slots after p_full
         n = min(extend, budget)
@@ -396,8 +396,8 @@ class Scheduler:
         table[: match.length] = match.indices
         lock, row, m = self.cache.lock(match.node), self._rows.take(), match.length
         return ReqKV(
-            tokens=tokens, table=table, cache_protected_len=m, kv_committed_len=m,
-            kv_allocated_len=m, lock=lock, row=row,
+            tokens=tokens, root_hash=req.params.root_hash, table=table, cache_protected_len=m,
+            kv_committed_len=m, kv_allocated_len=m, lock=lock, row=row,
         )  # fmt: skip
 
     def _start(self, req: Req, kv: ReqKV, n: int) -> StepWork | None:

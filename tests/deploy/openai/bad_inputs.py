@@ -101,6 +101,10 @@ def bad_inputs(model: str, max_model_len: int) -> list[BadInput]:
         BadInput("self-referencing schema", c, _j({**ok, "guided_json": {"$defs": {"a": {"type": "object",
                  "properties": {"x": {"$ref": "#/$defs/a"}}, "required": ["x"]}}, "$ref": "#/$defs/a"}}), 400,
                  param="grammar", real_engine=True),
+        BadInput("empty cache_salt", c, _j({**ok, "cache_salt": ""}), 400, param="cache_salt"),
+        BadInput("cache_salt too long", c, _j({**ok, "cache_salt": "s" * 257}), 400, param="cache_salt"),
+        BadInput("chat cache_salt not a string", ch, _j({"model": model, "messages": msgs, "cache_salt": 7}), 400,
+                 param="cache_salt"),
         BadInput("chat too many messages", ch, _j({"model": model, "messages": [{"role": "user"}] * 2049}), 400,
                  param="messages"),
         BadInput("chat too many tools", ch, _j({"model": model, "messages": msgs, "tools": [

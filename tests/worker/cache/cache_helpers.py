@@ -6,7 +6,9 @@ from collections.abc import Sequence
 
 import torch
 
+from core.events import ROOT_HASH, PageState, page_hashes
 from core.geometry import Geometry
+from core.reuse import TierCosts, choose_reuse
 from worker.cache.host_tier import HostTier
 from worker.cache.insert import InsertOutcome
 from worker.cache.match import match_path
@@ -20,6 +22,7 @@ from worker.kv.transfer import TransferQueue
 
 # The policy `make_cache` uses when none is given (conftest's `both_policies` switches it).
 DEFAULT_SWA_POLICY = "lru"
+COSTS = TierCosts(prefill=1.0, load_full=0.01, load_swa=0.01)  # loading always pays here
 
 
 def make_cache(
@@ -55,14 +58,15 @@ def put(
     prev: int = 0,
     evicted: int = 0,
     free_evicted_swa: bool = True,
+    root: int = ROOT_HASH,
 ) -> tuple[InsertOutcome, torch.Tensor]:
-    """Insert `tokens` with fresh slots (the tree's own slots below `prev`).
+    """Insert `tokens` with fresh slots (the tree's own slots below `prev`) under `root`'s root.
 
     With `evicted` > 0 the fresh slots' SWA below `evicted` is freed first, as the request's
     frontier would have done.
     """
     a = cache.allocator
-    path, _ = match_path(cache.tree, tuple(tokens[:prev]), window_rule=False)
+    path, _ = match_path(cache.tree, tuple(tokens[:prev]), window_rule=False, root_hash=root)
     head = torch.cat([torch.empty(0, dtype=torch.int64)] + [n.full for n in path])
     assert len(head) == prev, f"the tree does not hold the first {prev} tokens"
     fresh = a.alloc(len(tokens) - prev)
@@ -70,7 +74,8 @@ def put(
     values = torch.cat([head, fresh])
     if evicted > prev and free_evicted_swa:
         a.free_swa(values[prev:evicted])
-    return cache.insert(tokens, values, prev_prefix_len=prev, swa_evicted_seqlen=evicted), values
+    out = cache.insert(tokens, values, prev_prefix_len=prev, swa_evicted_seqlen=evicted, root_hash=root)
+    return out, values
 
 
 def node_at(cache: RadixCache, tokens: Sequence[int]) -> Node:
@@ -84,14 +89,42 @@ def node_at(cache: RadixCache, tokens: Sequence[int]) -> Node:
     return node
 
 
+def states(cache: RadixCache, tokens: list[int], root: int = ROOT_HASH) -> list[PageState | None]:
+    """The snapshot's state of each page of `tokens` under `root`'s chain (None: not cached)."""
+    pages = cache.snapshot_pages()
+    return [pages.get(h) for h in page_hashes(tokens, cache.page_size, root)]
+
+
+def load_all(cache: RadixCache, tokens: list[int], root: int = ROOT_HASH) -> int:
+    """Match `tokens` and load what `choose_reuse` says (room made by eviction); the reuse."""
+    m = cache.match_prefix(tokens, root)
+    assert m.tiered is not None
+    g = Geometry(cache.page_size, cache.window, 2)
+    reuse = choose_reuse(m.tiered, g, COSTS, repair=False)
+    if not (reuse.loaded_full or reuse.loaded_swa):
+        return m.length
+    assert cache.window is not None
+    plan = cache.prepare_load(tokens, reuse.reused, reuse.reused - g.ceil(cache.window), root)
+    a = cache.allocator
+    cache.evict(max(0, plan.full_tokens - a.full_available_size()),
+                max(0, plan.swa_tokens - a.swa_available_size()))  # fmt: skip
+    assert (plan.full_tokens, plan.swa_tokens) == (reuse.loaded_full, reuse.loaded_swa)
+    if a.full_available_size() < plan.full_tokens or a.swa_available_size() < plan.swa_tokens:
+        cache.cancel_load(plan)  # locked elsewhere: no room (the scheduler waits or recomputes)
+        return cache.match_prefix(tokens, root).length
+    return cache.load(plan).length
+
+
 # ---- a minimal request driver (what the engine does around the hooks) -------------------------
 
 
-def start_req(cache: RadixCache, tokens: Sequence[int], *, match: bool = True) -> ReqKV | None:
+def start_req(
+    cache: RadixCache, tokens: Sequence[int], *, match: bool = True, root: int = ROOT_HASH
+) -> ReqKV | None:
     """Match (all but the last token), lock, allocate the rest; None if the pools are full."""
     tokens = list(tokens)
     if match:
-        m = cache.match_prefix(tokens[:-1])
+        m = cache.match_prefix(tokens[:-1], root)
         indices, length, receipt = m.indices, m.length, cache.lock(m.node)
     else:
         indices, length, receipt = torch.empty(0, dtype=torch.int64), 0, None
@@ -102,6 +135,7 @@ def start_req(cache: RadixCache, tokens: Sequence[int], *, match: bool = True) -
         return None
     return ReqKV(
         tokens=tokens,
+        root_hash=root,
         table=torch.cat([indices, new]),
         cache_protected_len=length,
         lock=receipt,

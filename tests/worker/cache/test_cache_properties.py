@@ -7,6 +7,10 @@ events and checks they are allowed (never a locked page; under `tail_first` inte
 any tail, and tails tombstoned, never deleted, by the SWA phase). After every step: each match
 equals the model's valid match (and its full match), event replay == model == snapshot, and
 `check_integrity` (incl. the pool identity, repairs' scratch slots counted) holds.
+
+Requests come with one of three root hashes (no cache salt, two salts, docs/design.md §9.10),
+and the model names pages by the chain of each: a match that reached across salts would exceed
+the model's.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from core.events import EventKind, PageState, page_hashes, replay
+from core.events import ROOT_HASH, EventKind, PageState, page_hashes, replay, salted_root
 from worker.cache.base import LockReceipt
 from worker.cache.match import match_path
 from worker.cache.req_kv import ReqKV
@@ -35,12 +39,15 @@ from worker.scheduler.kv_state import record
 
 LIVE, TOMB = PageState.LIVE, PageState.TOMBSTONE
 tokens_st = st.lists(st.integers(0, 2), min_size=2, max_size=14)
+ROOTS = (ROOT_HASH, salted_root("tenant-a"), salted_root("tenant-b"))
+roots_st = st.sampled_from(ROOTS)
 
 
 @dataclass(eq=False)
 class Reader:
     tokens: list[int]
     receipt: LockReceipt
+    root: int
 
 
 class PageModel:
@@ -50,9 +57,9 @@ class PageModel:
         self.P, self.W = page_size, window
         self.pages: dict[int, PageState] = {}
 
-    def valid_match(self, tokens: list[int]) -> int:
+    def valid_match(self, tokens: list[int], root: int = ROOT_HASH) -> int:
         run, tombstone_seen, best = 0, False, 0
-        for i, h in enumerate(page_hashes(tokens, self.P)):
+        for i, h in enumerate(page_hashes(tokens, self.P, root)):
             state = self.pages.get(h)
             if state is None:
                 break
@@ -62,25 +69,25 @@ class PageModel:
                 best = (i + 1) * self.P
         return best
 
-    def full_match(self, tokens: list[int]) -> int:
+    def full_match(self, tokens: list[int], root: int) -> int:
         n = 0
-        for h in page_hashes(tokens, self.P):
+        for h in page_hashes(tokens, self.P, root):
             if h not in self.pages:
                 break
             n += self.P
         return n
 
-    def revive(self, tokens: list[int], start: int, tail: int) -> None:
+    def revive(self, tokens: list[int], start: int, tail: int, root: int) -> None:
         """A finished repair over tokens[start:]: the last `tail` tokens' pages are LIVE."""
         end = len(tokens)
         lo = max(start, end - tail)
-        for i, h in enumerate(page_hashes(tokens, self.P)):
+        for i, h in enumerate(page_hashes(tokens, self.P, root)):
             if i * self.P >= lo:
                 assert h in self.pages, "a repaired page vanished while FULL-locked"
                 self.pages[h] = LIVE
 
-    def insert(self, tokens: list[int], prev: int, evicted: int) -> None:
-        for i, h in enumerate(page_hashes(tokens, self.P)):
+    def insert(self, tokens: list[int], prev: int, evicted: int, root: int) -> None:
+        for i, h in enumerate(page_hashes(tokens, self.P, root)):
             pos = i * self.P
             has_swa = pos >= evicted
             if h not in self.pages:
@@ -107,7 +114,7 @@ class CacheMachine(RuleBasedStateMachine):
         self.reqs: list[ReqKV] = []
         self.released: set[int] = set()  # id() of requests past early release (decode only)
         self.readers: list[Reader] = []
-        self.history: list[list[int]] = []  # every sequence a request started with
+        self.history: list[tuple[int, list[int]]] = []  # every (root, sequence) a request started with
 
     # ---- event bookkeeping ----------------------------------------------------------------
     def absorb(self, *, inserted: bool = False) -> None:
@@ -131,42 +138,42 @@ class CacheMachine(RuleBasedStateMachine):
     def _locked_pages(self) -> set[int]:
         out: set[int] = set()
         for r in self.reqs:
-            out.update(page_hashes(r.tokens[: r.cache_protected_len], self.page_size))
+            out.update(page_hashes(r.tokens[: r.cache_protected_len], self.page_size, r.root_hash))
         for rd in self.readers:
-            out.update(page_hashes(rd.tokens, self.page_size))
+            out.update(page_hashes(rd.tokens, self.page_size, rd.root))
         return out
 
     # ---- rules ----
-    @initialize(seqs=st.lists(tokens_st, min_size=2, max_size=5), decoded=st.integers(0, 12))
-    def seed(self, seqs: list[list[int]], decoded: int) -> None:
+    @initialize(seqs=st.lists(st.tuples(roots_st, tokens_st), min_size=2, max_size=5), decoded=st.integers(0, 12))
+    def seed(self, seqs: list[tuple[int, list[int]]], decoded: int) -> None:
         """Start from a populated tree: finished requests that decoded and moved their
         frontier (tombstone prefixes), so the rules below meet shared paths at once."""
-        for tokens in seqs:
-            m = self.cache.match_prefix(tokens[:-1])
-            req = _allocate(self.cache, tokens, m.indices, m.length, self.cache.lock(m.node))
+        for root, tokens in seqs:
+            m = self.cache.match_prefix(tokens[:-1], root)
+            req = _allocate(self.cache, tokens, m.indices, m.length, self.cache.lock(m.node), root)
             self.absorb()
             if req is None:
                 continue
-            self.history.append(tokens)
+            self.history.append((root, tokens))
             decode(self.cache, req, [t % 3 for t in range(decoded)])
             if self.window is not None:
                 move_frontier(self.cache, req)
             self.absorb()  # decode may have evicted (its events come before the insert's)
             aligned = req.kv_committed_len - req.kv_committed_len % self.page_size
             record(req, self.cache.cache_finished_req(req))
-            self.model.insert(req.tokens[:aligned], req.cache_protected_len, req.swa_evicted_seqlen)
+            self.model.insert(req.tokens[:aligned], req.cache_protected_len, req.swa_evicted_seqlen, root)
             self.absorb(inserted=True)
 
     @precondition(lambda self: len(self.reqs) < 4)
     @rule(data=st.data(), tail=tokens_st)
     def start(self, data: st.DataObject, tail: list[int]) -> None:
-        tokens = self._query(data, tail)
-        self.history.append(tokens)
-        expected = self.model.valid_match(tokens[:-1])
-        m = self.cache.match_prefix(tokens[:-1])
+        root, tokens = self._query(data, tail)
+        self.history.append((root, tokens))
+        expected = self.model.valid_match(tokens[:-1], root)
+        m = self.cache.match_prefix(tokens[:-1], root)
         assert m.length == expected
         receipt = self.cache.lock(m.node)
-        req = _allocate(self.cache, tokens, m.indices, m.length, receipt)
+        req = _allocate(self.cache, tokens, m.indices, m.length, receipt, root)
         self.absorb()
         if req is not None:
             self.reqs.append(req)
@@ -197,7 +204,7 @@ class CacheMachine(RuleBasedStateMachine):
         record(req, self.cache.cache_unfinished_req(req))  # may move the frontier first (eager)
         aligned = req.kv_committed_len - req.kv_committed_len % self.page_size
         if aligned > prev:
-            self.model.insert(req.tokens[:aligned], prev, req.swa_evicted_seqlen)
+            self.model.insert(req.tokens[:aligned], prev, req.swa_evicted_seqlen, req.root_hash)
         self.absorb(inserted=True)
 
     @precondition(lambda self: self.reqs)
@@ -209,7 +216,7 @@ class CacheMachine(RuleBasedStateMachine):
         aligned = req.kv_committed_len - req.kv_committed_len % self.page_size
         record(req, self.cache.cache_finished_req(req, insert=insert))
         if insert:
-            self.model.insert(req.tokens[:aligned], req.cache_protected_len, req.swa_evicted_seqlen)
+            self.model.insert(req.tokens[:aligned], req.cache_protected_len, req.swa_evicted_seqlen, req.root_hash)
         self.absorb(inserted=insert)
 
     @precondition(lambda self: self._unreleased())
@@ -226,12 +233,12 @@ class CacheMachine(RuleBasedStateMachine):
     def start_repair(self, data: st.DataObject, tail: list[int]) -> None:
         """A request whose full match runs past its valid one recomputes the R tokens before
         p_full into scratch pairs (docs/design.md §9.8); nothing changes in the tree yet."""
-        tokens = self._query(data, tail, shared=True)
-        if self.model.full_match(tokens[:-1]) <= self.model.valid_match(tokens[:-1]):
-            self._tombstone_on_path(data, tokens[:-1])  # make one more often than chance would
-        p_full = self.model.full_match(tokens[:-1])
-        p_valid = self.model.valid_match(tokens[:-1])
-        m = self.cache.match_prefix(tokens[:-1])
+        root, tokens = self._query(data, tail, shared=True)
+        if self.model.full_match(tokens[:-1], root) <= self.model.valid_match(tokens[:-1], root):
+            self._tombstone_on_path(data, tokens[:-1], root)  # make one more often than chance would
+        p_full = self.model.full_match(tokens[:-1], root)
+        p_valid = self.model.valid_match(tokens[:-1], root)
+        m = self.cache.match_prefix(tokens[:-1], root)
         assert (m.length, m.full_length) == (p_valid, p_full)
         tail = self.cache.tree.tail
         assert tail is not None
@@ -240,7 +247,7 @@ class CacheMachine(RuleBasedStateMachine):
         # R >= one tail (the real R is, docs/design.md §9.8); it may start below p_valid here.
         P = self.page_size
         rows = data.draw(st.integers(tail // P, p_full // P)) * P
-        m = self.cache.match_full(tokens[:-1])
+        m = self.cache.match_full(tokens[:-1], root)
         assert m.length == p_full
         receipt = self.cache.lock(m.node)
         scratch = _alloc(self.cache, [0], [rows], [-1])
@@ -251,15 +258,16 @@ class CacheMachine(RuleBasedStateMachine):
                 self.cache.allocator.free(scratch)
             self.cache.unlock(receipt)
             return
-        self.history.append(tokens)
+        self.history.append((root, tokens))
         self.reqs.append(ReqKV(
-            tokens=list(tokens), table=torch.cat([m.indices, rest]), cache_protected_len=p_full,
+            tokens=list(tokens), root_hash=root, table=torch.cat([m.indices, rest]), cache_protected_len=p_full,
             lock=receipt, kv_committed_len=p_full - rows, kv_allocated_len=len(tokens),
             repair_start=p_full - rows, repair_slots=scratch,
         ))  # fmt: skip
 
-    def _tombstone_on_path(self, data: st.DataObject, query: list[int]) -> None:
-        path, _ = match_path(self.cache.tree, tuple(query[: len(query) - len(query) % self.page_size]), window_rule=False)
+    def _tombstone_on_path(self, data: st.DataObject, query: list[int], root: int) -> None:
+        key = tuple(query[: len(query) - len(query) % self.page_size])
+        path, _ = match_path(self.cache.tree, key, window_rule=False, root_hash=root)
         live = [n for n in path if n.swa is not None and n.swa_lock == 0]
         if live:
             node = data.draw(st.sampled_from(live))
@@ -277,9 +285,9 @@ class CacheMachine(RuleBasedStateMachine):
         record(req, self.cache.finish_repair(req))
         tail = self.cache.tree.tail
         assert tail is not None
-        self.model.revive(req.tokens[:end], start, tail)
+        self.model.revive(req.tokens[:end], start, tail, req.root_hash)
         self.absorb(inserted=True)
-        assert self.model.valid_match(req.tokens[:end]) == end, "a repaired prefix must be valid"
+        assert self.model.valid_match(req.tokens[:end], req.root_hash) == end, "a repaired prefix must be valid"
 
     @rule(full=st.integers(0, 8), swa=st.integers(0, 8))
     def evict(self, full: int, swa: int) -> None:
@@ -317,14 +325,15 @@ class CacheMachine(RuleBasedStateMachine):
 
     @rule(data=st.data(), tail=tokens_st)
     def match(self, data: st.DataObject, tail: list[int]) -> None:
-        query = self._query(data, tail)
-        assert self.cache.match_prefix(query).length == self.model.valid_match(query)
+        root, query = self._query(data, tail)
+        assert self.cache.match_prefix(query, root).length == self.model.valid_match(query, root)
 
     @precondition(lambda self: len(self.readers) < 3)
-    @rule(query=tokens_st)
-    def reader_lock(self, query: list[int]) -> None:
-        m = self.cache.match_prefix(query)
-        self.readers.append(Reader(query[: m.length], self.cache.lock(m.node)))
+    @rule(data=st.data(), tail=tokens_st)
+    def reader_lock(self, data: st.DataObject, tail: list[int]) -> None:
+        root, query = self._query(data, tail)
+        m = self.cache.match_prefix(query, root)
+        self.readers.append(Reader(query[: m.length], self.cache.lock(m.node), root))
 
     @precondition(lambda self: self.readers)
     @rule(data=st.data())
@@ -333,14 +342,17 @@ class CacheMachine(RuleBasedStateMachine):
         self.readers.remove(rd)
         self.cache.unlock(rd.receipt)
 
-    def _query(self, data: st.DataObject, tail: list[int], shared: bool = False) -> list[int]:
-        """Often (`shared`: whenever possible) a prefix of an earlier sequence plus a tail:
-        that is where sharing, splits, revivals and repairs happen."""
-        sources = self.history + [r.tokens for r in self.reqs]
+    def _query(self, data: st.DataObject, tail: list[int], shared: bool = False) -> tuple[int, list[int]]:
+        """A root hash and tokens: often (`shared`: whenever possible) a prefix of an earlier
+        sequence plus a tail, that is where sharing, splits, revivals and repairs happen; with
+        its root mostly, else with another salt's (where nothing may be shared)."""
+        sources = self.history + [(r.root_hash, r.tokens) for r in self.reqs]
         if not sources or not (shared or data.draw(st.booleans())):
-            return tail
-        src = data.draw(st.sampled_from(sources))
-        return src[: data.draw(st.integers(0, len(src)))] + tail
+            return data.draw(roots_st), tail
+        root, src = data.draw(st.sampled_from(sources))
+        if not shared and data.draw(st.integers(0, 3)) == 0:
+            root = data.draw(roots_st)
+        return root, src[: data.draw(st.integers(0, len(src)))] + tail
 
     # ---- invariants -----------------------------------------------------------------------
     @invariant()
@@ -356,14 +368,14 @@ class CacheMachine(RuleBasedStateMachine):
     @invariant()
     def locked_prefixes_stay_valid(self) -> None:
         for rd in self.readers:
-            assert self.model.valid_match(rd.tokens) == len(rd.tokens)
+            assert self.model.valid_match(rd.tokens, rd.root) == len(rd.tokens)
         for r in self.reqs:
             if id(r) in self.released or r.repairing:
-                hs = page_hashes(r.tokens[: r.cache_protected_len], self.page_size)
+                hs = page_hashes(r.tokens[: r.cache_protected_len], self.page_size, r.root_hash)
                 assert all(h in self.model.pages for h in hs)
             else:
                 n = r.cache_protected_len
-                assert self.model.valid_match(r.tokens[:n]) == n
+                assert self.model.valid_match(r.tokens[:n], r.root_hash) == n
 
     def teardown(self) -> None:
         for r in list(self.reqs):
@@ -417,15 +429,14 @@ def retention_roles(cache, locked: bool = False) -> list[Roles]:
     return out
 
 
-def _allocate(cache, tokens, indices, length, receipt) -> ReqKV | None:
-    from cache_helpers import _alloc
-
+def _allocate(cache, tokens, indices, length, receipt, root: int = ROOT_HASH) -> ReqKV | None:
     new = _alloc(cache, [length], [len(tokens)], [-1])
     if new is None:
         cache.unlock(receipt)
         return None
     return ReqKV(
         tokens=list(tokens),
+        root_hash=root,
         table=torch.cat([indices, new]),
         cache_protected_len=length,
         lock=receipt,

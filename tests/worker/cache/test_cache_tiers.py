@@ -3,20 +3,21 @@ host tier evicts by its own LRU, a match counts host pages with the window rule 
 host SWA (== the reference walk `tiered_match`), loads bring back the full KV of the prefix and
 the SWA of its window only, an insert adopts recomputed host nodes, events replay to the
 snapshot through every tier kind, and a flush empties both tiers. A stateful run mixes all of it
-with `check_integrity` after every step."""
+with `check_integrity` after every step, its requests under three root hashes (no cache salt, two
+salts: docs/design.md §9.10), each tier working per root."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from cache_helpers import _alloc, make_cache, put
+from cache_helpers import _alloc, load_all, make_cache, put, states
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
 
-from core.events import EventKind, PageState, page_hashes, replay
+from core.events import ROOT_HASH, EventKind, PageState, replay, salted_root
 from core.geometry import Geometry
-from core.reuse import TierCosts, choose_reuse, tiered_match
+from core.reuse import tiered_match
 from worker.cache.radix_cache import RadixCache
 from worker.cache.req_kv import ReqKV
 from worker.kv.transfer import Move
@@ -26,38 +27,12 @@ from worker.scheduler.kv_state import record
 L, T, SH, H, HT = (PageState.LIVE, PageState.TOMBSTONE, PageState.SWA_HOST, PageState.HOST,
                    PageState.HOST_TOMBSTONE)  # fmt: skip
 TIER_KINDS = {EventKind.OFFLOADED, EventKind.LOADED, EventKind.SWA_OFFLOADED, EventKind.SWA_LOADED}
-COSTS = TierCosts(prefill=1.0, load_full=0.01, load_swa=0.01)  # loading always pays here
-
-
-def states(cache: RadixCache, tokens: list[int]) -> list[PageState | None]:
-    pages = cache.snapshot_pages()
-    return [pages.get(h) for h in page_hashes(tokens, cache.page_size)]
 
 
 def synced(cache: RadixCache, pages: dict) -> dict:
     replay(cache.drain_events(), pages)
     assert pages == cache.snapshot_pages()
     return pages
-
-
-def load_all(cache: RadixCache, tokens: list[int]) -> int:
-    """Match `tokens` and load what `choose_reuse` says (room made by eviction); the reuse."""
-    m = cache.match_prefix(tokens)
-    assert m.tiered is not None
-    g = Geometry(cache.page_size, cache.window, 2)
-    reuse = choose_reuse(m.tiered, g, COSTS, repair=False)
-    if not (reuse.loaded_full or reuse.loaded_swa):
-        return m.length
-    assert cache.window is not None
-    plan = cache.prepare_load(tokens, reuse.reused, reuse.reused - g.ceil(cache.window))
-    a = cache.allocator
-    cache.evict(max(0, plan.full_tokens - a.full_available_size()),
-                max(0, plan.swa_tokens - a.swa_available_size()))  # fmt: skip
-    assert (plan.full_tokens, plan.swa_tokens) == (reuse.loaded_full, reuse.loaded_swa)
-    if a.full_available_size() < plan.full_tokens or a.swa_available_size() < plan.swa_tokens:
-        cache.cancel_load(plan)  # locked elsewhere: no room (the scheduler waits or recomputes)
-        return cache.match_prefix(tokens).length
-    return cache.load(plan).length
 
 
 def test_full_eviction_offloads_and_a_load_brings_back_only_the_window_swa() -> None:
@@ -173,6 +148,7 @@ def test_events_replay_to_the_snapshot_through_every_tier_kind() -> None:
 # ---- a stateful run ------------------------------------------------------------------------------
 
 tokens_st = st.lists(st.integers(0, 2), min_size=3, max_size=16)
+roots_st = st.sampled_from((ROOT_HASH, salted_root("tenant-a"), salted_root("tenant-b")))
 
 
 class TierMachine(RuleBasedStateMachine):
@@ -185,15 +161,15 @@ class TierMachine(RuleBasedStateMachine):
         self.pages: dict = {}
         self.running: list[ReqKV] = []
 
-    @rule(tokens=tokens_st, finish=st.booleans(), insert=st.booleans())
-    def request(self, tokens: list[int], finish: bool, insert: bool) -> None:
+    @rule(tokens=tokens_st, root=roots_st, finish=st.booleans(), insert=st.booleans())
+    def request(self, tokens: list[int], root: int, finish: bool, insert: bool) -> None:
         c = self.cache
-        n = load_all(c, tokens[:-1])
-        m = c.match_prefix(tokens[:-1])
+        n = load_all(c, tokens[:-1], root)
+        m = c.match_prefix(tokens[:-1], root)
         assert m.length == n, "a load leaves the prefix valid on the device"
         lock = c.lock(m.node)
         new = _alloc(c, [n], [len(tokens)], [-1])
-        req = ReqKV(tokens=list(tokens), table=torch.cat([m.indices, new]) if new is not None else m.indices,
+        req = ReqKV(tokens=list(tokens), root_hash=root, table=torch.cat([m.indices, new]) if new is not None else m.indices,
                     cache_protected_len=n, lock=lock, kv_committed_len=len(tokens) if new is not None else n,
                     kv_allocated_len=len(tokens) if new is not None else n)  # fmt: skip
         self.running.append(req)
@@ -219,13 +195,14 @@ class TierMachine(RuleBasedStateMachine):
         assert tier is not None
         tier.evict(self.cache.tree, full, swa)
 
-    @rule(tokens=tokens_st)
-    def probe(self, tokens: list[int]) -> None:
-        """The tree's tiered match equals the reference walk over the snapshot's states."""
+    @rule(tokens=tokens_st, root=roots_st)
+    def probe(self, tokens: list[int], root: int) -> None:
+        """The tree's tiered match equals the reference walk over the snapshot's states (of
+        the root's own chain: another salt's pages never count)."""
         c = self.cache
-        m = c.match_prefix(tokens)
+        m = c.match_prefix(tokens, root)
         key = tokens[: len(tokens) // 2 * 2]
-        assert m.tiered == tiered_match(states(c, key), Geometry(2, 3))
+        assert m.tiered == tiered_match(states(c, key, root), Geometry(2, 3))
 
     @invariant()
     def consistent(self) -> None:
