@@ -29,6 +29,7 @@ BENCHMARKS = {
     "gpu-check": "bench.gpu_check",
     "schedule": "bench.schedule",
     "compile": "bench.compile",
+    "tier-ab": "bench.tier_ab",
 }
 
 

@@ -8,10 +8,19 @@ allocator, cache events. Time is virtual: `StepCost` prices one step from the to
 `StepCost` defaults (documented in `bench/routing/report.py`'s output too): a step costs
 
     overhead_s + prefill_token_s x (tokens of prefill chunks) + decode_token_s x (decoding requests)
+               + (bytes of KV the step loaded from the host tier) / link_gbps
 
 = 4 ms + 60 us/prefill token (~16k prefill tokens/s) + 0.15 ms per decode row, the shape of a
-mid-size model on one accelerator (a batch of 32 decodes: ~9 ms; a 2k-token prefill: ~125 ms).
-Only ratios matter for the comparison between policies; the absolute scale sets TTFT in seconds.
+mid-size model on one accelerator (a batch of 32 decodes: ~9 ms; a 2k-token prefill: ~125 ms),
+and loads at 50 GB/s (`host_link_gbps`'s default, PCIe Gen5 x16: GPT-OSS-120B's 36 KiB of full KV
+per token in 0.74 us). Offloads are free: they run on a copy stream beside the forward
+(docs/design.md §9.9). Only ratios matter for the comparison between policies; the absolute scale
+sets TTFT in seconds.
+
+With `host_kv_bytes` > 0 the engine gets a host tier (`sim_host`): its real allocator, transfer
+queue and tree states, a copier that moves nothing (there is no KV), and `TierCosts` from this
+`StepCost` (a prefill token at `prefill_token_s`, a load at its bytes over the link), so the
+scheduler and the router choose load / repair / recompute with the prices the clock charges.
 """
 
 from __future__ import annotations
@@ -21,9 +30,18 @@ from dataclasses import dataclass
 
 import torch
 
+from core.geometry import Geometry
+from core.reuse import TierCosts
+from worker.assembly.host import HostParts
 from worker.assembly.parts import EngineParts
+from worker.cache import create_cache
+from worker.cache.host_tier import HostTier
 from worker.config import EngineConfig
 from worker.engine.engine import Engine
+from worker.kv.host_pool import HostAllocator
+from worker.kv.hybrid_allocator import HybridAllocator
+from worker.kv.memory_plan import PoolPlan, plan_host_pools, plan_pools
+from worker.kv.transfer import CopyBatch, TransferQueue
 from worker.models.spec import KindShape, LayerKind, ModelSpec
 from worker.runner.forward_batch import ForwardBatch, ForwardOutput
 from worker.runner.sampler import SampleOutput, SampleRow
@@ -31,6 +49,7 @@ from worker.runner.sampler import SampleOutput, SampleRow
 SIM_VOCAB = 32_000
 SIM_MAX_MODEL_LEN = 65_536
 SIM_TOKEN = 1  # what every simulated request generates
+SIM_DTYPE_BYTES = 2  # bf16 KV: what the pools and the host tier are sized with
 
 
 @dataclass(frozen=True)
@@ -40,12 +59,23 @@ class StepCost:
     overhead_s: float = 0.004
     prefill_token_s: float = 60e-6
     decode_token_s: float = 150e-6
+    link_gbps: float = 50.0  # host -> device, GB/s (EngineConfig.host_link_gbps's default)
 
-    def seconds(self, prefill_tokens: int, decode_tokens: int) -> float:
+    def seconds(self, prefill_tokens: int, decode_tokens: int, loaded_bytes: int = 0) -> float:
         return (
             self.overhead_s
             + self.prefill_token_s * prefill_tokens
             + self.decode_token_s * decode_tokens
+            + loaded_bytes / (self.link_gbps * 1e9)
+        )
+
+    def tier_costs(self, spec: ModelSpec, dtype_bytes: int) -> TierCosts:
+        """Per-token prices of a prefill and of a load of each kind, as `seconds` charges them."""
+        link = self.link_gbps * 1e9
+        return TierCosts(
+            prefill=self.prefill_token_s,
+            load_full=spec.kind_bytes_per_token(LayerKind.FULL, dtype_bytes) / link,
+            load_swa=spec.kind_bytes_per_token(LayerKind.SWA, dtype_bytes) / link,
         )
 
 
@@ -101,32 +131,50 @@ def sim_spec(window: int, vocab_size: int = SIM_VOCAB) -> ModelSpec:
     )
 
 
+class SimCopier:
+    """The host tier's copier with no KV to move: the tree, the allocators and the transfer
+    queue did the bookkeeping; the clock charges the loads (`StepCost.seconds`)."""
+
+    def issue(self, batch: CopyBatch) -> None:
+        pass
+
+
+def sim_host(config: EngineConfig, spec: ModelSpec, plan: PoolPlan, allocator: HybridAllocator,
+             cost: StepCost) -> HostParts | None:  # fmt: skip
+    """The host tier of `config.host_kv_bytes` (None when 0 or unset), split between kinds as a
+    worker splits it (`plan_host_pools`), priced by `cost`."""
+    if not config.host_kv_bytes:
+        return None
+    host_plan = plan_host_pools(spec, plan, dtype_bytes=SIM_DTYPE_BYTES,
+                                host_kv_bytes=config.host_kv_bytes,
+                                ratio=config.host_swa_full_tokens_ratio)  # fmt: skip
+    tier = HostTier(HostAllocator.from_plan(host_plan), TransferQueue(allocator))
+    return HostParts(tier, SimCopier(), host_plan, cost.tier_costs(spec, SIM_DTYPE_BYTES))
+
+
 def build_sim_engine(
-    config: EngineConfig, window: int, spec: ModelSpec | None = None
+    config: EngineConfig, window: int, spec: ModelSpec | None = None, cost: StepCost | None = None
 ) -> tuple[Engine, SimRunner]:
     """The real `Engine` over pools sized as `build_engine_parts` would, with a `SimRunner`.
 
     `config.max_total_tokens` sizes the full pool; `swa_full_tokens_ratio` and
     `disable_hybrid_swa_memory` the SWA pool, through the same `plan_pools` as a real worker
-    (so its fail-fast checks apply). Raises `worker.errors.ConfigError` on an impossible plan.
+    (so its fail-fast checks apply); `host_kv_bytes` the host tier (`sim_host`, priced by
+    `cost`). Raises `worker.errors.ConfigError` on an impossible plan.
     `spec` (a real model's layer plan, e.g. a `bench.routing.stacks` preset) replaces the
     default 1 full : 3 SWA shape with `window`.
     """
-    from core.geometry import Geometry
-    from worker.cache import create_cache
-    from worker.kv.hybrid_allocator import HybridAllocator
-    from worker.kv.memory_plan import plan_pools
-
     spec = spec or sim_spec(window)
     plan = plan_pools(
         spec,
         page_size=config.page_size,
-        dtype_bytes=2,
+        dtype_bytes=SIM_DTYPE_BYTES,
         swa_full_tokens_ratio=config.swa_full_tokens_ratio,
         max_total_tokens=config.max_total_tokens,
         disable_hybrid_swa_memory=config.disable_hybrid_swa_memory,
     )
     allocator = HybridAllocator(plan.full_tokens, plan.swa_tokens, config.page_size, plan.hybrid)
+    host = sim_host(config, spec, plan, allocator, cost or StepCost())
     cache_window = spec.window if plan.hybrid else None
     cache = create_cache(
         allocator,
@@ -134,7 +182,8 @@ def build_sim_engine(
         enable_radix_cache=config.enable_radix_cache,
         eager_swa_free=config.eager_swa_free,
         swa_eviction_policy=config.swa_eviction_policy,
+        tier=None if host is None else host.tier,
     )
     runner = SimRunner()
-    parts = EngineParts(spec, allocator, cache, runner, SIM_MAX_MODEL_LEN, plan=plan)
+    parts = EngineParts(spec, allocator, cache, runner, SIM_MAX_MODEL_LEN, plan=plan, host=host)
     return Engine(config, parts), runner

@@ -152,10 +152,12 @@ class EngineConfig:
         "available host memory divided by its visible GPUs; on CPU 0.",
         ge=0,
     )
-    host_swa_full_tokens_ratio: float | None = knob(
-        None,
-        "The host tier's SWA tokens = ratio x its full tokens, in (0, 1]; unset: "
-        "swa_full_tokens_ratio.",
+    # docs/design.md §9.9: device eviction offloads whole nodes' interior SWA, and any cached
+    # position may become a reuse point, so the host keeps a token's SWA as long as its full KV.
+    host_swa_full_tokens_ratio: float = knob(
+        1.0,
+        "The host tier's SWA tokens = ratio x its full tokens, in (0, 1]; 1: the host keeps a "
+        "token's SWA KV as long as its full KV (any cached position can become a reuse point).",
         gt=0,
         le=1,
     )

@@ -5,9 +5,11 @@
 | hit rate | Σ cached tokens / Σ prompt tokens (cached = what the engine reused at admission) |
 | prefill tokens | tokens the runners computed as prefill (fed tokens − decode feeds; includes re-prefill after a retraction and repair rows) |
 | repaired tokens | of those, repair rows: recomputed only to rebuild a tombstoned prefix's SWA KV (docs/design.md §9.8) |
+| loaded tokens | KV tokens admissions loaded back from the host tier, full and SWA apart (docs/design.md §9.9); part of cached |
+| offloaded tokens | tokens any of whose KV device eviction moved to the host tier |
 | TTFT | first token's step end − arrival, virtual seconds |
 | throughput | generated tokens / (last finish − first arrival), virtual seconds |
-| prediction | the policy's predicted cached tokens for the worker it chose vs the engine's actual: exact / over (credited a prefix the worker did not reuse) / under |
+| prediction | the policy's predicted cached tokens for the worker it chose vs the engine's actual: exact / over (credited a prefix the worker did not reuse) / under; loaded: its predicted loaded tokens equal the engine's |
 | quiet decisions | decisions made while the chosen worker was idle: its index entry equalled its cache, so a correct prediction must be exact |
 | decision latency | wall-clock µs of `RouterCore.decide` on this machine |
 """
@@ -55,6 +57,15 @@ class RunFigures:
     sim_wall_s: float
     repaired_tokens: int = 0
     repairs: int = 0
+    loads: int = 0  # admissions that loaded KV from the host tier
+    loaded_full_tokens: int = 0
+    loaded_swa_tokens: int = 0
+    offloaded_tokens: int = 0
+    loaded_predictions_exact: int = 0
+
+    @property
+    def loaded_tokens(self) -> int:
+        return self.loaded_full_tokens + self.loaded_swa_tokens
 
 
 def quantile(values: Sequence[float], q: float) -> float:
@@ -114,4 +125,9 @@ def summarize(outcome: SimOutcome, workload: str, pool: str) -> RunFigures:
         sim_wall_s=outcome.wall_s,
         repaired_tokens=outcome.repaired_tokens,
         repairs=outcome.repairs,
+        loads=outcome.loads,
+        loaded_full_tokens=outcome.loaded_full_tokens,
+        loaded_swa_tokens=outcome.loaded_swa_tokens,
+        offloaded_tokens=outcome.offloaded_tokens,
+        loaded_predictions_exact=sum(t.predicted_loaded == t.loaded for t in tracks),
     )

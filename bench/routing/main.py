@@ -12,12 +12,14 @@ events. Every workload (`workloads.py`) runs under every KV pool layout and poli
 | `single_pool` | `disable_hybrid_swa_memory`: SWA layers keep all KV, no tombstones (`swa_prefix` ≡ `prefix`) |
 
 Then the decision latency at `--latency-workers` (64): one workload, every policy, on that many
-workers. Then the model presets (`--models`, `stacks.py`): GPT-OSS-120B and
-MiMo-V2-Flash layer plans, an SGLang-like stack vs swaserve's full stack at SWA ratios 0.05,
-0.1, 0.25 and a roomy SWA pool, prefill in token-layers next to the capacity each ratio buys.
-With `--real`, the same policies also drive the real stack (`real.py`).
+workers, and one decision with the index tracking host tiers vs not (`bench.decision_latency`).
+Then the model presets (`--models`, `stacks.py`): GPT-OSS-120B and MiMo-V2-Flash layer plans, an
+SGLang-like stack, an SGLang-HiCache-like one and swaserve's full stack (both with a host tier)
+at SWA ratios 0.05, 0.1, 0.25 and a roomy SWA pool, prefill in token-layers next to the tokens
+loaded and the capacity each ratio buys. With `--real`, the same policies also drive the real
+stack (`real.py`).
 Output in --output-dir: `routing.json`, `summary.md`, `routing_prefill.png`, `routing_ttft.png`,
-`routing_tradeoff.png` (`runs.py` runs all of it, `report.py` writes the summary and the plots).
+`routing_tiers.png` (`runs.py` runs all of it, `report.py` writes the summary and the plots).
 """
 
 from __future__ import annotations

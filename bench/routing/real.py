@@ -9,13 +9,12 @@ deleted, so each policy starts from cold caches. Timings are wall clock on this 
 from __future__ import annotations
 
 import asyncio
-import socket
 import time
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from bench.harness import markdown_table
+from bench.harness import free_port, markdown_table, quiet_ray_logs
 from bench.routing.figures import quantile
 from bench.routing.real_traffic import MODEL, Sample, Traffic, run_traffic
 from deploy.serve_local import wait_healthy
@@ -76,10 +75,10 @@ def run_real(s: RealSettings) -> RealResult:
 
     t0 = time.perf_counter()
     resolve_model_dir(MODEL)  # build the tiny model once, before the workers load it
-    port = _free_port()
+    port = free_port()
     out = []
     with local_ray(LocalRayConfig(num_cpus=s.num_cpus)):
-        _quiet_ray_logs()
+        quiet_ray_logs()
         serve.start(http_options={"host": "127.0.0.1", "port": port}, proxy_location="HeadOnly")
         try:
             for policy in s.policies:
@@ -141,19 +140,6 @@ def _figures(
         per_replica=dict(Counter(x.replica for x in samples)), deploy_s=deploy_s,
         traffic_s=traffic_s, samples=tuple(samples),
     )  # fmt: skip
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _quiet_ray_logs() -> None:
-    import logging
-
-    for name in ("ray", "ray.serve"):
-        logging.getLogger(name).setLevel(logging.WARNING)
 
 
 # ---------------------------------------------------------------- report

@@ -6,13 +6,14 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from bench.decision_latency import __doc__ as TIER_LATENCY_DOC
 from bench.harness import markdown_table, new_figure, save_figure
 from bench.routing.figures import RunFigures
 from bench.routing.figures import __doc__ as FIGURES_DOC
 from bench.routing.runs import LATENCY_WORKLOAD, RoutingBenchResult, RoutingSettings
 from bench.routing.stacks import SCALED
 from bench.routing.stacks import __doc__ as STACKS_DOC
-from bench.routing.stacks_report import model_table, targets_table, write_tradeoff_plot
+from bench.routing.stacks_report import stacks_table, targets_table, write_tradeoff_plot
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -106,6 +107,8 @@ def console_table(r: RoutingBenchResult) -> str:
     lat = markdown_table(["policy", "workers", "decisions", "p50 us", "p99 us", "< 1 ms"],
                          latency_rows(r))  # fmt: skip
     parts = [markdown_table(headers, rows), "decision latency (wall clock):", lat]
+    if r.tier_latency is not None:
+        parts += ["decision latency, host tiers tracked vs not:", str(r.tier_latency)]
     if r.stacks:
         parts += ["model presets, targets at ratio 0.1:", targets_table(r.stacks)]
     if r.real is not None:
@@ -126,7 +129,8 @@ def write_summary(r: RoutingBenchResult) -> str:
         "`disable_hybrid_swa_memory`. Chunked prefill 512 (the serve default), routing stats "
         "sampled every 1 s of virtual time.",
         f"Virtual step time = {c['overhead_s'] * 1e3:g} ms + {c['prefill_token_s'] * 1e6:g} us x "
-        f"prefill tokens + {c['decode_token_s'] * 1e6:g} us x decoding requests.",
+        f"prefill tokens + {c['decode_token_s'] * 1e6:g} us x decoding requests + KV bytes "
+        f"loaded from a host tier / {c['link_gbps']:g} GB/s.",
         f"Traffic: {s.requests_per_worker} requests per worker per workload, arrivals at "
         f"{s.load:g} x the cluster's no-cache capacity, seed {s.seed}.",
         f"Machine: {r.machine.describe()} (after: {r.load_avg_after:.2f}); {s.jobs} simulation "
@@ -155,6 +159,9 @@ def write_summary(r: RoutingBenchResult) -> str:
         f"The {s.workers}-worker rows come from the main runs, which share the cores with "
         f"{s.jobs - 1} sibling simulation(s); the {s.latency_workers}-worker runs go alone."
     )
+    if r.tier_latency is not None:
+        lines += ["### Decision latency with host tiers tracked (`bench.decision_latency`)",
+                  f"```\n{r.tier_latency}\n```", (TIER_LATENCY_DOC or "").strip()]  # fmt: skip
     for w in s.workloads:
         lines += [f"## {w}", workload_table(r, w)]
     if r.stacks:
@@ -170,12 +177,10 @@ def write_summary(r: RoutingBenchResult) -> str:
 def stacks_summary(r: RoutingBenchResult) -> list[str]:
     sizes = "; ".join(f"{w}: {SCALED[w].workers} workers, {SCALED[w].fraction * 80:g} GiB KV each, "
                       f"chunk {SCALED[w].chunk}" for w in dict.fromkeys(x.workload for x in r.stacks))  # fmt: skip
-    lines = ["## Model presets: SGLang-like vs swaserve", (STACKS_DOC or "").strip(),
-             f"Clusters: {sizes}; {r.settings.stack_requests_per_worker} requests per worker "
-             "(short workloads).", "### Targets (ratio 0.1)", targets_table(r.stacks)]  # fmt: skip
-    for model in dict.fromkeys(x.model for x in r.stacks):
-        lines += [f"### {model}", model_table(r.stacks, model)]
-    return lines
+    return ["## Model presets: SGLang-like, HiCache-like and swaserve", (STACKS_DOC or "").strip(),
+            f"Clusters: {sizes}; {r.settings.stack_requests_per_worker} requests per worker "
+            "(short workloads).", "### Targets (ratio 0.1, host tiers on)", targets_table(r.stacks),
+            "### Every ratio", stacks_table(r.stacks)]  # fmt: skip
 
 
 # ---------------------------------------------------------------- plots

@@ -19,6 +19,7 @@ from bench.sim_runner import StepCost
 from router.policies import POLICY_NAMES
 
 if TYPE_CHECKING:
+    from bench.decision_latency import LatencyReport
     from bench.routing.real import RealResult
 
 T = TypeVar("T")
@@ -87,6 +88,9 @@ class RoutingBenchResult:
     step_cost: dict[str, float]
     runs: tuple[RunFigures, ...]  # workers = settings.workers
     latency_runs: tuple[RunFigures, ...]  # workers = settings.latency_workers
+    # One decision at settings.latency_workers with the index tracking host tiers vs not
+    # (`bench.decision_latency`, the fleets timed in alternation); None: latency runs skipped.
+    tier_latency: LatencyReport | None
     stacks: tuple[StackRun, ...]  # the model presets (stacks.py)
     real: RealResult | None  # when --real ran
     wall_s: float
@@ -159,6 +163,11 @@ def run_bench(s: RoutingSettings) -> RoutingBenchResult:
     # The latency runs go one at a time after the pool: their wall-clock decision times are
     # then measured without a sibling simulation competing for the cores.
     latency_figures = [run_job(s, j) for j in latency]
+    tier_latency = None
+    if s.latency_workers:
+        from bench.decision_latency import measure
+
+        tier_latency = measure(workers=s.latency_workers)
     stacks = run_stack_jobs(s)
     real = None
     if s.real:
@@ -171,6 +180,7 @@ def run_bench(s: RoutingSettings) -> RoutingBenchResult:
         step_cost=dataclasses.asdict(StepCost()),
         runs=tuple(figures),
         latency_runs=tuple(latency_figures),
+        tier_latency=tier_latency,
         stacks=tuple(stacks),
         real=real,
         wall_s=time.perf_counter() - t0,

@@ -5,7 +5,8 @@ One discrete-event loop drives everything, the way the deployed system is wired:
     arrival ──▶ RouterCore.decide(prompt, candidates = every worker + its last load sample)
                   └─▶ the first-ranked worker's engine.add_request
     step start: engine.step() (admits what is queued, schedules, runs the SimRunner), then the
-                step's cache events are drained; the step lasts StepCost(tokens it fed)
+                step's cache events are drained; the step lasts StepCost(tokens it fed, bytes
+                of KV it loaded from its host tier)
     step end:   the events reach the ClusterIndex as one EventBatch (seq + 1), first tokens and
                 finished requests are recorded, `complete(rid)` tells the router, a closed-loop
                 workload sends its follow-up; the next step starts if the engine has work
@@ -68,6 +69,7 @@ class SimCluster:
     cost: StepCost = field(default_factory=StepCost)
     swa_eviction_policy: str = "tail_first"
     tombstone_repair: str = "auto"
+    host_kv_bytes: int = 0  # each worker's host KV tier (docs/design.md §9.9); 0: none
     spec: ModelSpec | None = None  # a real layer plan (bench.routing.stacks); None: sim_spec
 
     def engine_config(self) -> EngineConfig:
@@ -82,6 +84,8 @@ class SimCluster:
             swa_eviction_interval=self.swa_eviction_interval,
             swa_eviction_policy=self.swa_eviction_policy,
             tombstone_repair=self.tombstone_repair,
+            host_kv_bytes=self.host_kv_bytes,
+            host_link_gbps=self.cost.link_gbps,
         )
 
 
@@ -92,12 +96,14 @@ class Track:
     req: SimRequest
     worker: str
     predicted: int  # the policy's predicted cached tokens on the chosen worker
+    predicted_loaded: int  # ... and KV tokens loaded from its host tier (full and SWA apart)
     quiet: bool  # the worker was idle at the decision: the index equalled its cache
     decision_us: float
     output: list[int] = field(default_factory=list)
     first_token_s: float | None = None
     finish_s: float | None = None
     cached: int = -1
+    loaded: int = 0  # KV tokens the engine loaded for it (`StreamDelta.loaded_tokens`)
 
 
 @dataclass
@@ -111,6 +117,7 @@ class _Worker:
     inflight: tuple[list[StreamDelta], list] = field(default_factory=lambda: ([], []))
     load: WorkerLoad | None = None
     tombstone_pages: int = 0
+    loaded_bytes: int = 0  # what its engine had loaded after its last step (a monotonic count)
 
 
 @dataclass
@@ -128,6 +135,10 @@ class SimOutcome:
     swa_evicted_tokens: int
     full_evicted_tokens: int
     wall_s: float
+    loads: int = 0  # admissions that loaded KV from a host tier
+    loaded_full_tokens: int = 0  # full KV loaded (tokens, every full layer)
+    loaded_swa_tokens: int = 0
+    offloaded_tokens: int = 0  # tokens any of whose KV moved to a host tier
 
 
 class Simulation:
@@ -144,13 +155,15 @@ class Simulation:
 
     def _worker(self, i: int) -> _Worker:
         c = self.cluster
-        engine, runner = build_sim_engine(c.engine_config(), c.window, c.spec)
+        engine, runner = build_sim_engine(c.engine_config(), c.window, c.spec, c.cost)
         wid = f"w{i:03d}"
         s = engine.stats()
         window = engine.spec.window if s.hybrid else None
         geometry = Geometry(c.page_size, window, len(engine.spec.swa_layer_ids))
+        # What the deployed worker registers (deploy/replica/events.py `_meta`).
         meta = WorkerMeta(
-            wid, "sim", geometry, s.full.total, s.swa.total, s.hybrid, repairs_tombstones(engine.config)
+            wid, "sim", geometry, s.full.total, s.swa.total, s.hybrid,
+            repairs_tombstones(engine.config), engine.tier_costs, s.host_full.total,
         )  # fmt: skip
         # A fresh replica registers with an empty snapshot at seq 0; its batch 1 applies directly.
         self.index.resync(WorkerResync(meta, CacheSnapshot(wid, "sim", 0, {})))
@@ -192,8 +205,9 @@ class Simulation:
         assert best is not None, "no candidate worker"
         w = self.workers[best.worker_id]
         self.tracks[req.rid] = Track(
-            req, w.wid, best.predicted_cached_tokens, not w.busy, elapsed_us
-        )
+            req, w.wid, best.predicted_cached_tokens, best.predicted_loaded_tokens, not w.busy,
+            elapsed_us,
+        )  # fmt: skip
         params = SamplingParams(max_tokens=req.max_tokens, temperature=0.0, ignore_eos=True)
         w.engine.add_request(list(req.tokens), params, req.rid)
         if not w.busy:
@@ -211,8 +225,11 @@ class Simulation:
         w.inflight = (deltas, w.engine.drain_cache_events())
         w.busy = True
         r = w.runner
-        self._push(t + self.cluster.cost.seconds(r.last_prefill_tokens, r.last_decode_tokens),
-                   _STEP_END, w)  # fmt: skip
+        # The KV this step loaded (its copies ran before its forward: the forward waits).
+        total = w.engine.stats().loaded_bytes
+        loaded, w.loaded_bytes = total - w.loaded_bytes, total
+        seconds = self.cluster.cost.seconds(r.last_prefill_tokens, r.last_decode_tokens, loaded)
+        self._push(t + seconds, _STEP_END, w)
 
     def _end_step(self, t: float, payload: object) -> None:
         w: _Worker = payload  # type: ignore[assignment]
@@ -238,13 +255,18 @@ class Simulation:
         track.output.extend(d.token_ids)
         if not d.finished:
             return
-        track.finish_s, track.cached = t, d.cached_tokens
+        track.finish_s, track.cached, track.loaded = t, d.cached_tokens, d.loaded_tokens
         self.core.complete(d.request_id, now=t)
         nxt = self.workload.follow_up(track.req, track.output, t)
         if nxt is not None:
             self._push(nxt.arrival_s, _ARRIVAL, nxt)
 
     # ---- results --------------------------------------------------------------------------
+    def host_tokens(self) -> tuple[int, int]:
+        """(full, SWA) tokens of one worker's host tier (every worker has the same; 0: none)."""
+        s = next(iter(self.workers.values())).engine.stats()
+        return s.host_full.total, s.host_swa.total
+
     def _outcome(self, wall_s: float) -> SimOutcome:
         tracks = list(self.tracks.values())
         unfinished = [tr.req.rid for tr in tracks if tr.finish_s is None]
@@ -268,6 +290,10 @@ class Simulation:
             swa_evicted_tokens=sum(s.swa_evicted_tokens for s in stats),
             full_evicted_tokens=sum(s.full_evicted_tokens for s in stats),
             wall_s=wall_s,
+            loads=sum(w.engine.scheduler.counters.loads for w in self.workers.values()),
+            loaded_full_tokens=sum(s.loaded_full_tokens for s in stats),
+            loaded_swa_tokens=sum(s.loaded_swa_tokens for s in stats),
+            offloaded_tokens=sum(s.offloaded_tokens for s in stats),
         )
 
 

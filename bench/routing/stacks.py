@@ -1,16 +1,23 @@
-"""Model presets for `swaserve bench routing`: an SGLang-like stack vs swaserve's full stack,
-across SWA pool ratios, on the layer plans of real models (docs/design.md §9.5, §9.8, §13.3).
+"""Model presets for `swaserve bench routing`: an SGLang-like stack, an SGLang-HiCache-like one
+and swaserve's full stack, across SWA pool ratios, on the layer plans of real models
+(docs/design.md §9.5, §9.8, §9.9, §13.3).
 
-| stack | SWA eviction | tombstone repair | routing |
-|---|---|---|---|
-| `sglang_like` | `lru` (SGLang's SWA LRU: unlocked leaves deleted) | off | `prefix` (full-KV match) |
-| `swaserve` | `tail_first` | auto | `swa_prefix` (reused + repaired) |
+| stack | SWA eviction | tombstone repair | host tier | routing |
+|---|---|---|---|---|
+| `sglang_like` | `lru` (SGLang's SWA LRU: unlocked leaves deleted) | off | none | `prefix` (full-KV match) |
+| `hicache_like` | `lru` (evicted KV, full and SWA, offloaded) | off | 4x device KV | `prefix` (full-KV match, host KV free: the window ignored) |
+| `swaserve` | `tail_first` (interior SWA offloaded first) | auto | 4x device KV | `swa_prefix` (load / repair / recompute priced) |
 
 Pools (per worker) come from `plan_pools` for the preset on a stated fraction of an 80 GiB KV
 budget (bf16, page 16): ratios 0.05, 0.1, 0.25, and `roomy`: the ratio-0.1 full pool with an SWA
-pool as large (more memory than the budget; SWA never runs short: the reference). Each workload
-is scaled so its distinct tokens fill the full pool several times over. The long-context agent
-needs the larger fraction: its sessions reach 64K tokens and several run per worker.
+pool as large and no host tier for any stack (more memory than the budget; SWA never runs short:
+the reference). The host tier is `HOST_KV_MULTIPLE` (4) x that device budget per worker (the
+product's default on CUDA), split into as many SWA tokens as full ones (`plan_host_pools` with
+`host_swa_full_tokens_ratio` 1, the default); a load costs its bytes at 50 GB/s in the virtual
+step time and in the prices the engines and the router choose with (`StepCost`).
+Each workload is scaled so its distinct tokens fill the full pool several times over. The
+long-context agent needs the larger fraction: its sessions reach 64K tokens and several run per
+worker.
 
 Prefill cost is counted in token-layers: every prefilled token (repair rows included) runs on
 all the model's layers. Capacity is what the ratio buys: concurrent requests of `CONTEXT`
@@ -26,7 +33,7 @@ from dataclasses import dataclass
 from bench.configs import CONFIG_DIR
 from bench.memory.admission import MemorySettings, admitted
 from bench.routing.figures import RunFigures, summarize
-from bench.routing.sim import SimCluster, simulate
+from bench.routing.sim import SimCluster, Simulation
 from bench.routing.workloads import (
     AgentBranching,
     LongAgent,
@@ -35,6 +42,8 @@ from bench.routing.workloads import (
     Workload,
     WorkloadSize,
 )
+from bench.sim_runner import SIM_DTYPE_BYTES
+from worker.assembly.host import HOST_KV_MULTIPLE
 from worker.models.spec import ModelSpec
 
 PRESETS = {"gpt-oss-120b": "gpt-oss-120b.json", "mimo-v2-flash": "mimo-v2-flash.json"}
@@ -52,11 +61,13 @@ class Stack:
     policy: str
     swa_eviction_policy: str
     tombstone_repair: str
+    host_tier: bool  # HOST_KV_MULTIPLE x the device budget (not on the roomy pool)
 
 
 STACKS = (
-    Stack("sglang_like", "prefix", "lru", "off"),
-    Stack("swaserve", "swa_prefix", "tail_first", "auto"),
+    Stack("sglang_like", "prefix", "lru", "off", host_tier=False),
+    Stack("hicache_like", "prefix", "lru", "off", host_tier=True),
+    Stack("swaserve", "swa_prefix", "tail_first", "auto", host_tier=True),
 )
 STACK_NAMES = tuple(s.name for s in STACKS)
 
@@ -129,6 +140,8 @@ class StackRun:
     stack: str
     full_tokens: int  # per worker
     swa_tokens: int
+    host_full_tokens: int  # per worker; 0: no host tier
+    host_swa_tokens: int
     layers: int
     token_layers: int  # prefill tokens x layers (repair rows included)
     capacity: int  # concurrent CONTEXT-token requests on the whole budget at this pool's ratio
@@ -157,7 +170,7 @@ def pool_tokens(spec: ModelSpec, budget: int, pool: str, page: int) -> tuple[int
     from worker.kv.memory_plan import plan_pools
 
     ratio = TARGET_RATIO if pool == ROOMY else ratio_of(pool)
-    plan = plan_pools(spec, page_size=page, dtype_bytes=2, swa_full_tokens_ratio=ratio,
+    plan = plan_pools(spec, page_size=page, dtype_bytes=SIM_DTYPE_BYTES, swa_full_tokens_ratio=ratio,
                       kv_cache_bytes=budget)  # fmt: skip
     return (plan.full_tokens, plan.full_tokens) if pool == ROOMY else (plan.full_tokens, plan.swa_tokens)
 
@@ -184,20 +197,25 @@ def run_stack_job(s: StackSettings, job: StackJob) -> StackRun:
     assert spec.window is not None
     stack = next(x for x in STACKS if x.name == job.stack)
     scaled = SCALED[job.workload]
-    full, swa = pool_tokens(spec, s.budget_bytes(job.workload), job.pool, s.page_size)
+    budget = s.budget_bytes(job.workload)
+    full, swa = pool_tokens(spec, budget, job.pool, s.page_size)
+    host = HOST_KV_MULTIPLE * budget if stack.host_tier and job.pool != ROOMY else 0
     cluster = SimCluster(
         workers=scaled.workers, page_size=s.page_size, window=spec.window, full_tokens=full,
         swa_ratio=1.0 if job.pool == ROOMY else ratio_of(job.pool),
         chunked_prefill_size=scaled.chunk, swa_eviction_policy=stack.swa_eviction_policy,
-        tombstone_repair=stack.tombstone_repair, spec=spec,
+        tombstone_repair=stack.tombstone_repair, host_kv_bytes=host, spec=spec,
     )  # fmt: skip
     size = WorkloadSize(scaled.workers, s.requests_per_worker, s.load, s.seed)
-    outcome = simulate(cluster, stack.policy, scaled.make(size))
+    sim = Simulation(cluster, stack.policy, scaled.make(size))
+    outcome = sim.run()
     figures = summarize(outcome, job.workload, job.pool)
     distinct = distinct_tokens([t.req.tokens for t in outcome.tracks])
+    host_full, host_swa = sim.host_tokens()
     return StackRun(
-        job.model, job.workload, job.pool, job.stack, full, swa, spec.num_layers,
-        figures.prefill_tokens * spec.num_layers, capacity(spec, job.pool, s), distinct, figures,
+        job.model, job.workload, job.pool, job.stack, full, swa, host_full, host_swa,
+        spec.num_layers, figures.prefill_tokens * spec.num_layers, capacity(spec, job.pool, s),
+        distinct, figures,
     )  # fmt: skip
 
 

@@ -64,7 +64,7 @@ def build_host(
     if budget == 0:
         return None
     dtype_bytes = pool.dtype.itemsize
-    ratio = config.host_swa_full_tokens_ratio or config.swa_full_tokens_ratio
+    ratio = config.host_swa_full_tokens_ratio
     host_plan = plan_host_pools(spec, plan, dtype_bytes=dtype_bytes, host_kv_bytes=budget, ratio=ratio)
     layers = {kind: pool.layers_in_pool(kind) for kind in LayerKind}
     host_pool = HostKVPool(spec, host_plan, layers, pool.dtype, pin=pool.device.type == "cuda")

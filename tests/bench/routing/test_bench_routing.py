@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,7 @@ from bench.routing import main as routing
 from bench.routing.figures import quantile
 from bench.routing.sim import SimCluster, Simulation
 from bench.routing.workloads import WorkloadSize, make_workload
-from bench.sim_runner import SIM_TOKEN, SimRunner, StepCost, build_sim_engine
+from bench.sim_runner import SIM_TOKEN, SimRunner, StepCost, build_sim_engine, sim_spec
 from core.sampling_params import SamplingParams
 from worker.runner.forward_batch import ForwardBatch, ForwardReq
 
@@ -46,10 +47,34 @@ def test_sim_runner_counts_prefill_and_decode_and_samples_its_token() -> None:
     assert out.token_ids == [SIM_TOKEN, SIM_TOKEN] and runner.fed_tokens == 29
 
 
-def test_step_cost_is_affine_in_tokens() -> None:
-    """overhead + per prefill token + per decode row."""
-    c = StepCost(overhead_s=0.01, prefill_token_s=0.001, decode_token_s=0.002)
+def test_step_cost_is_affine_in_tokens_and_loaded_bytes() -> None:
+    """overhead + per prefill token + per decode row + loaded bytes over the link; the tier
+    costs the engine prices with are the same prices."""
+    c = StepCost(overhead_s=0.01, prefill_token_s=0.001, decode_token_s=0.002, link_gbps=2.0)
     assert c.seconds(100, 3) == pytest.approx(0.01 + 0.1 + 0.006)
+    assert c.seconds(100, 3, 4_000_000_000) == pytest.approx(0.116 + 2.0)
+    spec = sim_spec(128)  # 2 full and 6 SWA layers of 2 KV heads x 64 x (K, V) x 2 bytes
+    costs = c.tier_costs(spec, 2)
+    assert (costs.prefill, costs.load_full, costs.load_swa) == (0.001, 1024 / 2e9, 3072 / 2e9)
+
+
+def test_sim_engine_offloads_to_its_host_tier_and_loads_back() -> None:
+    """A sim engine with a host tier: prompts that push the first one off the device offload
+    it; revisiting it loads its KV back (cached and loaded tokens, bytes for the clock)."""
+    cluster = SimCluster(workers=1, full_tokens=1024, swa_ratio=0.5, chunked_prefill_size=128,
+                         host_kv_bytes=8 * 1024**2)  # fmt: skip
+    engine, _ = build_sim_engine(cluster.engine_config(), cluster.window, cost=cluster.cost)
+    assert engine.tier_costs == cluster.cost.tier_costs(engine.spec, 2)
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    prompts = [list(range(1000 * i + 2, 1000 * i + 402)) for i in range(4)]
+    for p in prompts:
+        engine.generate([p], params)
+        engine.check_integrity()
+    again = engine.generate([prompts[0] + [3]], params)[0]
+    engine.check_integrity()
+    stats = engine.stats()
+    assert stats.offloaded_tokens > 0 and again.loaded_tokens > 0
+    assert again.cached_tokens == 400 // 16 * 16 and stats.loaded_bytes > 0
 
 
 def test_sim_engine_generates_to_max_tokens_and_reuses_its_cache() -> None:
@@ -91,6 +116,24 @@ def test_index_mirrors_every_worker_cache_after_a_run() -> None:
     assert outcome.tombstone_pages > 0, "the SWA pool was meant to be under pressure"
     for w in sim.workers.values():
         assert sim.index.snapshot(w.wid).pages == w.engine.cache_snapshot()  # type: ignore[union-attr]
+
+
+def test_host_tier_runs_mirror_both_tiers_and_price_loads() -> None:
+    """With host tiers (swaserve's stack): the index mirrors every page's tier, loads happen
+    and are predicted, and the clock charged them (a run without tiers computes more)."""
+    size = WorkloadSize(workers=2, requests_per_worker=10)
+    cluster = SimCluster(workers=2, full_tokens=8192, swa_ratio=0.1, host_kv_bytes=32 * 1024**2)
+    sim = Simulation(cluster, "swa_prefix", make_workload("multi_tenant", size))
+    outcome = sim.run()
+    assert outcome.loads > 0 and outcome.loaded_full_tokens + outcome.loaded_swa_tokens > 0
+    assert outcome.offloaded_tokens > 0 and sim.host_tokens()[0] > 0
+    for w in sim.workers.values():
+        assert sim.index.snapshot(w.wid).pages == w.engine.cache_snapshot()  # type: ignore[union-attr]
+    quiet = [t for t in outcome.tracks if t.quiet]
+    assert all((t.predicted, t.predicted_loaded) == (t.cached, t.loaded) for t in quiet)
+    assert any(t.loaded for t in quiet)
+    plain = Simulation(replace(cluster, host_kv_bytes=0), "swa_prefix", make_workload("multi_tenant", size))
+    assert plain.run().prefill_tokens > outcome.prefill_tokens
 
 
 # ---------------------------------------------------------------- the subcommand

@@ -1,5 +1,6 @@
 """The model presets of `swaserve bench routing` on tiny traffic: real layer plans, pools from
-`plan_pools`, both stacks, token-layers, capacity, the report and the trade-off plot."""
+`plan_pools`, the three stacks (host tiers on two of them), token-layers, capacity, the report
+and the trade-off plot."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 from bench.routing.stacks import (
     POOLS,
     ROOMY,
+    STACK_NAMES,
     StackJob,
     StackSettings,
     capacity,
@@ -18,7 +20,7 @@ from bench.routing.stacks import (
     preset_spec,
     run_stack_job,
 )
-from bench.routing.stacks_report import model_table, target_rows, write_tradeoff_plot
+from bench.routing.stacks_report import stacks_table, target_rows, write_tradeoff_plot
 
 
 def test_presets_have_the_real_layer_plans() -> None:
@@ -46,16 +48,25 @@ def test_distinct_tokens_counts_a_trie() -> None:
 
 
 @pytest.mark.slow
-def test_both_stacks_run_and_report(tmp_path: Path) -> None:
-    """multi_turn on GPT-OSS-120B at ratio 0.1 and roomy: every run finishes, swaserve's
-    predictions are exact, the tables and the PNG are written."""
-    s = StackSettings(models=("gpt-oss-120b",), workloads=("multi_turn",), requests_per_worker=12)
-    runs = [run_stack_job(s, StackJob("gpt-oss-120b", "multi_turn", pool, stack))
-            for pool in ("r0.1", ROOMY) for stack in ("sglang_like", "swaserve")]  # fmt: skip
+def test_the_stacks_run_and_report(tmp_path: Path) -> None:
+    """multi_tenant on GPT-OSS-120B at ratio 0.1 and roomy: every run finishes; at ratio 0.1
+    the two tiered stacks have a host tier of 4x the device budget and load from it, none on
+    the roomy pool; swaserve's quiet predictions are exact; the tables and the PNG are written."""
+    s = StackSettings(models=("gpt-oss-120b",), workloads=("multi_tenant",), requests_per_worker=20)
+    runs = [run_stack_job(s, StackJob("gpt-oss-120b", "multi_tenant", pool, stack))
+            for pool in ("r0.1", ROOMY) for stack in STACK_NAMES]  # fmt: skip
     for r in runs:
         assert r.token_layers == r.figures.prefill_tokens * 36 > 0 and r.fill > 0
-        if r.stack == "swaserve":
-            assert r.figures.predictions_over == 0
-    assert [row[1] for row in target_rows(runs)] == ["multi_turn"]
-    assert "| multi_turn | r0.1 |" in model_table(runs, "gpt-oss-120b")
+        tiered = r.pool == "r0.1" and r.stack != "sglang_like"
+        assert (r.host_full_tokens > 0) == tiered == (r.figures.offloaded_tokens > 0)
+        if tiered:  # 4x the device budget, its SWA tokens as many as its full ones
+            host_bytes = (r.host_full_tokens + r.host_swa_tokens) * 36_864
+            assert r.host_swa_tokens == r.host_full_tokens
+            assert 3.9 * s.budget_bytes("multi_tenant") < host_bytes <= 4 * s.budget_bytes("multi_tenant")
+            assert r.figures.loaded_tokens > 0
+        if r.stack == "swaserve":  # decisions on an idle worker saw its cache: exact
+            assert r.figures.quiet_exact == r.figures.quiet_decisions > 0
+    assert [row[1] for row in target_rows(runs)] == ["multi_tenant"]
+    table = stacks_table(runs)
+    assert "| gpt-oss-120b | multi_tenant | r0.1 |" in table and "| gpt-oss-120b | multi_tenant | roomy |" in table
     assert write_tradeoff_plot(runs, tmp_path).read_bytes()[:4] == b"\x89PNG"
