@@ -24,6 +24,7 @@ BENCHMARKS = {
     "cache": "bench.cache",
     "routing": "bench.routing.main",
     "vllm-compare": "bench.compare.vllm_compare",
+    "cluster-compare": "bench.compare.cluster_compare",
     "replica-profile": "bench.compare.replica_profile",
     "host-step": "bench.host_step",
     "gpu-check": "bench.gpu_check",

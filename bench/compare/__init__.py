@@ -1,3 +1,5 @@
-"""`swaserve bench vllm-compare` and `swaserve bench replica-profile`: a running swaserve server
-(and vLLM's) under `vllm bench serve`, sharing the model (`model.py`), the servers (`servers.py`),
-the client (`client.py`) and the process accounting (`procs.py`)."""
+"""`swaserve bench vllm-compare`, `replica-profile` and `cluster-compare`: running swaserve servers
+(and their peers: vLLM's CPU build, Ray Serve LLM over it) under a client, sharing the model
+(`model.py`), the peers' venvs (`peers.py`), the servers (`servers.py`), the clients (`client.py`:
+`vllm bench serve`; `stream_client.py`: the routing workloads' streams) and the process
+accounting (`procs.py`, `foreign_load.py`)."""

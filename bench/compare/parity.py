@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import json
 import urllib.request
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 PROMPT_LENGTHS = (40, 150, 300)
 SEED = 4321
@@ -49,22 +51,29 @@ def parity_prompts(model_dir: Path, lengths: tuple[int, ...] = PROMPT_LENGTHS) -
     import torch
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(str(model_dir))
-    ids = [i for i in range(len(tok)) if _plain(str(tok.decode([i])))]
+    ids = plain_token_ids(AutoTokenizer.from_pretrained(str(model_dir)))
     gen = torch.Generator().manual_seed(SEED)
     return [[ids[j] for j in torch.randint(0, len(ids), (n,), generator=gen).tolist()] for n in lengths]
+
+
+def plain_token_ids(tok: Any) -> list[int]:
+    """The ids of a tokenizer whose tokens decode to printable ASCII (not only spaces)."""
+    return [i for i in range(len(tok)) if _plain(str(tok.decode([i])))]
 
 
 def _plain(text: str) -> bool:
     return bool(text.strip()) and text.isascii() and text.isprintable()
 
 
-def server_texts(url: str, model: str, prompts: list[list[int]], max_tokens: int) -> tuple[str, ...]:
-    return tuple(_complete(url, model, ids, max_tokens) for ids in prompts)
+def server_texts(
+    url: str, model: str, prompts: Sequence[list[int] | str], max_tokens: int
+) -> tuple[str, ...]:
+    """Each prompt's greedy completion from the server: token ids, or text it tokenizes."""
+    return tuple(_complete(url, model, prompt, max_tokens) for prompt in prompts)
 
 
-def _complete(url: str, model: str, ids: list[int], max_tokens: int) -> str:
-    body = {"model": model, "prompt": ids, "max_tokens": max_tokens, "temperature": 0,
+def _complete(url: str, model: str, prompt: list[int] | str, max_tokens: int) -> str:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
             "ignore_eos": True}  # fmt: skip
     req = urllib.request.Request(
         f"{url}/v1/completions", json.dumps(body).encode(), {"content-type": "application/json"}

@@ -28,6 +28,7 @@ from pathlib import Path
 
 from bench.compare.client import ClientResult, Workload, client_command, run_client
 from bench.compare.model import ensure_compare_model
+from bench.compare.peers import PeerVenvError, vllm_cli
 from bench.compare.procs import cpu_seconds, role_pids, thread_comms, thread_cpu_seconds
 from bench.compare.profile_breakdown import WorkerBreakdown, by_file, parse_raw, worker_breakdown
 from bench.compare.servers import RunningServer, start_server, stop_server, swaserve_spec
@@ -50,7 +51,7 @@ class ProfileSettings:
     output_len: int = 64
     input_len: int = 256
     rate: int = 100  # py-spy samples per second
-    vllm: str = "/work/vllm-venv/bin/vllm"  # the client
+    vllm: str = ""  # the client's vllm CLI; "" = the default peer venv's (`bench.compare.peers`)
     py_spy: str = str(Path(sys.executable).parent / "py-spy")
     port: int = 18403
     env: tuple[tuple[str, str], ...] = ()  # extra server environment (Ray/Serve switches)
@@ -220,7 +221,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-len", type=int, default=d.output_len)
     parser.add_argument("--input-len", type=int, default=d.input_len)
     parser.add_argument("--rate", type=int, default=d.rate, help="py-spy samples per second")
-    parser.add_argument("--vllm", default=d.vllm, help="the vllm CLI (the client)")
+    parser.add_argument("--vllm", default=d.vllm,
+                        help="the vllm CLI (the client; default: the vLLM peer venv's, built when absent)")  # fmt: skip
     parser.add_argument("--py-spy", default=d.py_spy)
     parser.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
                         help="extra environment of the server (repeatable)")  # fmt: skip
@@ -233,10 +235,14 @@ def run(args: argparse.Namespace) -> int:
     env = tuple((k, v) for k, v in pairs)
     s = ProfileSettings(args.concurrency, args.num_prompts, args.output_len, args.input_len,
                         args.rate, args.vllm, args.py_spy, env=env, cpu_only=args.cpu_only)  # fmt: skip
-    for tool in (s.vllm, s.py_spy):
-        if not Path(tool).is_file():
-            print(f"swaserve bench replica-profile: {tool} not found", file=sys.stderr)
-            return 2
+    if not Path(s.py_spy).is_file():
+        print(f"swaserve bench replica-profile: {s.py_spy} not found", file=sys.stderr)
+        return 2
+    try:
+        s = dataclasses.replace(s, vllm=str(vllm_cli(s.vllm)))
+    except PeerVenvError as exc:
+        print(f"swaserve bench replica-profile: {exc}", file=sys.stderr)
+        return 2
     out = prepare_output_dir(args.output_dir)
     result = run_profile(s, out)
     write_json(out / "replica_profile.json", result)

@@ -26,6 +26,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from bench.compare.procs import descendants, read_proc
+
 REPO = Path(__file__).resolve().parents[2]
 VLLM_ENV = {
     "VLLM_CPU_OMP_THREADS_BIND": "nobind",
@@ -44,6 +46,7 @@ class ServerSpec:
     env: dict[str, str] = field(default_factory=dict)
     port: int = 8000
     keep_pythonpath: bool = True  # vLLM's venv must not see this checkout's packages
+    health_path: str = "/health"  # answers 200 once the server takes requests
 
     @property
     def url(self) -> str:
@@ -104,7 +107,7 @@ def start_server(spec: ServerSpec, log: Path, timeout_s: float = 900.0) -> Runni
         )  # fmt: skip
     server = RunningServer(spec, proc, log)
     deadline = time.monotonic() + timeout_s
-    while not _healthy(spec.url):
+    while not _healthy(spec.url + spec.health_path):
         if proc.poll() is not None or time.monotonic() > deadline:
             stop_server(server)
             state = f"exited ({proc.returncode})" if proc.returncode is not None else "not healthy"
@@ -114,7 +117,15 @@ def start_server(spec: ServerSpec, log: Path, timeout_s: float = 900.0) -> Runni
 
 
 def stop_server(server: RunningServer, grace_s: float = 120.0) -> None:
-    """SIGTERM, wait up to `grace_s`, then SIGKILL whatever is left of its process group."""
+    """SIGTERM, wait up to `grace_s`, then SIGKILL whatever is left of its process group and of
+    the processes below it.
+
+    NOTE: Ray starts its actors' worker processes in process groups of their own, so the group
+    alone misses a replica (and vLLM's engine processes below it) that outlives a Ray cut short:
+    every descendant is listed before the SIGTERM (once orphaned they can no longer be found by
+    parentage) and killed afterwards if it still runs under the same title.
+    """
+    below = [p for p in descendants(server.pid) if p.pid != server.pid]
     if server.proc.poll() is None:
         server.proc.send_signal(signal.SIGTERM)
         try:
@@ -126,6 +137,13 @@ def stop_server(server: RunningServer, grace_s: float = 120.0) -> None:
     except (ProcessLookupError, PermissionError):
         pass
     server.proc.wait(30)
+    for p in below:
+        now = read_proc(p.pid)
+        if now is not None and now.title == p.title:
+            try:
+                os.kill(p.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
 
 
 def _wait_port_free(port: int, timeout_s: float) -> None:
@@ -146,7 +164,7 @@ def _wait_port_free(port: int, timeout_s: float) -> None:
 
 def _healthy(url: str) -> bool:
     try:
-        with urllib.request.urlopen(f"{url}/health", timeout=5) as r:  # noqa: S310 - loopback
+        with urllib.request.urlopen(url, timeout=5) as r:  # noqa: S310 - loopback
             return bool(r.status == 200)
     except OSError:
         return False

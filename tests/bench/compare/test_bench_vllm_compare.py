@@ -19,6 +19,7 @@ from bench.compare.client import (
     parse_result,
 )
 from bench.compare.model import CompareModelShape, build_compare_model, ensure_compare_model
+from bench.compare.peers import VLLM_CPU, peer_venv
 from bench.compare.procs import (
     cpu_seconds,
     descendants,
@@ -174,13 +175,13 @@ def test_without_vllm_the_command_says_where_it_looked(tmp_path: Path, capsys: p
     assert "no vllm CLI" in capsys.readouterr().err
 
 
-VLLM = Path(os.environ.get("SWASERVE_VLLM", "/work/vllm-venv/bin/vllm"))
+VLLM = Path(os.environ.get("SWASERVE_VLLM", str(peer_venv(VLLM_CPU) / "bin" / "vllm")))
 
 
 @pytest.mark.slow
 @pytest.mark.ray
 @pytest.mark.skipif(os.environ.get("SWASERVE_BENCH_VLLM") != "1" or not VLLM.is_file(),
-                    reason="opt-in: SWASERVE_BENCH_VLLM=1 and a vllm CLI (SWASERVE_VLLM)")  # fmt: skip
+                    reason="opt-in: SWASERVE_BENCH_VLLM=1 and a vllm CLI (SWASERVE_VLLM, else the peer venv's)")  # fmt: skip
 def test_side_by_side_on_the_small_model(small_model: Path, tmp_path: Path) -> None:
     """Both servers, one round, tiny workloads: every run completes, greedy text agrees."""
     s = vllm_compare.CompareSettings(rounds=1, num_prompts=8, output_len=8, input_len=64,
