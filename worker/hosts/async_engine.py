@@ -31,14 +31,14 @@ from worker.assembly.ranks import RankLauncher
 from worker.config import EngineConfig
 from worker.engine.engine import Engine
 from worker.errors import EngineGoneError
+from worker.hosts.streams import DeltaQueue, StreamingHost
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 IDLE_WAIT_S = 0.05  # how long the idle step thread sleeps before looking at the inbox again
-_Queue = asyncio.Queue["StreamDelta | EngineGoneError"]  # one stream's deltas, or its end
 
 
-class AsyncEngine:
+class AsyncEngine(StreamingHost):
     def __init__(
         self,
         config: EngineConfig,
@@ -57,7 +57,7 @@ class AsyncEngine:
         self._stop = threading.Event()
         # (run it, fail it): closures over each call's typed future, run on the step thread
         self._calls: list[tuple[Callable[[], None], Callable[[BaseException], None]]] = []
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, _Queue]] = {}
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, DeltaQueue]] = {}
         self._lock = threading.Lock()  # calls, streams, error: the step thread's death is atomic
         self._error: BaseException | None = None
         self._stopped = False  # the step thread has ended (shut down, or died: `_error`)
@@ -76,7 +76,7 @@ class AsyncEngine:
     def validate(self, token_ids: Sequence[int], params: SamplingParams) -> None:
         self.engine.validate(token_ids, params)
 
-    async def generate(
+    def generate(
         self,
         token_ids: list[int],
         params: SamplingParams,
@@ -85,38 +85,24 @@ class AsyncEngine:
     ) -> AsyncGenerator[StreamDelta, None]:
         """Stream the request's deltas; stopping the iteration (or cancelling) aborts it.
         `follows`: another choice of the same prompt, already added (see `Engine.add_request`)."""
-        loop = asyncio.get_running_loop()
-        deltas: _Queue = asyncio.Queue()
-        with self._lock:  # with `_die`'s: a stream is either failed by it or never registered
-            self._check_alive()
-            self._streams[request_id] = (loop, deltas)
 
-        def sink(delta: StreamDelta) -> None:
-            loop.call_soon_threadsafe(deltas.put_nowait, delta)
+        async def start(deltas: DeltaQueue) -> None:
+            loop = asyncio.get_running_loop()
 
-        add = functools.partial(
-            self.engine.add_request, token_ids, params, request_id, sink, follows
-        )
-        finished = False
-        try:
+            def sink(delta: StreamDelta) -> None:
+                loop.call_soon_threadsafe(deltas.put_nowait, delta)
+
+            add = functools.partial(
+                self.engine.add_request, token_ids, params, request_id, sink, follows
+            )
             # A grammar compiles in add_request: off the event loop (and off the step thread).
             if params.grammar is None:
                 add()
             else:
                 await asyncio.to_thread(add)
             self._wake.set()
-            while not finished:
-                delta = await deltas.get()
-                if isinstance(delta, EngineGoneError):
-                    finished = True  # nothing left to abort
-                    raise delta
-                finished = delta.finished
-                yield delta
-        finally:
-            with self._lock:
-                self._streams.pop(request_id, None)
-            if not finished:
-                self.abort(request_id)
+
+        return self._relay(request_id, start)
 
     def abort(self, request_id: str) -> None:
         self.engine.abort(request_id)

@@ -64,11 +64,11 @@ from core.sampling_params import SamplingParams
 from worker.config import EngineConfig
 from worker.engine.engine import Engine
 from worker.errors import EngineGoneError
+from worker.hosts.streams import DeltaQueue, StreamingHost
 
 logger = logging.getLogger(__name__)
 
 AUTHKEY_ENV = "SWASERVE_ENGINE_AUTHKEY"
-_Queue = asyncio.Queue["StreamDelta | EngineGoneError"]  # one stream's deltas, or its end
 IDLE_WAIT_S = 0.05  # how long the idle step thread waits before looking again
 CALLS = (
     "check_integrity",
@@ -145,7 +145,7 @@ class _Ready:
     niceness: int  # the child's, after `set_niceness`
 
 
-class EngineProcess:
+class EngineProcess(StreamingHost):
     """An `EngineClient` whose engine runs in a child process (tensor-parallel size 1) at
     `niceness` (None: the replica's)."""
 
@@ -191,7 +191,7 @@ class EngineProcess:
         self._stats = ready.stats
         self._error: BaseException | None = None
         self._lock = threading.Lock()  # streams, calls, error
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, _Queue]] = {}
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, DeltaQueue]] = {}
         self._calls: dict[int, tuple[str, Future[object]]] = {}
         self._events: list[CacheEvent] = []  # cache events received, not yet drained
         self._ids = itertools.count()
@@ -209,7 +209,7 @@ class EngineProcess:
         """Checked by the child's engine (answered by its control thread, not between steps)."""
         self._call(_Call(0, "validate", list(token_ids), params))
 
-    async def generate(
+    def generate(
         self,
         token_ids: list[int],
         params: SamplingParams,
@@ -217,28 +217,14 @@ class EngineProcess:
         follows: str | None = None,
     ) -> AsyncGenerator[StreamDelta, None]:
         """Stream the request's deltas; stopping the iteration (or cancelling) aborts it."""
-        deltas: _Queue = asyncio.Queue()
-        with self._lock:  # with `_die`'s: a stream is either failed by it or never registered
-            self._check_alive()
-            self._streams[request_id] = (asyncio.get_running_loop(), deltas)
-        finished = False
-        try:
+
+        async def start(_: DeltaQueue) -> None:
             try:
                 self._send(_Add(request_id, token_ids, params, follows))
             except OSError:
                 pass  # the child is gone: the reader ends this (registered) stream
-            while not finished:
-                delta = await deltas.get()
-                if isinstance(delta, EngineGoneError):
-                    finished = True  # nothing left to abort
-                    raise delta
-                finished = delta.finished
-                yield delta
-        finally:
-            with self._lock:
-                self._streams.pop(request_id, None)
-            if not finished:
-                self.abort(request_id)
+
+        return self._relay(request_id, start)
 
     def abort(self, request_id: str) -> None:
         if self._error is None:
@@ -343,7 +329,7 @@ class EngineProcess:
             self._die(exc)
 
     def _route(self, deltas: list[StreamDelta]) -> None:
-        per_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Queue, StreamDelta]]] = {}
+        per_loop: dict[asyncio.AbstractEventLoop, list[tuple[DeltaQueue, StreamDelta]]] = {}
         with self._lock:
             for delta in deltas:
                 stream = self._streams.get(delta.request_id)
@@ -363,7 +349,7 @@ class EngineProcess:
             loop.call_soon_threadsafe(q.put_nowait, EngineGoneError(f"engine stopped: {exc!r}"))
 
 
-def _put_all(items: list[tuple[_Queue, StreamDelta]]) -> None:
+def _put_all(items: list[tuple[DeltaQueue, StreamDelta]]) -> None:
     for q, delta in items:
         q.put_nowait(delta)
 
