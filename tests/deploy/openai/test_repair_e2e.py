@@ -5,22 +5,16 @@ the serving worker reports: cached tokens (`usage`) and repaired tokens (header)
 
 from __future__ import annotations
 
-import os
 import random
-import signal
-import socket
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
 
+from tests.serve_process import serve
+
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(900)]
 
-REPO = Path(__file__).resolve().parents[3]
 # The tiny model: window 32, 4 SWA layers, so R = ceil16(32 + 3 * 32) = 128 and a repair needs
 # a tombstoned stretch of >= 256 tokens. 256 SWA tokens per worker hold about 8 window tails.
 CONFIG = """\
@@ -32,41 +26,12 @@ chunked_prefill_size: 512
 workers: 2
 worker_num_cpus: 0.5
 """
-STARTUP_S = 300
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    tmp = tmp_path_factory.mktemp("repair_serve")
-    (tmp / "serve.yaml").write_text(CONFIG)
-    port, log = _free_port(), tmp / "serve.log"
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0", "SWASERVE_API_KEY": ""}
-    cmd = [sys.executable, "-m", "deploy", "serve", "--config", str(tmp / "serve.yaml"),
-           "--port", str(port), "--num-cpus", "2"]  # fmt: skip
-    with log.open("w") as out:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)  # fmt: skip
-    try:
-        deadline = time.monotonic() + STARTUP_S
-        while "swaserve is ready" not in log.read_text(errors="replace"):
-            assert proc.poll() is None, f"serve exited early:\n{log.read_text()[-4000:]}"
-            assert time.monotonic() < deadline, f"not ready:\n{log.read_text()[-4000:]}"
-            time.sleep(0.5)  # waits on the server's startup log line
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(90)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(10)
+    with serve(tmp_path_factory.mktemp("repair_serve"), CONFIG) as srv:
+        yield srv.url
 
 
 def test_predictions_equal_cached_and_repaired_tokens(url: str) -> None:

@@ -63,6 +63,22 @@ def run(engine: Engine, prompts: Sequence[list[int]]) -> list[str]:
     return rids
 
 
+def assert_like_cold(
+    hf: TinyHF, page: int, tap: LogitTap, *batches: list[tuple[str, list[int]]]
+) -> Engine:
+    """Run each batch of (request id, prompt) again on a cold engine, in the same batches: every
+    request's greedy tokens equal transformers', its logits within ATOL of the cold run's.
+    Returns the cold engine (its cache holds what the batches left)."""
+    cold, cold_tap = tapped(hf.path, page, tombstone_repair="off")
+    for batch in batches:
+        for (rid, prompt), cold_rid in zip(batch, run(cold, [p for _, p in batch])):
+            ours, ref = torch.stack(tap.rows[rid]), torch.stack(cold_tap.rows[cold_rid])
+            assert [int(x) for x in ours.argmax(-1)] == hf_greedy(hf.model, prompt, MAX_NEW)[0]
+            diff = (ours - ref).abs().max().item()
+            assert diff < ATOL, f"P={page}: logits differ from a cold run by {diff:.2e}"
+    return cold
+
+
 def swa_kv(engine: Engine, prefix: list[int], lo: int) -> list[torch.Tensor]:
     """Per SWA layer, the cached K and V of positions [lo, len(prefix)) (the tree's slots)."""
     full = engine.cache.match_full(prefix).indices[lo:]
@@ -99,13 +115,7 @@ def test_repaired_prefix_matches_transformers_and_a_cold_run(
     assert stats.repairs == 1 and stats.repaired_tokens == rows and tap.repair_rows == rows
     (rid_c,) = run(engine, [c])
     assert engine.stats().repairs == 1, "C reuses the revived prefix as it is"
-    cold, cold_tap = tapped(hf.path, page, tombstone_repair="off")
-    cold_ids = run(cold, [b, other]) + run(cold, [c])
-    for r, cr, p in zip((rid_b, rid_other, rid_c), cold_ids, (b, other, c)):
-        ours, ref = torch.stack(tap.rows[r]), torch.stack(cold_tap.rows[cr])
-        assert [int(x) for x in ours.argmax(-1)] == hf_greedy(hf.model, p, MAX_NEW)[0]
-        diff = (ours - ref).abs().max().item()
-        assert diff < ATOL, f"{arch} P={page}: logits differ from a cold run by {diff:.2e}"
+    cold = assert_like_cold(hf, page, tap, [(rid_b, b), (rid_other, other)], [(rid_c, c)])
     tail = len(shared) - max(page, -(-spec.window // page) * page)
     for got, ref in zip(swa_kv(engine, shared, tail), swa_kv(cold, shared, tail)):
         assert (got - ref).abs().max().item() < ATOL, "a revived SWA page is not exact"

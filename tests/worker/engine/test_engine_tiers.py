@@ -7,7 +7,6 @@ eviction at both tiers, aborts and retraction keep every invariant after every s
 from __future__ import annotations
 
 import pytest
-import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -15,8 +14,8 @@ from core.outputs import StreamDelta
 from core.sampling_params import SamplingParams
 from tests.worker.engine.conftest import Oracle, assert_all_free, run_checked, tokens
 from tests.worker.engine.test_engine_properties import Mix, repair_mixes
-from tests.worker.engine.test_engine_repair import ATOL, MAX_NEW, run, tapped
-from tests.worker.models.hf_tiny import ARCHS, TinyHF, hf_greedy
+from tests.worker.engine.test_engine_repair import assert_like_cold, run, tapped
+from tests.worker.models.hf_tiny import ARCHS, TinyHF
 from worker.engine.engine import Engine
 from worker.models.spec import LayerKind
 
@@ -55,13 +54,7 @@ def test_prefix_loaded_from_host_matches_transformers_and_a_cold_run(
     (rid_c,) = run(engine, [c])
     after = engine.stats()
     assert after.loaded_swa_tokens > loaded.loaded_swa_tokens, "C loads its window's SWA"
-    cold, cold_tap = tapped(hf.path, page, tombstone_repair="off")
-    cold_ids = run(cold, [b, other]) + run(cold, [c])
-    for r, cr, p in zip((rid_b, rid_other, rid_c), cold_ids, (b, other, c)):
-        ours, ref = torch.stack(tap.rows[r]), torch.stack(cold_tap.rows[cr])
-        assert [int(x) for x in ours.argmax(-1)] == hf_greedy(hf.model, p, MAX_NEW)[0]
-        diff = (ours - ref).abs().max().item()
-        assert diff < ATOL, f"{arch} P={page}: logits differ from a cold run by {diff:.2e}"
+    assert_like_cold(hf, page, tap, [(rid_b, b), (rid_other, other)], [(rid_c, c)])
     assert_all_free(engine)
     s = engine.stats()
     assert s.host_full.used == s.host_swa.used == 0, "a flush empties the host tier too"
