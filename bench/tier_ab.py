@@ -13,8 +13,12 @@ what a prefill costs on this CPU against a load (docs/design.md §9.9), so a loa
 recomputing, as the default prices choose it on a GPU node.
 
 Per request: `usage.prompt_tokens_details.cached_tokens` (prompt tokens whose forward was
-skipped: prefill = prompt − cached), the loaded and repaired tokens (`x-swaserve-loaded-tokens`,
-`x-swaserve-repaired-tokens`) and the time to the first streamed text (TTFT, wall clock).
+skipped: prefill = prompt − cached), the loaded and repaired tokens and the time to the first
+streamed text (TTFT, wall clock). NOTE: a stream's headers leave before the engine admits the
+request, so they carry no loaded / repaired counts (`x-swaserve-loaded-tokens` is for
+non-streamed answers); each request's are the growth of the ingress's Prometheus counters
+(`swaserve_loaded_prompt_tokens`, `swaserve_repaired_prompt_tokens`), which it counts before it
+sends `[DONE]`, read after it (requests go one at a time, through one ingress replica).
 """
 
 from __future__ import annotations
@@ -159,18 +163,41 @@ def _one_side(s: TierABSettings, side: str, repeat: int, url: str) -> SideResult
     headers = {"authorization": f"Bearer {cfg.api_key.get_secret_value()}"} if cfg.api_key else {}
     try:
         with httpx.Client(base_url=url, timeout=300, headers=headers) as http:
-            samples = tuple(_send(http, r, ids, s.max_tokens) for r, ids in s.prompts())
+            counts, samples = _served_counts(http), []
+            for r, ids in s.prompts():
+                sample, counts = _send(http, r, ids, s.max_tokens, counts)
+                samples.append(sample)
     finally:
         serve.delete(APP_NAME)
         kill_index_actor(index_actor_name(APP_NAME, WORKER_DEPLOYMENT))
-    return SideResult(side, repeat, deploy_s, samples)
+    return SideResult(side, repeat, deploy_s, tuple(samples))
 
 
-def _send(http: Any, round_: int, ids: list[int], max_tokens: int) -> Sample:
-    """One streamed completion: its usage, tier headers and time to the first text."""
+SERVED_COUNTERS = ("swaserve_loaded_prompt_tokens_total", "swaserve_repaired_prompt_tokens_total")
+
+
+def _served_counts(http: Any) -> tuple[int, int]:
+    """(loaded, repaired) prompt tokens the ingress has counted so far (`/metrics`)."""
+    resp = http.get("/metrics")
+    if resp.status_code != 200:
+        raise RuntimeError(f"/metrics answered {resp.status_code}: {resp.text[:300]!r}")
+    values = dict.fromkeys(SERVED_COUNTERS, 0)
+    for line in resp.text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in values:
+            values[name] = int(float(value))
+    loaded, repaired = (values[n] for n in SERVED_COUNTERS)
+    return loaded, repaired
+
+
+def _send(
+    http: Any, round_: int, ids: list[int], max_tokens: int, before: tuple[int, int]
+) -> tuple[Sample, tuple[int, int]]:
+    """One streamed completion: its usage, the time to its first text, and its loaded and
+    repaired tokens (the counters' growth from `before`); returns the counters after it too."""
     import json
 
-    from deploy.openai.headers import LOADED_TOKENS_HEADER, REPAIRED_TOKENS_HEADER, REPLICA_HEADER
+    from deploy.openai.headers import REPLICA_HEADER
 
     body = {"model": MODEL, "prompt": ids, "max_tokens": max_tokens, "temperature": 0.0,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
@@ -190,8 +217,11 @@ def _send(http: Any, round_: int, ids: list[int], max_tokens: int) -> Sample:
     if usage is None or first is None:
         raise RuntimeError("the stream sent no text or no usage chunk")
     cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0))
-    return Sample(round_, usage["prompt_tokens"], cached, int(h.get(LOADED_TOKENS_HEADER, 0)),
-                  int(h.get(REPAIRED_TOKENS_HEADER, 0)), h.get(REPLICA_HEADER, "?"), first - t0)  # fmt: skip
+    after = _served_counts(http)
+    loaded, repaired = after[0] - before[0], after[1] - before[1]
+    sample = Sample(round_, usage["prompt_tokens"], cached, loaded, repaired, h.get(REPLICA_HEADER, "?"),
+                    first - t0)  # fmt: skip
+    return sample, after
 
 
 # ---------------------------------------------------------------- report

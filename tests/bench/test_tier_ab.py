@@ -55,6 +55,32 @@ def test_report_pools_the_repeats_of_each_side(tmp_path: Path) -> None:
     assert json.loads(path.read_text())["sides"][1]["side"] == "on"
 
 
+class _Metrics:
+    """An ingress's `/metrics` whose counters grow by a step per read."""
+
+    def __init__(self) -> None:
+        self.reads = 0
+
+    def get(self, path: str) -> object:
+        assert path == "/metrics"
+        self.reads += 1
+        text = (
+            "# HELP swaserve_loaded_prompt_tokens_total KV tokens loaded\n"
+            f"swaserve_loaded_prompt_tokens_total {288.0 * self.reads}\n"
+            "swaserve_loaded_prompt_tokens_created 1.7e9\n"
+            f"swaserve_repaired_prompt_tokens_total {float(self.reads - 1)}\n"
+        )
+        return argparse.Namespace(status_code=200, text=text)
+
+
+def test_served_counts_read_the_ingress_counters() -> None:
+    """A stream's headers carry no loaded / repaired counts: they come from `/metrics`, whose
+    `_total` samples are read (not `_created`), as integers."""
+    http = _Metrics()
+    assert tier_ab._served_counts(http) == (288, 0)
+    assert tier_ab._served_counts(http) == (576, 1)
+
+
 @pytest.mark.ray
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
