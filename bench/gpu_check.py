@@ -13,7 +13,8 @@ Written to be run in one go when a CUDA machine is lent; on a machine without CU
 3. **graph vs eager logits**: one decode batch run through the graph and eagerly on the same
    inputs (the same KV written twice): max |logit difference|.
 4. **bandwidth**: B requests at context C decode N steps (synchronised, wall time per step),
-   eager and with graphs; achieved GB/s = (weight bytes + KV bytes the step reads) / step time,
+   eager and with graphs; every request is admitted before the first one can finish (each
+   asks for more tokens than the steps that admit the others take); achieved GB/s = (weight bytes + KV bytes the step reads) / step time,
    KV read = per request, full layers x context + SWA layers x min(context, window + 1),
    K and V. Compare with the device's peak (H100/H200: 3.35/4.8 TB/s).
 """
@@ -46,6 +47,10 @@ class GpuCheckSettings:
     batch: int = 64
     context: int = 4096
     steps: int = 20
+    step_tokens: int = 8192  # max_num_batched_tokens: what one step may prefill, decodes included
+    # SWA pool / full pool; the SWA pool must hold every decode's window and one whole prompt
+    # (a prompt keeps its SWA KV until its prefill ends)
+    swa_ratio: float = 0.5
 
 
 @dataclass(frozen=True)
@@ -130,8 +135,8 @@ class _FakePool:
 
 
 # ---- 2-4. the engine ----------------------------------------------------------------------------
-def dense_model_dir(root: Path, s: GpuCheckSettings) -> Path:
-    """A random Gemma-3-style model saved with transformers (weights drawn on the GPU)."""
+def dense_model_dir(root: Path, s: GpuCheckSettings, device: str = "cuda") -> Path:
+    """A random Gemma-3-style model saved with transformers (weights drawn on `device`)."""
     from transformers import AutoModelForCausalLM, Gemma3TextConfig
 
     heads = max(1, s.hidden // 128)
@@ -143,7 +148,7 @@ def dense_model_dir(root: Path, s: GpuCheckSettings) -> Path:
         layer_types=[types[i % 6] for i in range(s.layers)],
     )  # fmt: skip
     torch.manual_seed(0)
-    with torch.device("cuda"):
+    with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=DTYPE)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -154,27 +159,47 @@ def dense_model_dir(root: Path, s: GpuCheckSettings) -> Path:
     path = root / "dense"
     model.save_pretrained(path)
     del model
-    torch.cuda.empty_cache()
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
     return path
 
 
-def _engine(path: Path, backend: str, graphs: str, s: GpuCheckSettings, batch: int) -> Any:
+def engine_config(path: Path, backend: str, graphs: str, s: GpuCheckSettings, batch: int,
+                  overlap: str = "auto", device: str = "cuda") -> Any:  # fmt: skip
     from worker.config import EngineConfig
-    from worker.engine.engine import Engine
 
     running = max(batch, s.prompts)
-    max_len = s.context + _new_tokens(s) + 64
-    return Engine(EngineConfig(
-        model=str(path), dtype="bfloat16", device="cuda", attention_backend=backend,
-        cuda_graphs=graphs, max_running_requests=running, chunked_prefill_size=8192,
-        max_model_len=max_len, max_total_tokens=running * (max_len + 64),
-        swa_full_tokens_ratio=0.5,
-    ))  # fmt: skip
+    max_len = s.context + new_tokens(s) + 64
+    return EngineConfig(
+        model=str(path), dtype="bfloat16", device=device, attention_backend=backend,
+        cuda_graphs=graphs, overlap_schedule=overlap, max_running_requests=running,
+        max_num_batched_tokens=s.step_tokens, max_model_len=max_len,
+        max_total_tokens=running * (max_len + 64), swa_full_tokens_ratio=s.swa_ratio,
+    )  # fmt: skip
 
 
-def _new_tokens(s: GpuCheckSettings) -> int:
-    """Bandwidth: tokens per request (the first ones decode while the later ones prefill)."""
-    return s.batch + s.steps + 16
+def _engine(path: Path, backend: str, graphs: str, s: GpuCheckSettings, batch: int,
+            overlap: str = "auto") -> Any:  # fmt: skip
+    from worker.engine.engine import Engine
+
+    return Engine(engine_config(path, backend, graphs, s, batch, overlap))
+
+
+WARM_STEPS = 3  # bandwidth: untimed decode steps once every request decodes
+
+
+def admission_steps(s: GpuCheckSettings) -> int:
+    """Bandwidth: the most steps the engine takes to prefill every prompt (the decodes already
+    running take their share of each step's `step_tokens` first)."""
+    spare = s.step_tokens - s.batch
+    assert spare > 0, f"step_tokens {s.step_tokens} leaves no room to prefill beside {s.batch} decodes"
+    return -(-s.batch * s.context // spare) + s.batch  # + one partial chunk per prompt at most
+
+
+def new_tokens(s: GpuCheckSettings) -> int:
+    """Bandwidth: tokens per request, enough that the first admitted still decodes through the
+    timed steps (it decodes from its admission on, while the later ones prefill)."""
+    return admission_steps(s) + WARM_STEPS + s.steps + 16
 
 
 def _prompts(n: int, length: int, vocab: int, seed: int = 1) -> list[list[int]]:
@@ -216,56 +241,50 @@ def _agree(a: list[int], b: list[int]) -> int:
 
 
 def graph_logits(path: Path, s: GpuCheckSettings) -> list[Row]:
+
+    # NOTE: overlap off: this check schedules and runs a batch itself, outside `step`, which
+    # must leave no forward in flight (with overlap, the decodes' inputs would still be sampling).
+    engine = _engine(path, "flashinfer", "auto", s, s.prompts, overlap="off")
+    if engine.runner.graphs is None:
+        engine.close()
+        return [Row("graph vs eager logits", "no graphs captured (see the log)", False)]
+    n, diff, same = graph_vs_eager(engine, _prompts(s.prompts, 300, s.vocab, seed=2))
+    engine.close()
+    return [Row(f"graph vs eager logits ({n} decodes)", f"max |diff| {diff:.4f}, argmax equal {same}", same)]
+
+
+def graph_vs_eager(engine: Any, prompts: list[list[int]]) -> tuple[int, float, bool]:
+    """Bring `prompts` to decoding, then run one decode batch through the runner twice, with its
+    graphs and without (the same KV written twice): batch size, max |logit diff|, argmax equal.
+    The engine must not overlap (nothing may be in flight when the batch is scheduled here)."""
     from core.sampling_params import SamplingParams
     from worker.runner.forward_batch import ForwardBatch
 
-    engine = _engine(path, "flashinfer", "auto", s, s.prompts)
-    runner = engine.runner
-    if runner.graphs is None:
-        engine.close()
-        return [Row("graph vs eager logits", "no graphs captured (see the log)", False)]
+    assert engine.forwarder.overlap is False, "graph_vs_eager needs overlap_schedule off"
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-    for p in _prompts(s.prompts, 300, s.vocab, seed=2):
+    for p in prompts:
         engine.add_request(p, params)
-    while not engine.scheduler.running or not all(r.is_decoding for r in engine.scheduler.running):
+    sc = engine.scheduler
+    while sc.waiting or len(sc.running) < len(prompts) or not all(r.is_decoding for r in sc.running):
         engine.step()
-    work = engine.scheduler.schedule()
+    runner, work = engine.runner, sc.schedule()
     batch = ForwardBatch(tuple(w.forward_req() for w in work))
     host = runner._prepare(batch)
     q, seq = tuple(len(r.token_ids) for r in batch.reqs), tuple(r.seq_len for r in batch.reqs)
-    with_graph = runner.execute(host, q, seq)
+    with_graph = runner.execute(host, q, seq).logits
     graphs, runner.graphs = runner.graphs, None
-    eager = runner.execute(host, q, seq)
+    eager = runner.execute(host, q, seq).logits
     runner.graphs = graphs
     diff = float((with_graph - eager).abs().max())
-    same = bool((with_graph.argmax(-1) == eager.argmax(-1)).all())
-    engine.close()
-    return [Row(f"graph vs eager logits ({len(q)} decodes)", f"max |diff| {diff:.4f}, argmax equal {same}", same)]
+    return len(q), diff, bool((with_graph.argmax(-1) == eager.argmax(-1)).all())
 
 
 def bandwidth(path: Path, s: GpuCheckSettings) -> list[Row]:
-    from core.sampling_params import SamplingParams
-
     rows = []
     for graphs in ("off", "auto"):
         engine = _engine(path, "flashinfer", graphs, s, s.batch)
         spec = engine.spec
-        params = SamplingParams(max_tokens=_new_tokens(s), temperature=0.0, ignore_eos=True)
-        for p in _prompts(s.batch, s.context - 1, s.vocab, seed=3):
-            engine.add_request(p, params)
-        sc = engine.scheduler
-        engine.step()  # takes the requests in
-        while sc.waiting or not all(r.is_decoding for r in sc.running):
-            engine.step()
-        for _ in range(3):
-            engine.step()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(s.steps):
-            engine.step()
-        torch.cuda.synchronize()
-        step_s = (time.perf_counter() - t0) / s.steps
-        assert len(sc.running) == s.batch, f"{len(sc.running)} of {s.batch} requests decoded throughout"
+        step_s = steady_decode(engine, s)
         weights = sum(p.numel() * p.element_size() for p in engine.runner.model.parameters())
         kv = kv_bytes_read(spec, s.batch, s.context + 5)
         gbs = (weights + kv) / step_s / 1e9
@@ -279,6 +298,33 @@ def bandwidth(path: Path, s: GpuCheckSettings) -> list[Row]:
         del engine
         torch.cuda.empty_cache()
     return rows
+
+
+def steady_decode(engine: Any, s: GpuCheckSettings) -> float:
+    """Admit `s.batch` prompts of `s.context - 1` tokens, wait until all decode, then time
+    `s.steps` steps: seconds per step, every request decoding throughout (asserted)."""
+    from core.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=new_tokens(s), temperature=0.0, ignore_eos=True)
+    for p in _prompts(s.batch, s.context - 1, s.vocab, seed=3):
+        engine.add_request(p, params)
+    sc, admitting = engine.scheduler, 0
+    engine.step()  # takes the requests in
+    while sc.waiting or not all(r.is_decoding for r in sc.running):
+        engine.step()
+        admitting += 1
+    assert admitting <= admission_steps(s), f"admission took {admitting} steps"
+    for _ in range(WARM_STEPS):
+        engine.step()
+    sync = torch.cuda.synchronize if engine.config.device.startswith("cuda") else (lambda: None)
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(s.steps):
+        engine.step()
+    sync()
+    step_s = (time.perf_counter() - t0) / s.steps
+    assert len(sc.running) == s.batch, f"{len(sc.running)} of {s.batch} requests decoded throughout"
+    return step_s
 
 
 def kv_bytes_read(spec: Any, batch: int, context: int) -> int:
@@ -318,6 +364,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch", type=int, default=d.batch, help="bandwidth: decoding requests")
     parser.add_argument("--context", type=int, default=d.context, help="bandwidth: tokens per request")
     parser.add_argument("--steps", type=int, default=d.steps, help="bandwidth: timed decode steps")
+    parser.add_argument("--step-tokens", type=int, default=d.step_tokens,
+                        help="max_num_batched_tokens of the engines")  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:
@@ -326,7 +374,7 @@ def run(args: argparse.Namespace) -> int:
         print(why)
         return 0
     s = GpuCheckSettings(hidden=args.hidden, layers=args.layers, batch=args.batch,
-                         context=args.context, steps=args.steps)  # fmt: skip
+                         context=args.context, steps=args.steps, step_tokens=args.step_tokens)  # fmt: skip
     print(f"gpu-check on {torch.cuda.get_device_name()} (torch {torch.__version__})")
     rows = run_checks(s)
     print(report(rows))
