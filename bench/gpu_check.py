@@ -19,8 +19,8 @@ the table is rewritten under --out after each, so a timeout keeps what ran):
    engine, compile auto vs off agreeing. MoE models are not captured (their experts' token
    counts go to the host): their graph rows say so, skipped.
 4. **overlap**: FlashInfer with graphs, overlap scheduling on vs off: greedy tokens agree.
-5. **quantized**: the quantized MoE/FP8 path vs dequantized (skipped: weights are dequantized
-   to bf16 at load; there is no quantized path yet, docs/design.md §16).
+5. **quantized**: a packed-expert GPU kernel vs the dequantized path (skipped: none yet;
+   `quantized_weights: keep` runs the CPU-tested reference path on CUDA too, docs/design.md §16).
 6. **bandwidth**: B requests at context C decode N steps (synchronised, wall time per step),
    eager and with graphs; every request is admitted before the first one can finish (each
    asks for more tokens than the steps that admit the others take); achieved GB/s
@@ -48,8 +48,8 @@ from bench.harness import markdown_table
 
 NO_CUDA = "no CUDA device here (torch.cuda.is_available() is False)"
 NO_FLASHINFER = "flashinfer is not importable (pip install -e '.[gpu]', or the device carry: bench/gpu_carry.py)"
-NO_QUANTIZED = ("no quantized path to compare yet: MXFP4 / block-FP8 checkpoints are dequantized "
-                "to bf16 at load (docs/design.md §16)")  # fmt: skip
+NO_QUANTIZED = ("no GPU kernel for packed experts yet: quantized_weights=keep runs the same "
+                "reference path on CUDA as on the CPU, where its tests check it (docs/design.md §16)")  # fmt: skip
 ATOL = 2e-2
 DTYPE = torch.bfloat16
 PEAK_TBS = {"H200": 4.8, "H100": 3.35}  # HBM3e / HBM3 spec sheets
@@ -434,6 +434,8 @@ def overlap_parity(ctx: Context) -> list[Row]:
 
 # ---- 6. bandwidth -------------------------------------------------------------------------------
 def bandwidth(ctx: Context) -> list[Row]:
+    from worker.models.quant.resident import stored_bytes
+
     s, path = ctx.s, ctx.dense()
     name = torch.cuda.get_device_name() if ctx.device.startswith("cuda") else ""
     peak = next((tbs for gpu, tbs in PEAK_TBS.items() if gpu in name), None)
@@ -442,7 +444,7 @@ def bandwidth(ctx: Context) -> list[Row]:
         engine = _engine(ctx, path, graphs, s, s.batch)
         try:
             step_s = steady_decode(engine, s)
-            weights = sum(p.numel() * p.element_size() for p in engine.runner.model.parameters())
+            weights = stored_bytes(engine.runner.model)
             kv = kv_bytes_read(engine.spec, s.batch, s.context + 5)
         finally:
             _close(engine)

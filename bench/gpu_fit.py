@@ -1,20 +1,20 @@
 """Where GPT-OSS-120B and MiMo-V2-Flash fit on H200s and H100s (README "On GPUs").
 
-Weight bytes are counted tensor by tensor from the real configs (`bench/configs/`), in two
-forms: **bf16**, what a worker holds today (quantized checkpoints are dequantized to bf16 while
-loading, docs/design.md §16), and **as published**: GPT-OSS's experts in MXFP4 (4-bit values,
-one E8M0 scale per 32: 0.53125 bytes a weight; attention, router, embeddings bf16, as the
-checkpoint's `modules_to_not_convert` says) and MiMo-V2-Flash's linears in block FP8 (1 byte a
-weight, one float32 scale per 128x128 block; embeddings, router, norms, sinks bf16): what keeping
-the weights quantized in memory would take, which is NOT built yet. Tensor parallelism over N
-GPUs gives each 1/N of the weights (every matrix, the vocabulary and the experts are split).
+Weight bytes are counted tensor by tensor from the real configs (`bench/configs/`) for both
+settings of `quantized_weights`: **dequantize** (the default: quantized checkpoints become bf16
+while loading, docs/design.md §16) and **keep** (the experts stay as published: GPT-OSS's MXFP4,
+4-bit values with one E8M0 scale per 32, 0.53125 bytes a weight; MiMo-V2-Flash's block FP8, 1
+byte a weight and one float32 scale per 128x128 block; everything else bf16, as `keep` holds
+it). Tensor parallelism over N GPUs gives each 1/N of the weights (every matrix, the vocabulary
+and the experts are split); `keep` does not run under tensor parallelism yet, so its rows with
+N > 1 say what it would take once it does.
 
 KV tokens per GPU: the engine's own plan (`plan_pools`, default `swa_full_tokens_ratio` 0.8,
 page 16, bf16 KV) over the budget it would take on CUDA: `GPU_KV_FRACTION` of what is free after
-the weights, less `CUDA_RESERVE` for the CUDA context, FlashInfer's workspace, activations and
-graphs (an allowance: nothing has been measured on a GPU), shared with the prompt-logprob
-workspace (`kv_share_of`). The tokens are the full pool's: the most tokens of context, summed
-over the requests, one GPU holds (each rank holds every token's KV for its heads).
+the weights, less `CUDA_RESERVE` for the CUDA context, FlashInfer's workspace, activations, graphs
+and `keep`'s per-expert scratch (an allowance: nothing has been measured on a GPU), shared with
+the prompt-logprob workspace (`kv_share_of`). The tokens are the full pool's: the most tokens of
+context, summed over the requests, one GPU holds (each rank holds every token's KV for its heads).
 
     python -m bench.gpu_fit        # prints the README's table
 """
@@ -38,9 +38,9 @@ PAGE_SIZE = 16
 class Weights:
     """A model's parameters by storage: kept bf16 either way, or quantized as published."""
 
-    bf16: int  # parameters stored in bf16 in the checkpoint (and in memory either way)
-    quantized: int  # parameters the checkpoint stores quantized (bf16 in memory today)
-    quantized_bytes: float  # bytes per quantized parameter as published
+    bf16: int  # parameters held in bf16 either way
+    quantized: int  # expert weights the checkpoint stores quantized (bf16 with `dequantize`)
+    quantized_bytes: float  # bytes per such weight as published (with `keep`)
 
     @property
     def params(self) -> int:
@@ -66,7 +66,9 @@ def gpt_oss_weights(c: dict[str, Any]) -> Weights:
 
 
 def mimo_weights(c: dict[str, Any]) -> Weights:
-    """MiMo-V2-Flash: full and SWA attention of their own shapes, a dense MLP or E experts."""
+    """MiMo-V2-Flash: full and SWA attention of their own shapes, a dense MLP or E experts. Its
+    attention and dense-MLP linears are FP8 in the checkpoint too, but `keep` dequantizes them
+    at load (~2% of the weights): bf16 here."""
     h, layers, vocab = c["hidden_size"], c["num_hidden_layers"], c["vocab_size"]
     pattern, moe = c["hybrid_layer_pattern"], c["moe_layer_freq"]
     e, moe_inter, inter = c["n_routed_experts"], c["moe_intermediate_size"], c["intermediate_size"]
@@ -77,13 +79,13 @@ def mimo_weights(c: dict[str, Any]) -> Weights:
         kv = c["swa_num_key_value_heads"] if swa else c["num_key_value_heads"]
         dqk = c["swa_head_dim"] if swa else c["head_dim"]
         dv = c["swa_v_head_dim"] if swa else c["v_head_dim"]
-        fp8 += h * heads * dqk + h * kv * (dqk + dv) + heads * dv * h  # q, k, v, o
+        bf16 += h * heads * dqk + h * kv * (dqk + dv) + heads * dv * h  # q, k, v, o
         bf16 += 2 * h + (heads if swa and c["add_swa_attention_sink_bias"] else 0)
         if moe[i]:
             fp8 += e * 3 * moe_inter * h
             bf16 += e * h + e  # router, its score-correction bias
         else:
-            fp8 += 3 * inter * h
+            bf16 += 3 * inter * h
     return Weights(bf16 + 2 * vocab * h + h, fp8, FP8_BLOCK_BYTES)
 
 
@@ -138,7 +140,7 @@ LAYOUTS = (
 
 
 def table() -> str:
-    """The README's table: per layout, weights per GPU and KV tokens, bf16 vs as published."""
+    """The README's table: per layout, weights per GPU and KV tokens, dequantize vs keep."""
     from bench.harness import markdown_table
 
     def cell(f: Fit) -> str:
@@ -149,13 +151,13 @@ def table() -> str:
     for model, gpu, n in LAYOUTS:
         today, published = fit(model, gpu, n, False), fit(model, gpu, n, True)
         rows.append([model, f"{n} x {gpu}", cell(today), cell(published)])
-    head = ["model", "GPUs", "today: bf16 in memory (per GPU)", "weights kept as published (not built yet)"]
+    head = ["model", "GPUs", "quantized_weights: dequantize (per GPU)", "quantized_weights: keep (per GPU)"]
     return markdown_table(head, rows)
 
 
 if __name__ == "__main__":
     for name in MODELS:
         w = weights_of(name)
-        print(f"{name}: {w.params / 1e9:.1f} B parameters, bf16 {w.bytes(False) / 1e9:.1f} GB, "
-              f"as published {w.bytes(True) / 1e9:.1f} GB")  # fmt: skip
+        print(f"{name}: {w.params / 1e9:.1f} B parameters, dequantize {w.bytes(False) / 1e9:.1f} GB, "
+              f"keep {w.bytes(True) / 1e9:.1f} GB")  # fmt: skip
     print(table())
