@@ -6,8 +6,7 @@ while loading, docs/design.md §16) and **keep** (the experts stay as published:
 4-bit values with one E8M0 scale per 32, 0.53125 bytes a weight; MiMo-V2-Flash's block FP8, 1
 byte a weight and one float32 scale per 128x128 block; everything else bf16, as `keep` holds
 it). Tensor parallelism over N GPUs gives each 1/N of the weights (every matrix, the vocabulary
-and the experts are split); `keep` does not run under tensor parallelism yet, so its rows with
-N > 1 say what it would take once it does.
+and the experts, packed or not, are split).
 
 KV tokens per GPU: the engine's own plan (`plan_pools`, default `swa_full_tokens_ratio` 0.8,
 page 16, bf16 KV) over the budget it would take on CUDA: `GPU_KV_FRACTION` of what is free after

@@ -211,7 +211,7 @@ class EngineConfig:
         "dequantize",
         "A quantized checkpoint's experts (GPT-OSS MXFP4, MiMo-V2-Flash block FP8): dequantize: "
         "to dtype at load; keep: in memory as stored, each expert dequantized when it runs "
-        "(about a quarter of GPT-OSS's bf16 bytes, half of MiMo's; not with tensor parallelism).",
+        "(about a quarter of GPT-OSS's bf16 bytes, half of MiMo's).",
         choices=QUANTIZED_WEIGHTS_MODES,
     )
     # docs/design.md §19

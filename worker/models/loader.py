@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 from safetensors import safe_open
 
-from worker.errors import ConfigError
 from worker.models.causal_lm import CausalLM
 from worker.models.quant import Part, QuantFormat, quant_format
 from worker.models.registry import model_class
@@ -275,14 +274,7 @@ def load_model(
 
         config = load_hf_config(model_dir)
     quant = quant_format(config)  # refuses an unknown method before anything is allocated
-    keep = None
-    if keep_quantized and quant is not None:
-        if group is not None and group.size > 1:
-            raise ConfigError(
-                "quantized_weights='keep' is not supported with tensor parallelism yet "
-                "(packed experts are not sharded); use quantized_weights='dequantize'"
-            )
-        keep = (quant, Path(model_dir))
+    keep = (quant, Path(model_dir)) if keep_quantized and quant is not None else None
     model, shard_plan = _build(config, spec, dtype, device, group, keep)
     load_weights(model, model_dir, quant, shard_plan)
     return model

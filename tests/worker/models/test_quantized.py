@@ -285,13 +285,6 @@ def test_kept_experts_give_the_dequantized_paths_tokens_and_logits(name: str, re
     _check_greedy(Case(case.path, case.plain, case.oracle, kept), 2 * kept.spec.window + 5, None)
 
 
-def test_kept_experts_refuse_tensor_parallelism(gpt_oss_mxfp4: Case) -> None:
-    from types import SimpleNamespace
-
-    with pytest.raises(ConfigError, match="not supported with tensor parallelism"):
-        load_model(gpt_oss_mxfp4.path, gpt_oss_mxfp4.ours.spec, group=SimpleNamespace(size=2), keep_quantized=True)  # type: ignore[arg-type]
-
-
 @pytest.mark.parametrize("name", ["gpt_oss_mxfp4", "mimo_fp8"])
 def test_engine_quantized_weights_keep_equals_dequantize(name: str, request: pytest.FixtureRequest) -> None:
     """The engine knob end to end (weights packed for oneDNN by `compile: auto` around the kept
