@@ -172,12 +172,18 @@ def kernel_parity(ctx: Context | None = None, device: str = "cuda",
     rows = []
     for case in KERNEL_CASES:
         layer, spec, pool, sink, q, batches = _kernel_inputs(case, device, gen)
-        fast, ref = make(pool, spec, device), TorchBackend(pool)
         for form, batch in batches.items():
-            got = fast.forward(layer, q, fast.plan(batch), sink)
-            want = ref.forward(layer, q, ref.plan(batch), sink)
+            label = f"FlashInfer vs torch: {case.name}, {form} view"
+            try:  # one case failing (a shape FlashInfer cannot build) must not hide the others
+                fast, ref = make(pool, spec, device), TorchBackend(pool)
+                got = fast.forward(layer, q, fast.plan(batch), sink)
+                want = ref.forward(layer, q, ref.plan(batch), sink)
+            except Exception as exc:  # noqa: BLE001
+                traceback.print_exc()
+                rows.append(Row(label, f"FAILED: {type(exc).__name__}: {exc}", False))
+                continue
             diff = float((got.float() - want.float()).abs().max())
-            rows.append(Row(f"FlashInfer vs torch: {case.name}, {form} view", f"max |diff| {diff:.4f}", diff < ATOL * 4))
+            rows.append(Row(label, f"max |diff| {diff:.4f}", diff < ATOL * 4))
     return rows
 
 
@@ -275,8 +281,11 @@ def engine_config(path: Path, backend: str, graphs: str, s: GpuCheckSettings, ba
 
 
 def _engine(ctx: Context, path: Path, graphs: str, s: GpuCheckSettings, batch: int, overlap: str = "auto",
-            compile: str = "auto", backend: str | None = None) -> Any:  # fmt: skip
-    """An engine on the context's device and backend (`backend` overrides the latter)."""
+            compile: str = "off", backend: str | None = None) -> Any:  # fmt: skip
+    """An engine on the context's device and backend (`backend` overrides the latter).
+
+    NOTE: compile off but where a row compares it (graph-logits): a torch.compile warm-up per
+    engine would cost the lease minutes the kernels and graphs need."""
     from worker.engine.engine import Engine
 
     config = engine_config(path, backend or ctx.backend, graphs, s, batch, overlap, ctx.device, compile)
@@ -360,9 +369,15 @@ def graph_logits(ctx: Context) -> list[Row]:
     for model, path in (("dense", ctx.dense()), ("MoE tiny MiMo", ctx.moe())):
         tokens = {}
         for compile in ("off", "auto"):
-            row, tokens[compile] = _graph_and_greedy(ctx, path, s, compile, f"graph vs eager logits, {model}, compile {compile}")
+            label = f"graph vs eager logits, {model}, compile {compile}"
+            try:  # the MoE failing must not hide the dense rows, nor compile auto compile off
+                row, tokens[compile] = _graph_and_greedy(ctx, path, s, compile, label)
+            except Exception as exc:  # noqa: BLE001
+                traceback.print_exc()
+                row = Row(label, f"FAILED: {type(exc).__name__}: {exc}", False)
             rows.append(row)
-        rows.append(_agreement(f"greedy compile off vs auto, {model}", tokens["off"], tokens["auto"], 16))
+        if len(tokens) == 2:
+            rows.append(_agreement(f"greedy compile off vs auto, {model}", tokens["off"], tokens["auto"], 16))
     return rows
 
 
