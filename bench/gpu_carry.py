@@ -13,7 +13,9 @@ runs read, in one xz tarball:
 | `__init__.py` replaced by `TRIMMED_INIT` | the wheel's imports every kernel family (cute-dsl, MoE, comm), whose dependencies the image lacks |
 | `data/`: `KEPT_DATA` and csrc's top-level files | the headers and templates the JIT compiles (`verify` resolves every include) |
 
-The apache-tvm-ffi wheel for the device's Python (3.12) travels beside it as it is.
+Two wheels travel beside it as they are: apache-tvm-ffi for the device's Python (3.12), and
+the transformers the project pins (the image's is older; the check's models and configs are
+tested against the pin). The image has every other dependency of both.
 
     python -m bench.gpu_carry build  --wheels W --out .gpucarry
     python -m bench.gpu_carry verify --carry .gpucarry --wheels W --local-site L
@@ -40,6 +42,7 @@ from pathlib import Path
 
 FLASHINFER_WHEEL = "flashinfer_python-0.7.4-py3-none-any.whl"
 TVM_FFI_GLOB = "apache_tvm_ffi-*-cp312-*.whl"  # the device's python3 is 3.12
+TRANSFORMERS_WHEEL = "transformers-5.24.0-py3-none-any.whl"  # pyproject's pin (a test checks)
 TARBALL = "flashinfer.tar.xz"
 CARRY_LIMIT = 64 * 1024 * 1024  # the repository and every carried path together
 KEPT_PACKAGES = ("attention", "autotuner", "cudnn", "cute_dsl", "cutile", "jit", "mla", "quantization", "trace")
@@ -88,12 +91,12 @@ def kept(name: str) -> bool:
 
 
 def build(wheels: Path, out: Path) -> list[tuple[str, int]]:
-    """Write the carry into `out`: the trimmed tarball and the device's tvm-ffi wheel. Returns
-    (file, bytes) per file written."""
+    """Write the carry into `out`: the trimmed tarball, the device's tvm-ffi wheel and the
+    pinned transformers wheel. Returns (file, bytes) per file written."""
     out.mkdir(parents=True, exist_ok=True)
     tvm = sorted(wheels.glob(TVM_FFI_GLOB))
-    if not tvm:
-        raise FileNotFoundError(f"no {TVM_FFI_GLOB} in {wheels} (pip download, docs/design.md §18.3)")
+    if not tvm or not (wheels / TRANSFORMERS_WHEEL).is_file():
+        raise FileNotFoundError(f"{wheels} needs {TVM_FFI_GLOB} and {TRANSFORMERS_WHEEL} (pip download, docs/design.md §18.3)")
     with zipfile.ZipFile(wheels / FLASHINFER_WHEEL) as whl, tarfile.open(out / TARBALL, "w:xz", preset=1) as tar:
         for info in sorted(whl.infolist(), key=lambda i: i.filename):
             if not kept(info.filename):
@@ -102,7 +105,8 @@ def build(wheels: Path, out: Path) -> list[tuple[str, int]]:
             member = tarfile.TarInfo(info.filename)
             member.size, member.mode, member.mtime = len(data), 0o644, 0
             tar.addfile(member, _Reader(data))
-    (out / tvm[-1].name).write_bytes(tvm[-1].read_bytes())
+    for wheel in (tvm[-1], wheels / TRANSFORMERS_WHEEL):
+        (out / wheel.name).write_bytes(wheel.read_bytes())
     return [(p.name, p.stat().st_size) for p in sorted(out.iterdir())]
 
 
@@ -222,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.gpu_carry", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("build", help="write the carry")
-    b.add_argument("--wheels", type=Path, required=True, help=f"holds {FLASHINFER_WHEEL} and {TVM_FFI_GLOB}")
+    b.add_argument("--wheels", type=Path, required=True, help=f"holds {FLASHINFER_WHEEL}, {TVM_FFI_GLOB}, {TRANSFORMERS_WHEEL}")
     b.add_argument("--out", type=Path, default=Path(".gpucarry"))
     v = sub.add_parser("verify", help="prove here (no CUDA) that the carry imports and builds")
     v.add_argument("--carry", type=Path, default=Path(".gpucarry"))

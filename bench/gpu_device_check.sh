@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The device check in one lease of a lent GPU (docs/design.md §18.3). Run from the repository
 # root on the GPU machine with `.gpucarry` carried (`python -m bench.gpu_carry build` writes it:
-# the trimmed FlashInfer tree and the device's apache-tvm-ffi wheel). The image brings torch
-# (CUDA 13), Triton, transformers, nvcc and ninja; FlashInfer JIT-builds the attention kernels
+# the trimmed FlashInfer tree, the device's apache-tvm-ffi wheel and the pinned transformers).
+# The image brings torch (CUDA 13), Triton, nvcc and ninja; FlashInfer JIT-builds the kernels
 # the check runs, for sm90a only. Everything lands in $OUT: machine.txt, log.txt, gpu_check.md,
 # gpu_check.json (the table is rewritten after each step, so a timeout keeps what ran).
 # Extra arguments go to `swaserve bench gpu-check` (e.g. --only kernels graph-logits).

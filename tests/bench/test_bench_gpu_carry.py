@@ -10,6 +10,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+import tomllib
 
 from bench import gpu_carry
 
@@ -44,13 +45,21 @@ def test_build_writes_the_trimmed_tarball_and_the_tvm_wheel(tmp_path: Path) -> N
         "flashinfer/data/csrc/sub/b.cu": "",
     })  # fmt: skip
     _wheel(wheels / "apache_tvm_ffi-0.1.15-cp312-cp312-manylinux_2_28_x86_64.whl", {"tvm_ffi/__init__.py": ""})
+    _wheel(wheels / gpu_carry.TRANSFORMERS_WHEEL, {"transformers/__init__.py": ""})
     files = dict(gpu_carry.build(wheels, tmp_path / "carry"))
-    assert set(files) == {gpu_carry.TARBALL, "apache_tvm_ffi-0.1.15-cp312-cp312-manylinux_2_28_x86_64.whl"}
+    assert set(files) == {gpu_carry.TARBALL, "apache_tvm_ffi-0.1.15-cp312-cp312-manylinux_2_28_x86_64.whl",
+                          gpu_carry.TRANSFORMERS_WHEEL}  # fmt: skip
     with tarfile.open(tmp_path / "carry" / gpu_carry.TARBALL) as tar:
         assert sorted(tar.getnames()) == ["flashinfer/__init__.py", "flashinfer/data/csrc/a.cu", "flashinfer/prefill.py"]
         init = tar.extractfile("flashinfer/__init__.py")
         assert init is not None and init.read().decode() == gpu_carry.TRIMMED_INIT
     assert gpu_carry.tree_bytes([tmp_path / "carry"]) == sum(files.values())
+
+
+def test_carried_transformers_is_the_pinned_one() -> None:
+    pin = next(d for d in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+               if d.startswith("transformers=="))  # fmt: skip
+    assert gpu_carry.TRANSFORMERS_WHEEL == f"transformers-{pin.split('==')[1]}-py3-none-any.whl"
 
 
 def test_include_closure_follows_the_jit_search_order(tmp_path: Path) -> None:
