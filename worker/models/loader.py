@@ -3,7 +3,8 @@
 The module tree is created on the meta device, materialised empty on the target device in the
 target dtype, then every parameter and persistent buffer is filled from the checkpoint by name,
 one shard at a time. Quantized checkpoints (config.json's `quantization_config`) are dequantized
-into the parameters as their parts arrive (docs/design.md §16). Missing or unexpected tensors and
+into the parameters as their parts arrive, or, with `keep_quantized`, their packed experts are
+swapped for modules that hold them as stored and load them by name (docs/design.md §16). Missing or unexpected tensors and
 shape mismatches raise with the names involved. Under tensor parallelism the tree is cut into
 this rank's shard before allocation, and each tensor's slice is copied (docs/design.md §17.2).
 """
@@ -106,8 +107,7 @@ def load_weights(
     """
     shards = _shard_files(Path(model_dir))
     names = {n for s, n in _stored_names(shards, model) if not _skipped(s, n, model)}
-    plan = quant.plan(names) if quant is not None else {}
-    fill = _Fill(model, quant, plan, shard_plan)
+    fill = _Fill(model, quant, quant.plan(names) if quant is not None else {}, shard_plan)
     for path in shards:
         with safe_open(str(path), framework="pt") as f:
             for stored in f.keys():
