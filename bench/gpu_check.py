@@ -1,29 +1,44 @@
-"""`swaserve bench gpu-check`: the GPU paths in one run, one table (docs/design.md §18.2).
+"""`swaserve bench gpu-check`: the GPU paths in one run, one table (docs/design.md §18.2-18.3).
 
-Written to be run in one go when a CUDA machine is lent; on a machine without CUDA it prints
-"no CUDA" and exits 0 having run nothing (nothing is reported as passed).
+Written to run in one go within one lease of a lent GPU (≤ 9 minutes, FlashInfer's JIT builds
+included: `bench/gpu_device_check.sh`); every step that cannot run here is listed as skipped
+with its reason, never as passed (the CPU dry run). Steps, in order (the cheap ones first, and
+the table is rewritten under --out after each, so a timeout keeps what ran):
 
-1. **kernels**: FlashInfer vs the torch backend on the same random pool and mixed batches
-   (decodes + prefill chunks; full/GQA, window, sinks), the FULL view both flat and paged (the
-   page indices gathered on the device from a page table): max |difference|, bf16 tolerance.
+1. **kernels**: FlashInfer vs the torch backend on the same random pool and batches (decodes and
+   prefill chunks): full GQA (flat and paged view), SWA window, SWA with sinks (GPT-OSS, head
+   dim 64), MiMo-V2-Flash's head dims (192 q/k, 128 v; full and SWA with sinks), and a split-KV
+   long decode (two decodes over 32k and 20k keys): max |difference|, bf16 tolerance.
 2. **greedy**: a random dense Gemma-3-style model (5 sliding : 1 full layers, bf16) saved with
    transformers, served by three engines on the same prompts: torch backend, FlashInfer eager,
    FlashInfer with decode CUDA graphs. Greedy tokens agreeing before the first divergence
    (bf16 near-ties may flip late), and how many decode steps replayed a graph.
 3. **graph vs eager logits**: one decode batch run through the graph and eagerly on the same
-   inputs (the same KV written twice): max |logit difference|.
-4. **bandwidth**: B requests at context C decode N steps (synchronised, wall time per step),
-   eager and with graphs; achieved GB/s = (weight bytes + KV bytes the step reads) / step time,
-   KV read = per request, full layers x context + SWA layers x min(context, window + 1),
-   K and V. Compare with the device's peak (H100/H200: 3.35/4.8 TB/s).
+   inputs (the same KV written twice): max |logit difference| and replays; the dense model
+   and the built-in tiny MiMo (MoE, sinks), `compile` off and auto; and 16 greedy tokens per
+   engine, compile auto vs off agreeing. MoE models are not captured (their experts' token
+   counts go to the host): their graph rows say so, skipped.
+4. **overlap**: FlashInfer with graphs, overlap scheduling on vs off: greedy tokens agree.
+5. **quantized**: a packed-expert GPU kernel vs the dequantized path (skipped: none yet;
+   `quantized_weights: keep` runs the CPU-tested reference path on CUDA too, docs/design.md §16).
+6. **bandwidth**: B requests at context C decode N steps (synchronised, wall time per step),
+   eager and with graphs; every request is admitted before the first one can finish (each
+   asks for more tokens than the steps that admit the others take); achieved GB/s
+   = (weight bytes + KV bytes the step reads) / step time, KV read = per request, full layers
+   x context + SWA layers x min(context, window + 1), K and V; against the device's peak
+   (H100/H200: 3.35/4.8 TB/s; a device-to-device copy measures ~4.3 on an H200).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import tempfile
 import time
-from dataclasses import dataclass
+import traceback
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -31,9 +46,13 @@ import torch
 
 from bench.harness import markdown_table
 
-NO_CUDA = "gpu-check: no CUDA device here (torch.cuda.is_available() is False); nothing was run"
+NO_CUDA = "no CUDA device here (torch.cuda.is_available() is False)"
+NO_FLASHINFER = "flashinfer is not importable (pip install -e '.[gpu]', or the device carry: bench/gpu_carry.py)"
+NO_QUANTIZED = ("no GPU kernel for packed experts yet: quantized_weights=keep runs the same "
+                "reference path on CUDA as on the CPU, where its tests check it (docs/design.md §16)")  # fmt: skip
 ATOL = 2e-2
 DTYPE = torch.bfloat16
+PEAK_TBS = {"H200": 4.8, "H100": 3.35}  # HBM3e / HBM3 spec sheets
 
 
 @dataclass(frozen=True)
@@ -46,77 +65,164 @@ class GpuCheckSettings:
     batch: int = 64
     context: int = 4096
     steps: int = 20
+    step_tokens: int = 8192  # max_num_batched_tokens: what one step may prefill, decodes included
+    # SWA pool / full pool; the SWA pool must hold every decode's window and one whole prompt
+    # (a prompt keeps its SWA KV until its prefill ends)
+    swa_ratio: float = 0.5
 
 
 @dataclass(frozen=True)
 class Row:
     check: str
     result: str
-    ok: bool | None  # None: a measurement, not a pass/fail
+    ok: bool | None  # None: a measurement, or skipped
+    skipped: bool = False
 
 
-def cuda_ready() -> str | None:
-    """Why the GPU check cannot run here, or None."""
-    if not torch.cuda.is_available():
-        return NO_CUDA
-    try:
-        import flashinfer  # noqa: F401
-    except ImportError:
-        return "gpu-check: flashinfer is not installed (pip install -e '.[gpu]'); nothing was run"
-    return None
+@dataclass
+class Context:
+    """What the steps share: settings, a scratch directory, the models built on first use, and
+    where they run (a CPU rehearsal runs the engine steps with the torch backend in place of
+    FlashInfer: every code path but the kernels and graphs)."""
+
+    s: GpuCheckSettings
+    root: Path
+    device: str = "cuda"
+    backend: str = "flashinfer"
+    models: dict[str, Path] = field(default_factory=dict)
+
+    def dense(self) -> Path:
+        if "dense" not in self.models:
+            self.models["dense"] = dense_model_dir(self.root, self.s, self.device)
+        return self.models["dense"]
+
+    def moe(self) -> Path:
+        """The built-in tiny MiMo-V2-Flash (MoE layer, sinks, window 32; head dim 64)."""
+        if "moe" not in self.models:
+            from worker.models.tiny import ensure_tiny_model
+
+            self.models["moe"] = ensure_tiny_model(self.root / "cache")
+        return self.models["moe"]
+
+
+@dataclass(frozen=True)
+class Step:
+    name: str
+    needs: tuple[str, ...]  # "cuda", "flashinfer", "quantized"
+    run: Callable[[Context], list[Row]]
+
+
+def environment() -> dict[str, bool]:
+    """What this machine offers the steps."""
+    have = {"cuda": torch.cuda.is_available(), "flashinfer": False, "quantized": False}
+    if have["cuda"]:
+        try:
+            import flashinfer  # noqa: F401
+
+            have["flashinfer"] = True
+        except ImportError:
+            pass
+    return have
+
+
+def skip_reason(step: Step, have: dict[str, bool]) -> str | None:
+    """Why `step` cannot run on a machine offering `have`, or None."""
+    why = {"cuda": NO_CUDA, "flashinfer": NO_FLASHINFER, "quantized": NO_QUANTIZED}
+    return next((why[n] for n in step.needs if not have.get(n, False)), None)
 
 
 # ---- 1. kernels ---------------------------------------------------------------------------------
-def kernel_parity(seed: int = 0) -> list[Row]:
-    from worker.attention.base import AttentionLayer, AttnBatch, KVView
+@dataclass(frozen=True)
+class KernelCase:
+    name: str
+    full: bool  # a FULL layer (else SWA)
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    v_head_dim: int
+    window: int
+    sinks: bool
+    q_lens: tuple[int, ...] = (1, 1, 37, 1, 200, 5)
+    prefix: tuple[int, ...] = (300, 2, 0, 95, 150, 40)
+
+
+KERNEL_CASES = (
+    KernelCase("full GQA", True, 8, 2, 128, 128, 64, False),
+    KernelCase("SWA window", False, 8, 2, 64, 64, 31, False),
+    KernelCase("SWA sinks (GPT-OSS dims)", False, 8, 1, 64, 64, 127, True),
+    KernelCase("MiMo full 192/128", True, 8, 1, 192, 128, 127, False),
+    KernelCase("MiMo SWA sinks 192/128", False, 8, 2, 192, 128, 127, True),
+    KernelCase("split-KV long decode", True, 8, 1, 128, 128, 127, False, (1, 1), (32_767, 20_000)),
+)
+
+
+def flashinfer_backend(pool: Any, spec: Any, device: str) -> Any:
     from worker.attention.flashinfer_backend import FlashInferBackend
+
+    return FlashInferBackend(pool, spec, device)
+
+
+def kernel_parity(ctx: Context | None = None, device: str = "cuda",
+                  make: Callable[[Any, Any, str], Any] = flashinfer_backend, seed: int = 0) -> list[Row]:  # fmt: skip
+    """Each `KERNEL_CASES` case through `make`'s backend and the torch backend (a CPU rehearsal
+    passes another torch backend as `make`)."""
     from worker.attention.torch_backend import TorchBackend
-    from worker.models.spec import KindShape, LayerKind, ModelSpec
 
     gen = torch.Generator().manual_seed(seed)
     rows = []
-    cases = {  # kind, q heads, kv heads, head dim, window, sinks
-        "full GQA": (LayerKind.FULL, 8, 2, 128, 64, False),
-        "SWA window": (LayerKind.SWA, 8, 2, 64, 31, False),
-        "SWA sinks": (LayerKind.SWA, 8, 2, 64, 31, True),
-    }
-    q_lens, prefix = [1, 1, 37, 1, 200, 5], [300, 2, 0, 95, 150, 40]
-    slots = 4096
-    for name, (kind, hq, hkv, d, window, sinks) in cases.items():
-        pool = _FakePool(
-            torch.randn(slots, hkv, d, generator=gen).to("cuda", DTYPE),
-            torch.randn(slots, hkv, d, generator=gen).to("cuda", DTYPE),
-        )
-        perm = (torch.randperm(slots - 1, generator=gen) + 1).cuda()
-        seq = [p + q for p, q in zip(prefix, q_lens)]
-        table = torch.zeros(len(seq), max(seq), dtype=torch.int32, device="cuda")
-        parts, starts, used = [], [], 0
-        for i, n in enumerate(seq):
-            table[i, :n] = perm[used : used + n].int()
-            used += n
-            start = 0 if kind is LayerKind.FULL else max(0, prefix[i] - window)
-            starts.append(start)
-            parts.append(table[i, start:n].long())
-        indptr = torch.cumsum(torch.tensor([0] + [len(x) for x in parts]), 0).cuda()
-        flat = KVView(torch.cat(parts), indptr, tuple(starts))
-        views = {"flat": flat}
-        if kind is LayerKind.FULL:
-            rows_dev = torch.arange(len(seq), device="cuda")
-            views["paged"] = KVView.paged(table, tuple(range(len(seq))), rows_dev, (0,) * len(seq), tuple(seq))
-        positions = torch.cat([torch.arange(p, p + q) for p, q in zip(prefix, q_lens)]).cuda()
-        q = torch.randn(sum(q_lens), hq, d, generator=gen).to("cuda", DTYPE)
-        sink = (torch.randn(hq, generator=gen) * 2).cuda() if sinks else None
-        layer = AttentionLayer(0, kind, hq, hkv, d, d, scaling=d**-0.5)
-        spec = ModelSpec("check", (LayerKind.FULL, LayerKind.SWA), window, KindShape(hq, hkv, d, d, sinks),
-                         KindShape(hq, hkv, d, d, sinks), 256, 64, 4096)  # fmt: skip
-        fi, ref = FlashInferBackend(pool, spec, "cuda"), TorchBackend(pool)  # type: ignore[arg-type]
-        for form, view in views.items():
-            batch = AttnBatch(tuple(q_lens), tuple(seq), positions, {kind: view}, window)
-            got = fi.forward(layer, q, fi.plan(batch), sink)
-            want = ref.forward(layer, q, ref.plan(batch), sink)
+    for case in KERNEL_CASES:
+        layer, spec, pool, sink, q, batches = _kernel_inputs(case, device, gen)
+        for form, batch in batches.items():
+            label = f"FlashInfer vs torch: {case.name}, {form} view"
+            try:  # one case failing (a shape FlashInfer cannot build) must not hide the others
+                fast, ref = make(pool, spec, device), TorchBackend(pool)
+                got = fast.forward(layer, q, fast.plan(batch), sink)
+                want = ref.forward(layer, q, ref.plan(batch), sink)
+            except Exception as exc:  # noqa: BLE001
+                traceback.print_exc()
+                rows.append(Row(label, f"FAILED: {type(exc).__name__}: {exc}", False))
+                continue
             diff = float((got.float() - want.float()).abs().max())
-            rows.append(Row(f"FlashInfer vs torch: {name}, {form} view", f"max |diff| {diff:.4f}", diff < ATOL * 4))
+            rows.append(Row(label, f"max |diff| {diff:.4f}", diff < ATOL * 4))
     return rows
+
+
+def _kernel_inputs(case: KernelCase, device: str, gen: torch.Generator) -> tuple[Any, ...]:
+    """The layer, spec, pool (keys in shuffled slots), sinks, queries and batches of a case."""
+    from worker.attention.base import AttentionLayer, AttnBatch, KVView
+    from worker.models.spec import KindShape, LayerKind, ModelSpec
+
+    kind = LayerKind.FULL if case.full else LayerKind.SWA
+    seq = [p + n for p, n in zip(case.prefix, case.q_lens)]
+    slots = sum(seq) + 1
+    pool = _FakePool(
+        torch.randn(slots, case.kv_heads, case.head_dim, generator=gen).to(device, DTYPE),
+        torch.randn(slots, case.kv_heads, case.v_head_dim, generator=gen).to(device, DTYPE),
+    )
+    perm = (torch.randperm(slots - 1, generator=gen) + 1).to(device)
+    table = torch.zeros(len(seq), max(seq), dtype=torch.int32, device=device)
+    parts, starts, used = [], [], 0
+    for i, n in enumerate(seq):
+        table[i, :n] = perm[used : used + n].int()
+        used += n
+        start = 0 if case.full else max(0, case.prefix[i] - case.window)
+        starts.append(start)
+        parts.append(table[i, start:n].long())
+    indptr = torch.cumsum(torch.tensor([0] + [len(x) for x in parts]), 0).to(device)
+    views = {"flat": KVView(torch.cat(parts), indptr, tuple(starts))}
+    if case.full:
+        rows_dev = torch.arange(len(seq), device=device)
+        views["paged"] = KVView.paged(table, tuple(range(len(seq))), rows_dev, (0,) * len(seq), tuple(seq))
+    positions = torch.cat([torch.arange(p, p + n) for p, n in zip(case.prefix, case.q_lens)]).to(device)
+    q = torch.randn(sum(case.q_lens), case.q_heads, case.head_dim, generator=gen).to(device, DTYPE)
+    sink = (torch.randn(case.q_heads, generator=gen) * 2).to(device) if case.sinks else None
+    layer = AttentionLayer(0, kind, case.q_heads, case.kv_heads, case.head_dim, case.v_head_dim,
+                           scaling=case.head_dim**-0.5)  # fmt: skip
+    shape = KindShape(case.q_heads, case.kv_heads, case.head_dim, case.v_head_dim, case.sinks)
+    spec = ModelSpec("check", (LayerKind.FULL, LayerKind.SWA), case.window, shape, shape, 256, 64, 1 << 16)
+    batches = {form: AttnBatch(case.q_lens, tuple(seq), positions, {kind: view}, case.window)
+               for form, view in views.items()}  # fmt: skip
+    return layer, spec, pool, sink, q, batches
 
 
 @dataclass
@@ -130,8 +236,8 @@ class _FakePool:
 
 
 # ---- 2-4. the engine ----------------------------------------------------------------------------
-def dense_model_dir(root: Path, s: GpuCheckSettings) -> Path:
-    """A random Gemma-3-style model saved with transformers (weights drawn on the GPU)."""
+def dense_model_dir(root: Path, s: GpuCheckSettings, device: str = "cuda") -> Path:
+    """A random Gemma-3-style model saved with transformers (weights drawn on `device`)."""
     from transformers import AutoModelForCausalLM, Gemma3TextConfig
 
     heads = max(1, s.hidden // 128)
@@ -143,7 +249,7 @@ def dense_model_dir(root: Path, s: GpuCheckSettings) -> Path:
         layer_types=[types[i % 6] for i in range(s.layers)],
     )  # fmt: skip
     torch.manual_seed(0)
-    with torch.device("cuda"):
+    with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=DTYPE)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -154,27 +260,59 @@ def dense_model_dir(root: Path, s: GpuCheckSettings) -> Path:
     path = root / "dense"
     model.save_pretrained(path)
     del model
-    torch.cuda.empty_cache()
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
     return path
 
 
-def _engine(path: Path, backend: str, graphs: str, s: GpuCheckSettings, batch: int) -> Any:
+def engine_config(path: Path, backend: str, graphs: str, s: GpuCheckSettings, batch: int,
+                  overlap: str = "auto", device: str = "cuda", compile: str = "auto") -> Any:  # fmt: skip
     from worker.config import EngineConfig
-    from worker.engine.engine import Engine
 
     running = max(batch, s.prompts)
-    max_len = s.context + _new_tokens(s) + 64
-    return Engine(EngineConfig(
-        model=str(path), dtype="bfloat16", device="cuda", attention_backend=backend,
-        cuda_graphs=graphs, max_running_requests=running, chunked_prefill_size=8192,
+    max_len = s.context + new_tokens(s) + 64
+    return EngineConfig(
+        model=str(path), dtype="bfloat16", device=device, attention_backend=backend,
+        cuda_graphs=graphs, overlap_schedule=overlap, compile=compile,
+        max_running_requests=running, max_num_batched_tokens=s.step_tokens,
         max_model_len=max_len, max_total_tokens=running * (max_len + 64),
-        swa_full_tokens_ratio=0.5,
-    ))  # fmt: skip
+        swa_full_tokens_ratio=s.swa_ratio,
+    )  # fmt: skip
 
 
-def _new_tokens(s: GpuCheckSettings) -> int:
-    """Bandwidth: tokens per request (the first ones decode while the later ones prefill)."""
-    return s.batch + s.steps + 16
+def _engine(ctx: Context, path: Path, graphs: str, s: GpuCheckSettings, batch: int, overlap: str = "auto",
+            compile: str = "off", backend: str | None = None) -> Any:  # fmt: skip
+    """An engine on the context's device and backend (`backend` overrides the latter).
+
+    NOTE: compile off but where a row compares it (graph-logits): a torch.compile warm-up per
+    engine would cost the lease minutes the kernels and graphs need."""
+    from worker.engine.engine import Engine
+
+    config = engine_config(path, backend or ctx.backend, graphs, s, batch, overlap, ctx.device, compile)
+    return Engine(config)
+
+
+def _close(engine: Any) -> None:
+    engine.close()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+WARM_STEPS = 3  # bandwidth: untimed decode steps once every request decodes
+
+
+def admission_steps(s: GpuCheckSettings) -> int:
+    """Bandwidth: the most steps the engine takes to prefill every prompt (the decodes already
+    running take their share of each step's `step_tokens` first)."""
+    spare = s.step_tokens - s.batch
+    assert spare > 0, f"step_tokens {s.step_tokens} leaves no room to prefill beside {s.batch} decodes"
+    return -(-s.batch * s.context // spare) + s.batch  # + one partial chunk per prompt at most
+
+
+def new_tokens(s: GpuCheckSettings) -> int:
+    """Bandwidth: tokens per request, enough that the first admitted still decodes through the
+    timed steps (it decodes from its admission on, while the later ones prefill)."""
+    return admission_steps(s) + WARM_STEPS + s.steps + 16
 
 
 def _prompts(n: int, length: int, vocab: int, seed: int = 1) -> list[list[int]]:
@@ -182,30 +320,11 @@ def _prompts(n: int, length: int, vocab: int, seed: int = 1) -> list[list[int]]:
     return [torch.randint(2, vocab, (length,), generator=g).tolist() for _ in range(n)]
 
 
-def greedy_parity(path: Path, s: GpuCheckSettings) -> list[Row]:
+def _generate(engine: Any, prompts: list[list[int]], n: int) -> list[list[int]]:
     from core.sampling_params import SamplingParams
 
-    prompts = _prompts(s.prompts, 200, s.vocab)
-    params = SamplingParams(max_tokens=s.new_tokens, temperature=0.0, ignore_eos=True)
-    outs, replays = {}, 0
-    for label, backend, graphs in (("torch", "torch", "off"), ("flashinfer", "flashinfer", "off"),
-                                   ("flashinfer+graphs", "flashinfer", "auto")):  # fmt: skip
-        engine = _engine(path, backend, graphs, s, s.prompts)
-        outs[label] = [o.token_ids for o in engine.generate(prompts, params)]
-        graphs_obj = getattr(engine.runner, "graphs", None)
-        if graphs_obj is not None:
-            replays = graphs_obj.replays
-        engine.close()
-        del engine
-        torch.cuda.empty_cache()
-    rows = []
-    for a, b in (("torch", "flashinfer"), ("flashinfer", "flashinfer+graphs")):
-        same = [_agree(x, y) for x, y in zip(outs[a], outs[b])]
-        # bf16: a near-tie may flip late (the graph wrappers split the keys differently too)
-        ok = min(same) >= min(8, s.new_tokens)
-        rows.append(Row(f"greedy {a} vs {b}", f"agree {same} of {s.new_tokens} tokens", ok))
-    rows.append(Row("decode steps served by a graph", str(replays), replays > 0))
-    return rows
+    params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+    return [o.token_ids for o in engine.generate(prompts, params)]
 
 
 def _agree(a: list[int], b: list[int]) -> int:
@@ -215,70 +334,171 @@ def _agree(a: list[int], b: list[int]) -> int:
     return n
 
 
-def graph_logits(path: Path, s: GpuCheckSettings) -> list[Row]:
+def _agreement(label: str, a: list[list[int]], b: list[list[int]], n: int) -> Row:
+    """Greedy tokens agreeing before the first divergence; bf16 near-ties may flip late (the
+    graph wrappers split the keys differently), so at least the first 8 must agree."""
+    same = [_agree(x, y) for x, y in zip(a, b)]
+    return Row(label, f"agree {same} of {n} tokens", min(same) >= min(8, n))
+
+
+# ---- 2. greedy ----------------------------------------------------------------------------------
+def greedy_parity(ctx: Context) -> list[Row]:
+    s, path = ctx.s, ctx.dense()
+    prompts = _prompts(s.prompts, 200, s.vocab)
+    outs, replays = {}, 0
+    for label, backend, graphs in (("torch", "torch", "off"), ("flashinfer", None, "off"),
+                                   ("flashinfer+graphs", None, "auto")):  # fmt: skip
+        engine = _engine(ctx, path, graphs, s, s.prompts, backend=backend)
+        outs[label] = _generate(engine, prompts, s.new_tokens)
+        if engine.runner.graphs is not None:
+            replays = engine.runner.graphs.replays
+        _close(engine)
+    return [
+        _agreement("greedy torch vs flashinfer", outs["torch"], outs["flashinfer"], s.new_tokens),
+        _agreement("greedy flashinfer vs flashinfer+graphs", outs["flashinfer"], outs["flashinfer+graphs"], s.new_tokens),
+        Row("decode steps served by a graph", str(replays), replays > 0),
+    ]
+
+
+# ---- 3. graph vs eager logits -------------------------------------------------------------------
+def graph_logits(ctx: Context) -> list[Row]:
+    """Dense and MoE, `compile` off and auto: one decode batch with and without its graph, then
+    a few greedy tokens per engine (compile auto vs off: the compiled model past its warm-up)."""
+    s = replace(ctx.s, context=600)  # the tiny MiMo has 4096 positions
+    rows = []
+    for model, path in (("dense", ctx.dense()), ("MoE tiny MiMo", ctx.moe())):
+        tokens = {}
+        for compile in ("off", "auto"):
+            label = f"graph vs eager logits, {model}, compile {compile}"
+            try:  # the MoE failing must not hide the dense rows, nor compile auto compile off
+                row, tokens[compile] = _graph_and_greedy(ctx, path, s, compile, label)
+            except Exception as exc:  # noqa: BLE001
+                traceback.print_exc()
+                row = Row(label, f"FAILED: {type(exc).__name__}: {exc}", False)
+            rows.append(row)
+        if len(tokens) == 2:
+            rows.append(_agreement(f"greedy compile off vs auto, {model}", tokens["off"], tokens["auto"], 16))
+    return rows
+
+
+def _graph_and_greedy(ctx: Context, path: Path, s: GpuCheckSettings, compile: str, label: str) -> tuple[Row, list[list[int]]]:
+    from worker.runner.cuda_graphs import capturable
+
+    # NOTE: overlap off: `graph_vs_eager` schedules and runs a batch itself, outside `step`,
+    # which must leave no forward in flight (with overlap, the decodes' inputs would still be
+    # sampling).
+    engine = _engine(ctx, path, "auto", s, s.prompts, overlap="off", compile=compile)
+    try:
+        graphs, runner, vocab = engine.runner.graphs, engine.runner, engine.spec.vocab_size
+        if graphs is None:
+            row = _no_graphs(label, capturable(runner.model, runner.backend, runner.device))
+        else:
+            n, diff, same = graph_vs_eager(engine, _prompts(s.prompts, 300, vocab, seed=2))
+            detail = f"{n} decodes: max |diff| {diff:.4f}, argmax equal {same}, {graphs.replays} replays"
+            row = Row(label, detail, same and graphs.replays > 0)
+        return row, _generate(engine, _prompts(2, 100, vocab, seed=5), 16)
+    finally:
+        _close(engine)
+
+
+def _no_graphs(label: str, why: str | None) -> Row:
+    """A model the runner does not capture by design is skipped with the reason; a capture that
+    should have happened and did not fails."""
+    if why is not None:
+        return Row(label, f"skipped: {why}", None, skipped=True)
+    return Row(label, "no graphs captured (see the log)", False)
+
+
+def graph_vs_eager(engine: Any, prompts: list[list[int]]) -> tuple[int, float, bool]:
+    """Bring `prompts` to decoding, then run one decode batch through the runner twice, with its
+    graphs and without (the same KV written twice): batch size, max |logit diff|, argmax equal.
+    The engine must not overlap (nothing may be in flight when the batch is scheduled here)."""
     from core.sampling_params import SamplingParams
     from worker.runner.forward_batch import ForwardBatch
 
-    engine = _engine(path, "flashinfer", "auto", s, s.prompts)
-    runner = engine.runner
-    if runner.graphs is None:
-        engine.close()
-        return [Row("graph vs eager logits", "no graphs captured (see the log)", False)]
+    assert engine.forwarder.overlap is False, "graph_vs_eager needs overlap_schedule off"
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-    for p in _prompts(s.prompts, 300, s.vocab, seed=2):
+    for p in prompts:
         engine.add_request(p, params)
-    while not engine.scheduler.running or not all(r.is_decoding for r in engine.scheduler.running):
+    sc = engine.scheduler
+    while sc.waiting or len(sc.running) < len(prompts) or not all(r.is_decoding for r in sc.running):
         engine.step()
-    work = engine.scheduler.schedule()
+    runner, work = engine.runner, sc.schedule()
     batch = ForwardBatch(tuple(w.forward_req() for w in work))
     host = runner._prepare(batch)
     q, seq = tuple(len(r.token_ids) for r in batch.reqs), tuple(r.seq_len for r in batch.reqs)
-    with_graph = runner.execute(host, q, seq)
+    with_graph = runner.execute(host, q, seq).logits
     graphs, runner.graphs = runner.graphs, None
-    eager = runner.execute(host, q, seq)
+    eager = runner.execute(host, q, seq).logits
     runner.graphs = graphs
     diff = float((with_graph - eager).abs().max())
-    same = bool((with_graph.argmax(-1) == eager.argmax(-1)).all())
-    engine.close()
-    return [Row(f"graph vs eager logits ({len(q)} decodes)", f"max |diff| {diff:.4f}, argmax equal {same}", same)]
+    return len(q), diff, bool((with_graph.argmax(-1) == eager.argmax(-1)).all())
 
 
-def bandwidth(path: Path, s: GpuCheckSettings) -> list[Row]:
-    from core.sampling_params import SamplingParams
+# ---- 4. overlap ---------------------------------------------------------------------------------
+def overlap_parity(ctx: Context) -> list[Row]:
+    s, path = ctx.s, ctx.dense()
+    prompts = _prompts(s.prompts, 200, s.vocab, seed=4)
+    outs = {}
+    for overlap in ("off", "on"):
+        engine = _engine(ctx, path, "auto", s, s.prompts, overlap=overlap)
+        outs[overlap] = _generate(engine, prompts, s.new_tokens)
+        _close(engine)
+    return [_agreement("greedy overlap off vs on (FlashInfer, graphs)", outs["off"], outs["on"], s.new_tokens)]
 
+
+# ---- 6. bandwidth -------------------------------------------------------------------------------
+def bandwidth(ctx: Context) -> list[Row]:
+    from worker.models.quant.resident import stored_bytes
+
+    s, path = ctx.s, ctx.dense()
+    name = torch.cuda.get_device_name() if ctx.device.startswith("cuda") else ""
+    peak = next((tbs for gpu, tbs in PEAK_TBS.items() if gpu in name), None)
     rows = []
     for graphs in ("off", "auto"):
-        engine = _engine(path, "flashinfer", graphs, s, s.batch)
-        spec = engine.spec
-        params = SamplingParams(max_tokens=_new_tokens(s), temperature=0.0, ignore_eos=True)
-        for p in _prompts(s.batch, s.context - 1, s.vocab, seed=3):
-            engine.add_request(p, params)
-        sc = engine.scheduler
-        engine.step()  # takes the requests in
-        while sc.waiting or not all(r.is_decoding for r in sc.running):
-            engine.step()
-        for _ in range(3):
-            engine.step()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(s.steps):
-            engine.step()
-        torch.cuda.synchronize()
-        step_s = (time.perf_counter() - t0) / s.steps
-        assert len(sc.running) == s.batch, f"{len(sc.running)} of {s.batch} requests decoded throughout"
-        weights = sum(p.numel() * p.element_size() for p in engine.runner.model.parameters())
-        kv = kv_bytes_read(spec, s.batch, s.context + 5)
+        engine = _engine(ctx, path, graphs, s, s.batch)
+        try:
+            step_s = steady_decode(engine, s)
+            weights = stored_bytes(engine.runner.model)
+            kv = kv_bytes_read(engine.spec, s.batch, s.context + 5)
+        finally:
+            _close(engine)
         gbs = (weights + kv) / step_s / 1e9
+        of_peak = f", {gbs / (peak * 1e3):.0%} of {peak} TB/s" if peak else ""
         label = "graphs" if graphs == "auto" else "eager"
         rows.append(Row(
             f"decode bandwidth, {label}, batch {s.batch} x {s.context} context",
-            f"{step_s * 1e3:.2f} ms/step, {(weights + kv) / 1e9:.2f} GB read, {gbs:,.0f} GB/s",
+            f"{step_s * 1e3:.2f} ms/step, {(weights + kv) / 1e9:.2f} GB read, {gbs:,.0f} GB/s{of_peak}",
             None,
         ))  # fmt: skip
-        engine.close()
-        del engine
-        torch.cuda.empty_cache()
     return rows
+
+
+def steady_decode(engine: Any, s: GpuCheckSettings) -> float:
+    """Admit `s.batch` prompts of `s.context - 1` tokens, wait until all decode, then time
+    `s.steps` steps: seconds per step, every request decoding throughout (asserted)."""
+    from core.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=new_tokens(s), temperature=0.0, ignore_eos=True)
+    for p in _prompts(s.batch, s.context - 1, s.vocab, seed=3):
+        engine.add_request(p, params)
+    sc, admitting = engine.scheduler, 0
+    engine.step()  # takes the requests in
+    while sc.waiting or not all(r.is_decoding for r in sc.running):
+        engine.step()
+        admitting += 1
+    assert admitting <= admission_steps(s), f"admission took {admitting} steps"
+    for _ in range(WARM_STEPS):
+        engine.step()
+    sync = torch.cuda.synchronize if engine.config.device.startswith("cuda") else (lambda: None)
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(s.steps):
+        engine.step()
+    sync()
+    step_s = (time.perf_counter() - t0) / s.steps
+    assert len(sc.running) == s.batch, f"{len(sc.running)} of {s.batch} requests decoded throughout"
+    return step_s
 
 
 def kv_bytes_read(spec: Any, batch: int, context: int) -> int:
@@ -294,21 +514,67 @@ def kv_bytes_read(spec: Any, batch: int, context: int) -> int:
     return total
 
 
-def run_checks(s: GpuCheckSettings) -> list[Row]:
-    rows = kernel_parity()
+STEPS = (
+    Step("kernels", ("cuda", "flashinfer"), lambda ctx: kernel_parity(ctx)),
+    Step("greedy", ("cuda", "flashinfer"), greedy_parity),
+    Step("graph-logits", ("cuda", "flashinfer"), graph_logits),
+    Step("overlap", ("cuda", "flashinfer"), overlap_parity),
+    Step("quantized", ("cuda", "flashinfer", "quantized"), lambda ctx: []),
+    Step("bandwidth", ("cuda", "flashinfer"), bandwidth),
+)
+
+
+def run_steps(s: GpuCheckSettings, have: dict[str, bool], only: tuple[str, ...] = (),
+              out: Path | None = None) -> list[Row]:  # fmt: skip
+    """Every step in order: skipped with its reason, or run (a failure is a FAIL row with its
+    exception; the others still run). The table is rewritten under `out` after each step."""
+    rows: list[Row] = []
     with tempfile.TemporaryDirectory(prefix="swaserve-gpu-check-") as tmp:
-        path = dense_model_dir(Path(tmp), s)
-        for check in (greedy_parity, graph_logits, bandwidth):
-            try:
-                rows += check(path, s)
-            except Exception as exc:  # noqa: BLE001 - one failed check must not hide the others
-                rows.append(Row(check.__name__, f"FAILED: {type(exc).__name__}: {exc}", False))
+        ctx = Context(s, Path(tmp))
+        for step in STEPS:
+            if only and step.name not in only:
+                continue
+            why = skip_reason(step, have)
+            if why is not None:
+                rows.append(Row(step.name, f"skipped: {why}", None, skipped=True))
+            else:
+                t0 = time.perf_counter()
+                try:
+                    rows += step.run(ctx)
+                except Exception as exc:  # noqa: BLE001 - one failed check must not hide the others
+                    traceback.print_exc()
+                    rows.append(Row(step.name, f"FAILED: {type(exc).__name__}: {exc}", False))
+                print(f"gpu-check: {step.name} done in {time.perf_counter() - t0:.0f} s", flush=True)
+            if out is not None:
+                write(out, rows, have)
     return rows
 
 
 def report(rows: list[Row]) -> str:
-    mark = {True: "pass", False: "FAIL", None: ""}
-    return markdown_table(["check", "result", ""], [[r.check, r.result, mark[r.ok]] for r in rows])
+    def mark(r: Row) -> str:
+        return "skipped" if r.skipped else {True: "pass", False: "FAIL", None: ""}[r.ok]
+
+    return markdown_table(["check", "result", ""], [[r.check, r.result, mark(r)] for r in rows])
+
+
+def describe(have: dict[str, bool]) -> str:
+    """The machine and versions the table was measured on."""
+    parts = [f"torch {torch.__version__}"]
+    if have["cuda"]:
+        parts.insert(0, torch.cuda.get_device_name())
+        parts.append(f"CUDA {torch.version.cuda}")
+    if have["flashinfer"]:
+        import flashinfer
+
+        parts.append(f"flashinfer {flashinfer.__version__}")
+    return ", ".join(parts)
+
+
+def write(out: Path, rows: list[Row], have: dict[str, bool]) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    head = f"gpu-check on {describe(have)}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}"
+    (out / "gpu_check.md").write_text(f"{head}\n\n{report(rows)}\n")
+    (out / "gpu_check.json").write_text(json.dumps({"machine": describe(have), "rows": [asdict(r) for r in rows]}, indent=1))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -318,16 +584,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch", type=int, default=d.batch, help="bandwidth: decoding requests")
     parser.add_argument("--context", type=int, default=d.context, help="bandwidth: tokens per request")
     parser.add_argument("--steps", type=int, default=d.steps, help="bandwidth: timed decode steps")
+    parser.add_argument("--step-tokens", type=int, default=d.step_tokens,
+                        help="max_num_batched_tokens of the engines")  # fmt: skip
+    parser.add_argument("--only", nargs="*", default=[], choices=[st.name for st in STEPS],
+                        help="run these steps only (default: all)")  # fmt: skip
+    parser.add_argument("--out", type=Path, default=Path(os.environ["OUT"]) if os.environ.get("OUT") else None,
+                        help="write gpu_check.md and gpu_check.json here (default: $OUT if set)")  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:
-    why = cuda_ready()
-    if why is not None:
-        print(why)
-        return 0
     s = GpuCheckSettings(hidden=args.hidden, layers=args.layers, batch=args.batch,
-                         context=args.context, steps=args.steps)  # fmt: skip
-    print(f"gpu-check on {torch.cuda.get_device_name()} (torch {torch.__version__})")
-    rows = run_checks(s)
+                         context=args.context, steps=args.steps, step_tokens=args.step_tokens)  # fmt: skip
+    have = environment()
+    print(f"gpu-check on {describe(have)}", flush=True)
+    rows = run_steps(s, have, tuple(args.only), args.out)
     print(report(rows))
     return 1 if any(r.ok is False for r in rows) else 0

@@ -23,6 +23,7 @@ OVERLAP_SCHEDULE_MODES = ("auto", "on", "off")  # docs/design.md §11.8
 TOMBSTONE_REPAIR_MODES = ("auto", "off")  # docs/design.md §9.8
 CUDA_GRAPH_MODES = ("auto", "off")  # docs/design.md §18.2
 COMPILE_MODES = ("auto", "off")  # docs/design.md §19
+QUANTIZED_WEIGHTS_MODES = ("dequantize", "keep")  # docs/design.md §16
 DEVICE_PATTERN = r"^(cpu|cuda(:\d+)?)$"
 
 
@@ -204,6 +205,14 @@ class EngineConfig:
         "step late; off: one step at a time; auto: on for CUDA devices, off on CPU (there the "
         "host work it hides is a few percent of a step).",
         choices=OVERLAP_SCHEDULE_MODES,
+    )
+    # docs/design.md §16
+    quantized_weights: str = knob(
+        "dequantize",
+        "A quantized checkpoint's experts (GPT-OSS MXFP4, MiMo-V2-Flash block FP8): dequantize: "
+        "to dtype at load; keep: in memory as stored, each expert dequantized when it runs "
+        "(about a quarter of GPT-OSS's bf16 bytes, half of MiMo's).",
+        choices=QUANTIZED_WEIGHTS_MODES,
     )
     # docs/design.md §19
     compile: str = knob(

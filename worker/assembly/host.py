@@ -22,6 +22,7 @@ from worker.kv.hybrid_allocator import HybridAllocator
 from worker.kv.memory_plan import HostPlan, PoolPlan, plan_host_pools
 from worker.kv.pool import HybridKVPool
 from worker.kv.transfer import KVCopier, LocalCopier, TransferQueue
+from worker.models.quant.resident import Fp8Linear, Mxfp4Experts
 from worker.models.spec import LayerKind, ModelSpec
 
 HOST_KV_MULTIPLE = 4  # the default host tier: 4x the device KV budget ...
@@ -95,7 +96,9 @@ def active_parameters(model: torch.nn.Module) -> int:
             weight: torch.Tensor = getattr(router, "weight")  # noqa: B009 - typed here
             top_k, n = int(getattr(router, "top_k")), int(weight.shape[0])  # noqa: B009
             params = list(experts.parameters())
-            active += sum(p.numel() for p in params) * top_k // n
+            # Experts kept quantized hold their matrices as buffers: count their weights.
+            kept = sum(m.weight_numel() for m in experts.modules() if isinstance(m, (Mxfp4Experts, Fp8Linear)))
+            active += (sum(p.numel() for p in params) + kept) * top_k // n
             scaled.update(id(p) for p in params)
     return active + sum(p.numel() for p in model.parameters() if id(p) not in scaled)
 

@@ -37,6 +37,7 @@ from worker.models.causal_lm import CausalLM
 from worker.models.compiled import CompilePlan, prepare_model, uncompile
 from worker.models.hf_config import load_spec
 from worker.models.loader import load_model
+from worker.models.quant.resident import stored_bytes
 from worker.models.spec import ModelSpec
 from worker.parallel.group import TPAddress, TPGroup, connect_store, rank_device, use_loopback
 from worker.parallel.runner import serve_rank
@@ -130,7 +131,10 @@ def _runner(
 def _load(
     config: EngineConfig, model_dir: Path, spec: ModelSpec, group: TPGroup, dtype: torch.dtype
 ) -> CausalLM:
-    model = load_model(model_dir, spec, dtype=dtype, device=group.device, group=group)
+    keep = config.quantized_weights == "keep"
+    model = load_model(model_dir, spec, dtype=dtype, device=group.device, group=group, keep_quantized=keep)
+    if group.is_first:
+        logger.info("model weights: %.2f GB as held (%s)", stored_bytes(model) / 1e9, config.quantized_weights)
     compile_plan = CompilePlan.for_mode(config.compile, group.device)
     if group.size > 1:
         # NOTE: each rank packs its own shard; torch.compile stays off under tensor parallelism

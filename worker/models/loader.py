@@ -3,7 +3,8 @@
 The module tree is created on the meta device, materialised empty on the target device in the
 target dtype, then every parameter and persistent buffer is filled from the checkpoint by name,
 one shard at a time. Quantized checkpoints (config.json's `quantization_config`) are dequantized
-into the parameters as their parts arrive (docs/design.md §16). Missing or unexpected tensors and
+into the parameters as their parts arrive, or, with `keep_quantized`, their packed experts are
+swapped for modules that hold them as stored and load them by name (docs/design.md §16). Missing or unexpected tensors and
 shape mismatches raise with the names involved. Under tensor parallelism the tree is cut into
 this rank's shard before allocation, and each tensor's slice is copied (docs/design.md §17.2).
 """
@@ -48,8 +49,10 @@ def _build(
     dtype: torch.dtype,
     device: str | torch.device,
     group: TPGroup | None,
+    keep: tuple[QuantFormat, Path] | None = None,
 ) -> tuple[CausalLM, ShardPlan | None]:
-    """All of the tree, or `group`'s rank's shard with the plan that loads it."""
+    """All of the tree, or `group`'s rank's shard with the plan that loads it. `keep`: the
+    checkpoint's format and directory, whose packed experts the tree keeps as stored."""
     cls = model_class(config.model_type)
     plan = None
     with torch.device("meta"):
@@ -58,6 +61,13 @@ def _build(
         for name, param in model.named_parameters():
             target = torch.float32 if any(k in name for k in cls.keep_fp32) else dtype
             param.data = param.data.to(target)
+        if keep is not None:
+            from worker.models.quant.resident import keep_experts_quantized
+
+            quant, model_dir = keep
+            stored = _stored_names(_shard_files(model_dir), model)
+            names = {n for s, n in stored if not _skipped(s, n, model)}
+            keep_experts_quantized(model, quant, {p.target for p in quant.plan(names).values()})
         if group is not None and group.size > 1:
             from worker.parallel.shard import shard_model
 
@@ -119,6 +129,18 @@ class _Fill:
     ) -> None:
         self.targets: dict[str, torch.Tensor] = dict(model.named_parameters())
         self.targets.update(dict(model.named_buffers()))
+        # A parameter whose every part is a tensor of the model is kept quantized
+        # (`worker.models.quant.resident`): its parts load as stored, by their own names.
+        by_target: dict[str, list[str]] = {}
+        for stored, part in plan.items():
+            by_target.setdefault(part.target, []).append(stored)
+        self.kept = {
+            stored: plan[stored].role
+            for names in by_target.values()
+            if all(n in self.targets for n in names)
+            for stored in names
+        }
+        plan = {n: p for n, p in plan.items() if n not in self.kept}
         self.quant, self.plan, self.shard_plan = quant, plan, shard_plan
         self.pending: dict[str, dict[str, torch.Tensor]] = {}  # target -> role -> stored part
         self.seen: set[str] = set()
@@ -132,7 +154,11 @@ class _Fill:
         if target not in self.targets:
             self.unexpected.append(stored)
         elif part is None:
-            self._copy(name, read(stored))
+            tensor = read(stored)
+            if name in self.kept:
+                assert self.quant is not None, "kept parts come from a format's plan"
+                tensor = self.quant.as_kept(self.kept[name], tensor)
+            self._copy(name, tensor)
             self.seen.add(name)
         else:
             assert self.quant is not None, "a plan comes from a format"
@@ -227,6 +253,7 @@ def load_model(
     device: str | torch.device = "cpu",
     config: Any | None = None,
     group: TPGroup | None = None,
+    keep_quantized: bool = False,
 ) -> CausalLM:
     """Build the architecture named by config.json and load its weights.
 
@@ -237,6 +264,8 @@ def load_model(
         dtype / device: where and how the weights live.
         config: an already loaded HF config (else read from `model_dir`).
         group: a tensor-parallel group: load this rank's shard (`worker.parallel.shard`).
+        keep_quantized: keep the experts a quantized checkpoint stores packed as stored,
+            dequantized per call (`worker.models.quant.resident`); else all at load.
     """
     if config is None:
         from worker.models.hf_config import (
@@ -245,6 +274,7 @@ def load_model(
 
         config = load_hf_config(model_dir)
     quant = quant_format(config)  # refuses an unknown method before anything is allocated
-    model, shard_plan = _build(config, spec, dtype, device, group)
+    keep = (quant, Path(model_dir)) if keep_quantized and quant is not None else None
+    model, shard_plan = _build(config, spec, dtype, device, group, keep)
     load_weights(model, model_dir, quant, shard_plan)
     return model

@@ -141,12 +141,17 @@ class GptOssExperts(nn.Module):
         self.alpha = alpha
         self.limit = limit
 
+    def weight(self, name: str, e: int, dtype: torch.dtype) -> torch.Tensor:
+        """Expert `e`'s ``[in, out]`` matrix `name` (`Mxfp4Experts` dequantizes it here)."""
+        w: torch.Tensor = getattr(self, name)[e]
+        return w
+
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        gate_up = x @ self.gate_up_proj[e] + self.gate_up_proj_bias[e]
+        gate_up = x @ self.weight("gate_up_proj", e, x.dtype) + self.gate_up_proj_bias[e]
         gate = gate_up[..., ::2].clamp(min=None, max=self.limit)
         up = gate_up[..., 1::2].clamp(min=-self.limit, max=self.limit)
         glu = gate * torch.sigmoid(gate * self.alpha)
-        return ((up + 1) * glu) @ self.down_proj[e] + self.down_proj_bias[e]
+        return ((up + 1) * glu) @ self.weight("down_proj", e, x.dtype) + self.down_proj_bias[e]
 
 
 class GptOssMoE(MoEBlock):

@@ -6,7 +6,7 @@ is allocated, and say which slice of each checkpoint tensor the loader copies (`
 | `q_proj` / `o_proj` | query heads: column- / row-parallel; sinks follow the query heads |
 | `k_proj`, `v_proj` | KV heads of the layer's kind: sharded when N divides them, else each head replicated on N / heads ranks (`kv_heads_of_rank`) |
 | dense MLP | intermediate: gate/up column-, down row-parallel |
-| MoE | expert parallel: a contiguous range of whole experts per rank; the router is replicated; the partial sums are all-reduced |
+| MoE | expert parallel: a contiguous range of whole experts per rank (experts kept quantized too: MXFP4 blocks and scales, FP8 expert linears); the router is replicated; the partial sums are all-reduced |
 | embedding, LM head | vocab rows (padded to a multiple of N); logits gathered at rank 0 |
 | norms, rope, router | replicated |
 
@@ -145,6 +145,10 @@ class _Sharder:
         for pname, p in list(moe.experts.named_parameters(recurse=False)):
             setattr(moe.experts, pname, nn.Parameter(p.new_empty(len(mine), *p.shape[1:])))
             self._slice(f"{name}.experts.{pname}", 0, mine.start, len(mine), p.shape[0])
+        # Experts kept MXFP4 (`Mxfp4Experts`): the packed blocks and scales, experts first too.
+        for bname, b in list(moe.experts.named_buffers(recurse=False)):
+            moe.experts.register_buffer(bname, b.new_empty(len(mine), *b.shape[1:]))
+            self._slice(f"{name}.experts.{bname}", 0, mine.start, len(mine), b.shape[0])
         moe.shard = ExpertShard(mine, self.group.all_reduce)
 
     def mimo_moe(self, name: str, moe: MiMoMoE) -> None:

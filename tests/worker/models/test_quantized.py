@@ -252,3 +252,58 @@ def test_packer_rounds_to_the_nearest_e2m1_value() -> None:
     nearest = (torch.tensor(FP4_VALUES) * step.unsqueeze(-1) - w.unsqueeze(-1)).abs().amin(-1)
     assert torch.allclose((got - w).abs(), nearest, rtol=0, atol=1e-7)
     assert (w.abs() <= 6 * step).all()
+
+
+@pytest.mark.parametrize("name", ["gpt_oss_mxfp4", "mimo_fp8"])
+def test_kept_experts_give_the_dequantized_paths_tokens_and_logits(name: str, request: pytest.FixtureRequest) -> None:
+    """`keep_quantized`: the packed experts stay packed (their modules swapped, fewer bytes held),
+    each dequantized when it runs into the same values the load-time path writes, so greedy
+    tokens and logits equal that path's exactly, and transformers' within tolerance."""
+    from worker.assembly.host import active_parameters
+    from worker.models.moe import MoEBlock
+    from worker.models.quant.resident import Fp8Linear, Mxfp4Experts, stored_bytes
+
+    case: Case = request.getfixturevalue(name)
+    kept = load_model(case.path, case.ours.spec, keep_quantized=True)
+    swapped = [m for m in kept.modules() if isinstance(m, (Mxfp4Experts, Fp8Linear))]
+    blocks = [m for m in kept.modules() if isinstance(m, MoEBlock)]
+    per_block = 1 if name == "gpt_oss_mxfp4" else 3 * case.oracle.config.n_routed_experts
+    assert blocks and len(swapped) == per_block * len(blocks)  # every expert of every MoE layer
+    packed = sum(m.weight_numel() for m in swapped)
+    per_weight = 0.5 + 1 / 32 if name == "gpt_oss_mxfp4" else 1.0
+    saved = stored_bytes(case.ours) - stored_bytes(kept)
+    assert saved == pytest.approx(packed * (4 - per_weight), rel=0.01)  # float32 -> packed (+ scales)
+    assert active_parameters(kept) == active_parameters(case.ours)  # packed weights still count
+    runs = []
+    for model in (case.ours, kept):
+        drv = Driver(model.spec, model, page_size=4, chunk=5)
+        seq = drv.add(prompt_of(3 * model.spec.window + 1, seed=11), MAX_NEW)
+        drv.run([seq])
+        runs.append((seq.out, torch.stack(seq.logits)))
+    assert runs[0][0] == runs[1][0]
+    assert torch.equal(runs[0][1], runs[1][1]), "kept and dequantized-at-load logits differ"
+    _check_greedy(Case(case.path, case.plain, case.oracle, kept), 2 * kept.spec.window + 5, None)
+
+
+@pytest.mark.parametrize("name", ["gpt_oss_mxfp4", "mimo_fp8"])
+def test_engine_quantized_weights_keep_equals_dequantize(name: str, request: pytest.FixtureRequest) -> None:
+    """The engine knob end to end (weights packed for oneDNN by `compile: auto` around the kept
+    experts): the same greedy tokens either way."""
+    from core.sampling_params import SamplingParams
+    from worker.config import EngineConfig
+    from worker.engine.engine import Engine
+    from worker.models.quant.resident import Fp8Linear, Mxfp4Experts
+
+    case: Case = request.getfixturevalue(name)
+    prompts = [prompt_of(n, seed=n) for n in (9, 2 * case.ours.spec.window + 3)]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    outs = {}
+    for mode in ("dequantize", "keep"):
+        engine = Engine(EngineConfig(model=str(case.path), quantized_weights=mode, max_total_tokens=1024))
+        try:
+            packed = any(isinstance(m, (Mxfp4Experts, Fp8Linear)) for m in engine.runner.model.modules())
+            assert packed is (mode == "keep")
+            outs[mode] = [o.token_ids for o in engine.generate(prompts, params)]
+        finally:
+            engine.close()
+    assert outs["keep"] == outs["dequantize"]

@@ -14,6 +14,7 @@ import torch
 from core.outputs import StreamDelta
 from core.sampling_params import SamplingParams
 from tests.worker.models.hf_tiny import ARCHS, make_tiny
+from tests.worker.models.test_quantized import gpt_oss_mxfp4, mimo_fp8  # noqa: F401 - fixtures
 from worker.assembly.rank_processes import ProcessRanks
 from worker.config import EngineConfig
 from worker.engine.engine import Engine
@@ -118,3 +119,22 @@ def test_a_split_that_does_not_divide_is_refused_before_any_rank_starts() -> Non
     """Three ranks cannot share the tiny model's 4 query heads: ConfigError, no process left."""
     with pytest.raises(ConfigError, match="tensor_parallel_size=3"):
         Engine(EngineConfig(model="tiny", tensor_parallel_size=3))
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", ["gpt_oss_mxfp4", "mimo_fp8"])
+def test_two_ranks_keep_quantized_experts_and_give_the_tokens_of_one(name: str, request: pytest.FixtureRequest) -> None:
+    """`quantized_weights: keep` under TP = 2: each rank holds its range of packed experts (MXFP4
+    blocks and scales sliced by expert, whole FP8 expert linears) and the tokens are TP = 1's
+    with the experts dequantized at load."""
+    path = request.getfixturevalue(name).path
+    prompts = [_tokens(9, seed=4), _tokens(30, seed=5)]
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    outs = []
+    for tp, mode in ((1, "dequantize"), (2, "keep")):
+        engine = Engine(EngineConfig(model=str(path), tensor_parallel_size=tp, quantized_weights=mode, **POOLS))
+        try:
+            outs.append([o.token_ids for o in engine.generate(prompts, params)])
+        finally:
+            engine.close()
+    assert outs[0] == outs[1]

@@ -73,6 +73,11 @@ class QuantFormat(ABC):
             out.update({target + s: Part(target, role) for role, s in self.parts.items()})
         return out
 
+    def as_kept(self, role: str, stored: torch.Tensor) -> torch.Tensor:
+        """A stored part as a module that keeps the parameter quantized holds it
+        (`worker.models.quant.resident`): as stored unless the format says otherwise."""
+        return stored
+
     @abstractmethod
     def dequantize_into(self, dst: torch.Tensor, parts: dict[str, torch.Tensor], name: str) -> None:
         """Write the parameter that `parts` (role → stored tensor) encode into `dst`.

@@ -52,6 +52,10 @@ class BlockFp8Format(QuantFormat):
         block = None if size is None else (int(size[0]), int(size[1]))
         return cls(config.get("modules_to_not_convert") or (), block)
 
+    def as_kept(self, role: str, stored: torch.Tensor) -> torch.Tensor:
+        """Scales are kept as float32 multipliers (E8M0 bytes decoded once, at load)."""
+        return _scales_f32(stored) if role == "scale_inv" else stored
+
     def dequantize_into(self, dst: torch.Tensor, parts: dict[str, torch.Tensor], name: str) -> None:
         weight = parts["weight"].to(dst.device)
         scale = _scales_f32(parts["scale_inv"]).to(dst.device)
@@ -60,16 +64,28 @@ class BlockFp8Format(QuantFormat):
         check_shape(name, weight.shape, dst.shape, "fp8 weight shape")
         if self.block is None:
             check_shape(name, (scale.numel(),), (1,), "per-tensor fp8 scale count")
-            dst.copy_(weight.float() * scale.reshape(()))
-            return
-        (bn, bk), (*lead, n, k) = self.block, weight.shape
-        rows = -(-n // bn)
-        check_shape(name, scale.shape, (*lead, rows, -(-k // bk)), "fp8 weight_scale_inv shape")
-        # On the host one tile row per step keeps the float32 temporaries to bn rows; on an
-        # accelerator the whole weight at once (docs/design.md §16).
-        tiles = 1 if dst.device.type == "cpu" else rows
-        for i in range(0, rows, tiles):
-            r0, r1 = i * bn, min(n, (i + tiles) * bn)
-            s = scale[..., i : i + tiles, :].repeat_interleave(bn, dim=-2)[..., : r1 - r0, :]
-            s = s.repeat_interleave(bk, dim=-1)[..., :k]
-            dst[..., r0:r1, :].copy_(weight[..., r0:r1, :].float() * s)
+        else:
+            (bn, bk), (*lead, n, k) = self.block, weight.shape
+            want = (*lead, -(-n // bn), -(-k // bk))
+            check_shape(name, scale.shape, want, "fp8 weight_scale_inv shape")
+        dequantize_fp8_into(dst, weight, scale, self.block)
+
+
+def dequantize_fp8_into(
+    dst: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None
+) -> None:
+    """``weight * scale`` of its tile, in float32, cast once into `dst` (shapes checked by the
+    caller; `scale` float32 on `dst`'s device). Shared by the load-time path and `Fp8Linear`."""
+    if block is None:
+        dst.copy_(weight.float() * scale.reshape(()))
+        return
+    (bn, bk), (*_, n, k) = block, weight.shape
+    rows = -(-n // bn)
+    # On the host one tile row per step keeps the float32 temporaries to bn rows; on an
+    # accelerator the whole weight at once (docs/design.md §16).
+    tiles = 1 if dst.device.type == "cpu" else rows
+    for i in range(0, rows, tiles):
+        r0, r1 = i * bn, min(n, (i + tiles) * bn)
+        s = scale[..., i : i + tiles, :].repeat_interleave(bn, dim=-2)[..., : r1 - r0, :]
+        s = s.repeat_interleave(bk, dim=-1)[..., :k]
+        dst[..., r0:r1, :].copy_(weight[..., r0:r1, :].float() * s)
