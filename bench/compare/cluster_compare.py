@@ -18,7 +18,8 @@ layers (bytes / the model's KV bytes per token).
 
 Per run: prompt tokens computed (each server's own counters), TTFT p50/p99, output throughput,
 requests finished/failed, and the machine's foreign load (`foreign_load.py`). Writes
-`cluster_compare.json`, `summary.md` and `cluster_compare.png`.
+`runs.jsonl` (one line per run as it ends), then `cluster_compare.json`, `summary.md` and
+`cluster_compare.png`.
 """
 
 from __future__ import annotations
@@ -67,7 +68,13 @@ from bench.compare.streams import (
     size_stream,
 )
 from bench.engine.model import ModelInfo, model_info
-from bench.harness import add_output_arguments, prepare_output_dir, write_json, write_text
+from bench.harness import (
+    add_output_arguments,
+    prepare_output_dir,
+    to_jsonable,
+    write_json,
+    write_text,
+)
 from bench.machine import MachineInfo, machine_info
 
 MIB = 2**20
@@ -136,6 +143,8 @@ def run_cluster_compare(
     reference = [codec.encode(text) for text in prompts]
     texts = {"transformers": transformers_texts(model_dir, reference, s.parity_tokens)}
     records: list[ClusterRun] = []
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "runs.jsonl").unlink(missing_ok=True)
     for round_ in range(s.rounds):
         order = s.configs() if round_ % 2 == 0 else tuple(reversed(s.configs()))
         for kv, kv_bytes in s.kv_sizes():
@@ -151,6 +160,7 @@ def run_cluster_compare(
                         raise RuntimeError(f"{config.label}'s greedy text changed between runs")
                     for p in plans:
                         records.append(_measure(server, config, kv, kv_bytes, round_, p, codec, s, out))
+                        _append_record(out / "runs.jsonl", records[-1])
                 finally:
                     stop_server(server)
     commands = _commands(model_dir, peer_venv, s, out)
@@ -212,6 +222,12 @@ def _measure(
           f"{r.output_throughput:.1f} tok/s, foreign {load.foreign_cores:.2f} cores, "
           f"load {load.load_before:.1f}->{load.load_after:.1f}", file=sys.stderr, flush=True)  # fmt: skip
     return r
+
+
+def _append_record(path: Path, record: ClusterRun) -> None:
+    """One line per finished run, as it finishes: a run stopped half-way keeps what it measured."""
+    with path.open("a") as f:
+        f.write(json.dumps(to_jsonable(record)) + "\n")
 
 
 def _settled(

@@ -33,6 +33,9 @@ MODEL_NAME = "gemma3-46m"
 PEER = "ray-serve-llm"
 OURS = "swaserve"
 PEER_LABEL = "Ray Serve LLM 2.60 (vLLM 0.29 CPU, PrefixCacheAffinityRouter)"
+# NOTE: vLLM 0.29, not the 0.32 of vllm-compare: Ray 2.60's `llm` extra pins `vllm[audio]==0.29.0`
+# (`peers.py`); every table names the peer's vLLM version through this label.
+PEER_SHORT = "Ray Serve LLM (vLLM 0.29)"
 APP_SCRIPT = REPO / "bench" / "compare" / "ray_serve_llm_app.py"
 
 
@@ -45,7 +48,7 @@ class StackConfig:
 
     @property
     def label(self) -> str:
-        return "Ray Serve LLM" if self.stack == PEER else f"swaserve r={self.ratio:g}"
+        return PEER_SHORT if self.stack == PEER else f"swaserve r={self.ratio:g}"
 
 
 @dataclass(frozen=True)

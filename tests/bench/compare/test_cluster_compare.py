@@ -24,6 +24,7 @@ from bench.compare.cluster_report import (
 from bench.compare.cluster_stacks import (
     OURS,
     PEER,
+    PEER_SHORT,
     Counters,
     StackConfig,
     ours_config,
@@ -186,6 +187,7 @@ def test_smallest_configuration_on_two_swaserve_replicas(small_model: Path, tmp_
     assert all(x.counters_settled and 0 < x.counters.computed_first <= x.prompt_tokens for x in r.runs)
     assert r.parity.agree("transformers", "swaserve r=0.8") == 3
     assert len({x.prompts_digest for x in r.runs}) == 1
+    assert len((tmp_path / "runs.jsonl").read_text().splitlines()) == 2  # one line per run, as it ends
     assert "| multi_tenant | roomy 16 MiB | swaserve r=0.8 |" in cluster_compare.summary_markdown(r)
 
 
@@ -200,4 +202,4 @@ def test_smallest_configuration_with_the_peer(small_model: Path, tmp_path: Path)
     s = _smallest((PEER, OURS))
     r = cluster_compare.run_cluster_compare(s, tmp_path, model_dir=small_model, peer_venv=PEER_VENV)
     assert all(x.failed == 0 and x.counters_settled for x in r.runs)
-    assert r.parity.agree("transformers", "Ray Serve LLM") == 3
+    assert r.parity.agree("transformers", PEER_SHORT) == 3
