@@ -107,20 +107,3 @@ def save_figure(fig: Figure, path: Path) -> Path:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
-
-
-def free_port() -> int:
-    """A loopback TCP port free now (a benchmark's local Serve HTTP port)."""
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def quiet_ray_logs() -> None:
-    """Ray's and Serve's loggers at WARNING: a benchmark's console shows its own progress."""
-    import logging
-
-    for name in ("ray", "ray.serve"):
-        logging.getLogger(name).setLevel(logging.WARNING)

@@ -32,13 +32,12 @@ from typing import TYPE_CHECKING, Any
 
 from bench.harness import (
     add_output_arguments,
-    free_port,
     markdown_table,
     prepare_output_dir,
-    quiet_ray_logs,
     write_json,
     write_text,
 )
+from bench.local_serve import deployed, local_serve
 from bench.machine import MachineInfo, load_average, machine_info
 
 if TYPE_CHECKING:
@@ -114,25 +113,10 @@ class TierABResult:
 
 def run_ab(s: TierABSettings) -> TierABResult:
     """Start Ray, run `off` then `on` `repeats` times, stop Ray (also on errors)."""
-    from ray import serve
-
-    from cluster.ray_local import LocalRayConfig, local_ray
-    from worker.models.model_dir import resolve_model_dir
-
     t0 = time.perf_counter()
     machine = machine_info()
-    resolve_model_dir(MODEL)  # build the tiny model once, before the workers load it
-    port = free_port()
-    out = []
-    with local_ray(LocalRayConfig(num_cpus=s.num_cpus)):
-        quiet_ray_logs()
-        serve.start(http_options={"host": "127.0.0.1", "port": port}, proxy_location="HeadOnly")
-        try:
-            for repeat in range(s.repeats):
-                for side in SIDES:
-                    out.append(_one_side(s, side, repeat, f"http://127.0.0.1:{port}"))
-        finally:
-            serve.shutdown()
+    with local_serve(s.num_cpus, MODEL) as url:
+        out = [_one_side(s, side, repeat, url) for repeat in range(s.repeats) for side in SIDES]
     return TierABResult(s, machine, tuple(out), time.perf_counter() - t0, load_average())
 
 
@@ -148,28 +132,13 @@ def config(s: TierABSettings, side: str) -> ServeConfig:
 
 def _one_side(s: TierABSettings, side: str, repeat: int, url: str) -> SideResult:
     import httpx
-    from ray import serve
 
-    from cluster.transport import index_actor_name, kill_index_actor
-    from deploy.app import build_app_from_config
-    from deploy.config import APP_NAME, WORKER_DEPLOYMENT
-    from deploy.serve_local import wait_healthy
-
-    cfg = config(s, side)
-    t0 = time.perf_counter()
-    serve.run(build_app_from_config(cfg), name=APP_NAME, route_prefix="/")
-    wait_healthy(f"{url}/health", s.startup_timeout_s)
-    deploy_s = time.perf_counter() - t0
-    headers = {"authorization": f"Bearer {cfg.api_key.get_secret_value()}"} if cfg.api_key else {}
-    try:
+    with deployed(config(s, side), url, s.startup_timeout_s) as (deploy_s, headers):
         with httpx.Client(base_url=url, timeout=300, headers=headers) as http:
             counts, samples = _served_counts(http), []
             for r, ids in s.prompts():
                 sample, counts = _send(http, r, ids, s.max_tokens, counts)
                 samples.append(sample)
-    finally:
-        serve.delete(APP_NAME)
-        kill_index_actor(index_actor_name(APP_NAME, WORKER_DEPLOYMENT))
     return SideResult(side, repeat, deploy_s, tuple(samples))
 
 

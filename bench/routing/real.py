@@ -14,10 +14,10 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from bench.harness import free_port, markdown_table, quiet_ray_logs
+from bench.harness import markdown_table
+from bench.local_serve import deployed, local_serve
 from bench.routing.figures import quantile
 from bench.routing.real_traffic import MODEL, Sample, Traffic, run_traffic
-from deploy.serve_local import wait_healthy
 
 if TYPE_CHECKING:
     from deploy.config import ServeConfig
@@ -68,46 +68,17 @@ class RealResult:
 
 def run_real(s: RealSettings) -> RealResult:
     """Start Ray, run every policy in turn, stop Ray (also on errors)."""
-    from ray import serve
-
-    from cluster.ray_local import LocalRayConfig, local_ray
-    from worker.models.model_dir import resolve_model_dir
-
     t0 = time.perf_counter()
-    resolve_model_dir(MODEL)  # build the tiny model once, before the workers load it
-    port = free_port()
-    out = []
-    with local_ray(LocalRayConfig(num_cpus=s.num_cpus)):
-        quiet_ray_logs()
-        serve.start(http_options={"host": "127.0.0.1", "port": port}, proxy_location="HeadOnly")
-        try:
-            for policy in s.policies:
-                out.append(_one_policy(s, policy, f"http://127.0.0.1:{port}"))
-        finally:
-            serve.shutdown()
+    with local_serve(s.num_cpus, MODEL) as url:
+        out = [_one_policy(s, policy, url) for policy in s.policies]
     return RealResult(s, tuple(out), time.perf_counter() - t0)
 
 
 def _one_policy(s: RealSettings, policy: str, url: str) -> RealPolicyResult:
-    from ray import serve
-
-    from cluster.transport import index_actor_name, kill_index_actor
-    from deploy.app import build_app_from_config
-    from deploy.config import APP_NAME, WORKER_DEPLOYMENT
-
-    cfg = _config(s, policy)
-    t0 = time.perf_counter()
-    serve.run(build_app_from_config(cfg), name=APP_NAME, route_prefix="/")
-    wait_healthy(f"{url}/health", s.startup_timeout_s)
-    deploy_s = time.perf_counter() - t0
-    headers = {"authorization": f"Bearer {cfg.api_key.get_secret_value()}"} if cfg.api_key else {}
-    try:
+    with deployed(_config(s, policy), url, s.startup_timeout_s) as (deploy_s, headers):
         t1 = time.perf_counter()
         samples = asyncio.run(run_traffic(url, s.traffic, headers))
         traffic_s = time.perf_counter() - t1
-    finally:
-        serve.delete(APP_NAME)
-        kill_index_actor(index_actor_name(APP_NAME, WORKER_DEPLOYMENT))
     return _figures(policy, samples, deploy_s, traffic_s)
 
 
