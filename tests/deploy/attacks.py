@@ -86,8 +86,17 @@ def _choices(total_bytes: int) -> list[str]:
 OK, BAD, TOO_BIG = frozenset({200}), frozenset({400}), frozenset({413})
 
 
-def attacks() -> list[Attack]:
-    """Every attack of a pass, accepted ones at their largest, refused ones just past."""
+def attacks(salt: str) -> list[Attack]:
+    """Every attack of a pass, accepted ones at their largest, refused ones just past. Every
+    completion and chat carries `salt` as its `cache_salt`: a pass with a salt of its own finds
+    nothing of an earlier pass in the cache, so it pays every prefill again."""
+
+    def comp(**fields: Any) -> dict[str, Any]:
+        return _completion(**{"cache_salt": salt, **fields})
+
+    def chat(messages: list[dict[str, Any]], **fields: Any) -> dict[str, Any]:
+        return _chat(messages, **{"cache_salt": salt, **fields})
+
     c, ch = "/v1/completions", "/v1/chat/completions"
     hi = {"role": "user", "content": "hi"}
     stops = [f"never-{i:02d}-" + "z" * 54 for i in range(32)]  # 64 characters each, never generated
@@ -96,50 +105,50 @@ def attacks() -> list[Attack]:
         Attack("/tokenize of text at the prompt byte limit", "/tokenize", _j({"prompt": _text(PROMPT_BYTES)}), OK),
         Attack("/detokenize of a context of byte tokens", "/detokenize", _j({"tokens": [BYTE_TOKEN] * CONTEXT}), OK),
         Attack("prompt text at the byte limit (tokenized, then too long)", c,
-               _j(_completion(prompt=_text(PROMPT_BYTES))), BAD),
-        Attack("prompt ids filling the context", c, _j(_completion(prompt=[5 + i % 900 for i in range(CONTEXT - 9)])), OK),
+               _j(comp(prompt=_text(PROMPT_BYTES))), BAD),
+        Attack("prompt ids filling the context", c, _j(comp(prompt=[5 + i % 900 for i in range(CONTEXT - 9)])), OK),
         # the chat template and tokenizer run on these whole, then the prompt is longer than the context
-        Attack("chat of 2,048 messages (templated, then too long)", ch, _j(_chat([hi] * 2048)), BAD),
+        Attack("chat of 2,048 messages (templated, then too long)", ch, _j(chat([hi] * 2048)), BAD),
         Attack("chat message at the prompt byte limit (templated, then too long)", ch,
-               _j(_chat([{"role": "user", "content": _text(PROMPT_BYTES - 64)}])), BAD),
-        Attack("32 stop strings of 64 characters, 256 tokens", c, _j(_completion(stop=stops, max_tokens=256)), OK),
+               _j(chat([{"role": "user", "content": _text(PROMPT_BYTES - 64)}])), BAD),
+        Attack("32 stop strings of 64 characters, 256 tokens", c, _j(comp(stop=stops, max_tokens=256)), OK),
         Attack("1,024 stop_token_ids, banned for 32 tokens", c,
-               _j(_completion(stop_token_ids=list(range(300, VOCAB)) + [VOCAB - 1] * 300, min_tokens=32, max_tokens=64)),
+               _j(comp(stop_token_ids=list(range(300, VOCAB)) + [VOCAB - 1] * 300, min_tokens=32, max_tokens=64)),
                OK),
         Attack("1,024 logit_bias entries, 128 tokens", c,
-               _j(_completion(logit_bias={str(i): 0.5 for i in range(VOCAB)}, max_tokens=128)), OK),
+               _j(comp(logit_bias={str(i): 0.5 for i in range(VOCAB)}, max_tokens=128)), OK),
         Attack("logit_bias forcing a byte token, 1,024 tokens streamed", c,
-               _j(_completion(logit_bias={str(BYTE_TOKEN): 100}, max_tokens=1024, stream=True)), OK, mode="stream"),
+               _j(comp(logit_bias={str(BYTE_TOKEN): 100}, max_tokens=1024, stream=True)), OK, mode="stream"),
         Attack("echo with 20 logprobs of a 2,000-token prompt", c,
-               _j(_completion(prompt=[5 + i % 900 for i in range(2000)], echo=True, logprobs=20, max_tokens=1)), OK),
+               _j(comp(prompt=[5 + i % 900 for i in range(2000)], echo=True, logprobs=20, max_tokens=1)), OK),
         Attack("16 prompts x best_of 16 (256 sequences)", c,
-               _j(_completion(prompt=[[5 + p, 6, 7, 8, 9, 10, 11, 12] for p in range(16)], best_of=16, n=1,
+               _j(comp(prompt=[[5 + p, 6, 7, 8, 9, 10, 11, 12] for p in range(16)], best_of=16, n=1,
                               max_tokens=4, temperature=1.0)), OK),
         Attack("128 tools, a call required", ch,
-               _j(_chat([hi], tools=_tools(128), tool_choice="required", max_tokens=32)), OK),
-        Attack("guided_choice of 256 KiB", c, _j(_completion(guided_choice=_choices(256 << 10), max_tokens=16)), OK),
-        Attack("a self-referencing schema", c, _j(_completion(guided_json={
+               _j(chat([hi], tools=_tools(128), tool_choice="required", max_tokens=32)), OK),
+        Attack("guided_choice of 256 KiB", c, _j(comp(guided_choice=_choices(256 << 10), max_tokens=16)), OK),
+        Attack("a self-referencing schema", c, _j(comp(guided_json={
             "$defs": {"a": {"type": "object", "properties": {"x": {"$ref": "#/$defs/a"}}, "required": ["x"]}},
             "$ref": "#/$defs/a"})), BAD),
-        Attack("a stream dropped after its first token", c, _j(_completion(max_tokens=2048, stream=True)),
+        Attack("a stream dropped after its first token", c, _j(comp(max_tokens=2048, stream=True)),
                frozenset({DROPPED}), mode="drop"),
-        Attack("half a body, then silence", c, _j(_completion()), frozenset({DROPPED}), mode="half"),
+        Attack("half a body, then silence", c, _j(comp()), frozenset({DROPPED}), mode="half"),
         # -- refused, just past the limit ------------------------------------------------------
         Attack("/tokenize one byte past the limit", "/tokenize", _j({"prompt": _text(PROMPT_BYTES + 1)}), BAD),
-        Attack("prompt text one byte past the limit", c, _j(_completion(prompt=_text(PROMPT_BYTES + 1))), BAD),
-        Attack("prompt ids of a whole context", c, _j(_completion(prompt=[5] * CONTEXT)), BAD),
-        Attack("chat of 2,049 messages", ch, _j(_chat([hi] * 2049)), BAD),
-        Attack("33 stop strings", c, _j(_completion(stop=[*stops, "x"])), BAD),
-        Attack("a stop string of 65 characters", c, _j(_completion(stop=["z" * 65])), BAD),
-        Attack("1,025 stop_token_ids", c, _j(_completion(stop_token_ids=[5] * 1025)), BAD),
-        Attack("1,025 logit_bias entries", c, _j(_completion(logit_bias={str(i): 1 for i in range(1025)})), BAD),
-        Attack("a logit_bias key of 5,000 digits", c, _j(_completion(logit_bias={"1" * 5000: 1})), BAD),
-        Attack("129 tools", ch, _j(_chat([hi], tools=_tools(129))), BAD),
+        Attack("prompt text one byte past the limit", c, _j(comp(prompt=_text(PROMPT_BYTES + 1))), BAD),
+        Attack("prompt ids of a whole context", c, _j(comp(prompt=[5] * CONTEXT)), BAD),
+        Attack("chat of 2,049 messages", ch, _j(chat([hi] * 2049)), BAD),
+        Attack("33 stop strings", c, _j(comp(stop=[*stops, "x"])), BAD),
+        Attack("a stop string of 65 characters", c, _j(comp(stop=["z" * 65])), BAD),
+        Attack("1,025 stop_token_ids", c, _j(comp(stop_token_ids=[5] * 1025)), BAD),
+        Attack("1,025 logit_bias entries", c, _j(comp(logit_bias={str(i): 1 for i in range(1025)})), BAD),
+        Attack("a logit_bias key of 5,000 digits", c, _j(comp(logit_bias={"1" * 5000: 1})), BAD),
+        Attack("129 tools", ch, _j(chat([hi], tools=_tools(129))), BAD),
         Attack("guided_choice one choice past 256 KiB", c,
-               _j(_completion(guided_choice=[*_choices(256 << 10), "x" * 64])), BAD),
-        Attack("guided_json nested 1,500 deep", c, _j(_completion(guided_json="[" * 1500 + "]" * 1500)), BAD),
-        Attack("best_of 17", c, _j(_completion(best_of=17)), BAD),
-        Attack("a cache_salt of 257 characters", c, _j(_completion(cache_salt="s" * 257)), BAD),
+               _j(comp(guided_choice=[*_choices(256 << 10), "x" * 64])), BAD),
+        Attack("guided_json nested 1,500 deep", c, _j(comp(guided_json="[" * 1500 + "]" * 1500)), BAD),
+        Attack("best_of 17", c, _j(comp(best_of=17)), BAD),
+        Attack("a cache_salt of 257 characters", c, _j(comp(cache_salt="s" * 257)), BAD),
         Attack("a body one byte past max_request_bytes", c, b" " * (MAX_BODY + 1), TOO_BIG),
     ]  # fmt: skip
 
@@ -147,9 +156,9 @@ def attacks() -> list[Attack]:
 # ---- one pass -----------------------------------------------------------------------------------
 
 
-def attack_pass(url: str, out: Any) -> None:
+def attack_pass(url: str, salt: str, out: Any) -> None:
     """Send every attack once (a `spawn` process target); put the outcomes (dicts) on `out`."""
-    outcomes = asyncio.run(_pass(url, attacks()))
+    outcomes = asyncio.run(_pass(url, attacks(salt)))
     out.put([asdict(o) for o in outcomes])
 
 
