@@ -151,6 +151,28 @@ def test_router_predictions_equal_cached_tokens(server: Server) -> None:
     assert sum(c > 0 for c in cached) >= 6, cached
 
 
+def test_cache_salts_share_nothing(server: Server) -> None:
+    """The same long prompt under salt A, then B, then no salt: no cached tokens and no
+    predicted ones (the router's index keeps salts apart too); A again: cached, and predicted
+    exactly."""
+    import random
+
+    rng = random.Random(28)
+    prompt = [rng.randrange(5, 1000) for _ in range(200)]
+    seen = []
+    with httpx.Client(base_url=server.url, timeout=120) as http:
+        for salt in ("tenant-a", "tenant-b", None, "tenant-a"):
+            body: dict[str, Any] = {"model": MODEL, "prompt": prompt, "max_tokens": 2}
+            if salt is not None:
+                body["cache_salt"] = salt
+            r = http.post("/v1/completions", json=body)
+            assert r.status_code == 200, r.text
+            got = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+            seen.append((got, int(r.headers["x-swaserve-predicted-cached-tokens"])))
+    assert seen[:3] == [(0, 0)] * 3, seen
+    assert seen[3][0] > 0 and seen[3][0] == seen[3][1], seen
+
+
 def test_hundred_repeats_hit_on_a_busy_machine(server: Server) -> None:
     """100 distinct 800-token prompts, each sent again the moment its answer arrives, with two
     CPU hogs running (the session's in `make test`, else its own): the repeat hits its own cache
