@@ -34,16 +34,11 @@ import itertools
 import multiprocessing
 import os
 import random
-import signal
-import socket
 import statistics
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -51,11 +46,10 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.deploy.attacks import MODEL, Outcome, attack_pass
+from tests.serve_process import serve
 
 pytestmark = [pytest.mark.ray, pytest.mark.loaded, pytest.mark.timeout(900)]
 
-REPO = Path(__file__).resolve().parents[2]
-STARTUP_S = 300
 ROUNDS = 3
 IDLE_REQUESTS = 24  # bystander requests per idle window
 PASS_TIMEOUT_S = 600  # one attack pass ends by itself well before (client timeouts)
@@ -75,36 +69,11 @@ class Sample:
 # ---- the server ---------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 @pytest.fixture(scope="module")
 def url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """`swaserve serve --workers 2` on loopback (no API key), stopped with Ctrl-C at the end."""
-    port, log = _free_port(), tmp_path_factory.mktemp("serve") / "serve.log"
-    cmd = [sys.executable, "-m", "deploy", "serve", "--model", MODEL, "--workers", "2", "--port", str(port),
-           "--num-cpus", "2"]  # fmt: skip
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0", "SWASERVE_API_KEY": "",
-           "SWASERVE_METRICS_KEY": ""}  # fmt: skip
-    with log.open("w") as out:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        _wait(lambda: "swaserve is ready" in log.read_text(errors="replace") or proc.poll() is not None,
-              STARTUP_S, "swaserve serve ready")  # fmt: skip
-        assert proc.poll() is None, f"swaserve serve exited:\n{log.read_text(errors='replace')[-4000:]}"
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(90)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(10)
+    with serve(tmp_path_factory.mktemp("serve"), f"model: {MODEL}\nworkers: 2\n") as srv:
+        yield srv.url
 
 
 def _wait(cond: Callable[[], bool], timeout_s: float, what: str) -> None:
