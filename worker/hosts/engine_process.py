@@ -66,6 +66,8 @@ from worker.engine.engine import Engine
 from worker.errors import EngineGoneError
 from worker.hosts.streams import DeltaQueue, StreamingHost
 
+_CODE_ROOT = Path(__file__).resolve().parents[2]  # the directory holding `core` and `worker`
+
 logger = logging.getLogger(__name__)
 
 AUTHKEY_ENV = "SWASERVE_ENGINE_AUTHKEY"
@@ -158,10 +160,9 @@ class EngineProcess(StreamingHost):
         key = secrets.token_bytes(32)
         address = os.path.join(tempfile.mkdtemp(prefix="swaserve-engine-"), "sock")
         listener = Listener(address, family="AF_UNIX", authkey=key)
-        env = {**os.environ, AUTHKEY_ENV: key.hex()}
         proc = subprocess.Popen(
-            [sys.executable, "-m", "worker.hosts.engine_process", address],
-            env=env, stdin=subprocess.DEVNULL,
+            [sys.executable, "-P", "-m", "worker.hosts.engine_process", address],
+            env=_child_env(key), stdin=subprocess.DEVNULL,
         )  # fmt: skip
         try:
             conn = _accept(listener, proc, start_timeout_s)
@@ -348,6 +349,16 @@ class EngineProcess(StreamingHost):
         for loop, q in streams.values():
             loop.call_soon_threadsafe(q.put_nowait, EngineGoneError(f"engine stopped: {exc!r}"))
 
+
+def _child_env(key: bytes) -> dict[str, str]:
+    """The child's environment: its auth key, and the directory this code was imported from
+    first on its path. The child runs with `-P`: the working directory (whatever files a
+    replica's cwd holds) is not on its `sys.path`, so it imports only this code and the
+    installed packages."""
+    root = str(_CODE_ROOT)
+    path = os.environ.get("PYTHONPATH")
+    pythonpath = os.pathsep.join([root, path] if path else [root])
+    return {**os.environ, AUTHKEY_ENV: key.hex(), "PYTHONPATH": pythonpath}
 
 def _put_all(items: list[tuple[DeltaQueue, StreamDelta]]) -> None:
     for q, delta in items:

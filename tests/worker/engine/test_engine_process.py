@@ -13,6 +13,7 @@ import signal
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -229,3 +230,21 @@ def test_a_step_that_raises_tells_the_replica_and_ends_every_stream(
         ep.check_integrity()
     ep.shutdown()
     child.engine.close()
+
+
+def test_the_child_ignores_modules_in_the_working_directory(
+    oracle: Oracle, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A replica's working directory holding a module named like one the engine imports (here
+    `numpy.py`, which would raise) does not reach the child: it runs with `-P`."""
+    (tmp_path / "numpy.py").write_text("raise ImportError('planted in the working directory')\n")
+    monkeypatch.chdir(tmp_path)
+    ep = EngineProcess(EngineConfig(model=str(oracle.path), page_size=4, max_total_tokens=2048))
+    try:
+
+        async def main() -> list[int]:
+            return [t async for d in ep.generate(tokens(12, seed=5), GREEDY, "r") for t in d.token_ids]
+
+        assert asyncio.run(main()) == oracle.greedy(tokens(12, seed=5), GREEDY.max_tokens)
+    finally:
+        ep.shutdown()
