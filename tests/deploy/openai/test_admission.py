@@ -35,7 +35,7 @@ class OneTokenThenStall(FakeEngine):
 
     async def generate(self, token_ids: list[int], params: SamplingParams, request_id: str,
                        follows: str | None = None) -> AsyncGenerator[StreamDelta, None]:  # fmt: skip
-        self._admit(request_id, token_ids)
+        self._admit(request_id, token_ids, params.root_hash)
         try:
             self._grow(request_id)
             yield StreamDelta(request_id, [token_ids[-1]], False, None, len(token_ids), 0, 1)
