@@ -195,7 +195,10 @@ def test_a_client_that_stops_reading_is_cut_off_and_its_kv_freed(
 
     async def go() -> tuple[int, int]:
         task = asyncio.create_task(h.app(scope, receive, send))
+        deadline = asyncio.get_running_loop().time() + 60
         while not h.engines or not h.engines[0].stats().full.used:
+            assert not task.done(), "the request ended before reaching the worker"
+            assert asyncio.get_running_loop().time() < deadline, "the request never reached the worker"
             await asyncio.sleep(0)  # waits on the request reaching the worker
         held = h.engines[0].stats().full.used
         await asyncio.wait_for(task, 30)  # the write timeout ends it
