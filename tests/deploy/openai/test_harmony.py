@@ -93,7 +93,7 @@ def test_prompt_renders_harmony_with_tools_and_history(vocab_dir: Path) -> None:
     r = _post(h, {"messages": msgs, "tools": TOOLS, "reasoning_effort": "high"})
     assert r.status_code == 200, r.text
     rid, params, _ = h.engines[0].seen[0]
-    prompt = fmt.encoding.decode(h.engines[0]._history[0])
+    prompt = fmt.encoding.decode(h.engines[0]._history[0][1])
     assert "Reasoning: high" in prompt and "Be terse." in prompt and "get_weather" in prompt
     assert "to=functions.get_weather" in prompt and "functions.get_weather to=assistant" in prompt
     assert prompt.endswith("<|start|>assistant")
@@ -168,5 +168,5 @@ def test_template_kwargs_carry_only_the_reasoning_effort(vocab_dir: Path) -> Non
     msgs = [{"role": "user", "content": "Hi"}]
     ok = _post(h, {"messages": msgs, "chat_template_kwargs": {"reasoning_effort": "low"}})
     bad = _post(h, {"messages": msgs, "chat_template_kwargs": {"enable_thinking": True}})
-    assert ok.status_code == 200 and "Reasoning: low" in fmt.encoding.decode(h.engines[0]._history[0])
+    assert ok.status_code == 200 and "Reasoning: low" in fmt.encoding.decode(h.engines[0]._history[0][1])
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "chat_template_kwargs"

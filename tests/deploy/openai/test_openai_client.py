@@ -210,7 +210,7 @@ def test_assistant_tool_calls_and_tool_messages_render(tokenizer: Any) -> None:
     out = _run(h, lambda c: c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=2,
                                                       extra_body={"chat_template_kwargs": {"x": 1}}))  # fmt: skip
     assert out.choices[0].message.role == "assistant"
-    prompt = tokenizer.decode(h.engines[0]._history[0])
+    prompt = tokenizer.decode(h.engines[0]._history[0][1])
     assert '<tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call>' in prompt and "<|tool|>42" in prompt
 
 
@@ -232,7 +232,7 @@ def test_auto_tool_calls_parsed_from_the_model_output(tokenizer: Any) -> None:
     msg = whole.choices[0].message
     assert msg.content == "Sure." and whole.choices[0].finish_reason == "tool_calls"
     assert msg.tool_calls[0].function.name == "get_weather" and json.loads(msg.tool_calls[0].function.arguments) == {"city": "Oslo"}
-    assert "get_weather" in tokenizer.decode(h.engines[0]._history[0])
+    assert "get_weather" in tokenizer.decode(h.engines[0]._history[0][1])
     deltas = [tc for ch in chunks for x in ch.choices for tc in (x.delta.tool_calls or [])]
     assert [d.function.name for d in deltas] == ["get_weather"]
     assert [x.finish_reason for ch in chunks for x in ch.choices if x.finish_reason] == ["tool_calls"]
