@@ -31,7 +31,8 @@ class Record:
     kind: str  # "stream" | "plain"
     client: int
     sent: float  # time.monotonic()
-    answered: float = 0.0  # the status line arrived (a stream's: with its first token)
+    answered: float = 0.0  # the status line arrived
+    first_token: float = 0.0  # a stream's first data event arrived (headers may come before it)
     ended: float = 0.0
     outcome: str = ""
     status: int = 0
@@ -77,7 +78,7 @@ class Load:
 
     def streaming_on(self) -> set[str]:
         """Replicas with a stream of this load in progress (past its first token) right now."""
-        return {r.replica for r in list(self.records) if r.kind == "stream" and r.answered and not r.ended}
+        return {r.replica for r in list(self.records) if r.kind == "stream" and r.first_token and not r.ended}
 
     async def _main(self) -> None:
         end = time.monotonic() + self.max_s
@@ -130,7 +131,11 @@ class Load:
                 rec.error = (await r.aread()).decode(errors="replace")[:200]
                 rec.outcome = "clean" if r.status_code == 503 and r.headers.get("retry-after") else "unclean"
                 return
-            events = [line[6:] async for line in r.aiter_lines() if line.startswith("data: ")]
+            events = []
+            async for line in r.aiter_lines():
+                if line.startswith("data: "):
+                    rec.first_token = rec.first_token or time.monotonic()
+                    events.append(line[6:])
         # The body ended cleanly (a cut stream raises above): was it whole, or an error event?
         if events and events[-1] == "[DONE]":
             usage = json.loads(events[-2])["usage"]
