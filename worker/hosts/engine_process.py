@@ -67,6 +67,13 @@ from worker.errors import EngineGoneError
 from worker.hosts.streams import DeltaQueue, StreamingHost
 
 _CODE_ROOT = Path(__file__).resolve().parents[2]  # the directory holding `core` and `worker`
+# The child's entry: this code's directory replaces the working directory at the head of its
+# sys.path (a file planted in the replica's cwd is never imported), then this module runs as
+# __main__ (what `python -P -m` does from Python 3.11 on; this runs on 3.10 too).
+_CHILD_ENTRY = (
+    "import runpy, sys; sys.path[0] = sys.argv.pop(1); "
+    "runpy.run_module('worker.hosts.engine_process', run_name='__main__', alter_sys=True)"
+)
 
 logger = logging.getLogger(__name__)
 
@@ -161,8 +168,8 @@ class EngineProcess(StreamingHost):
         address = os.path.join(tempfile.mkdtemp(prefix="swaserve-engine-"), "sock")
         listener = Listener(address, family="AF_UNIX", authkey=key)
         proc = subprocess.Popen(
-            [sys.executable, "-P", "-m", "worker.hosts.engine_process", address],
-            env=_child_env(key), stdin=subprocess.DEVNULL,
+            [sys.executable, "-c", _CHILD_ENTRY, str(_CODE_ROOT), address],
+            env={**os.environ, AUTHKEY_ENV: key.hex()}, stdin=subprocess.DEVNULL,
         )  # fmt: skip
         try:
             conn = _accept(listener, proc, start_timeout_s)
@@ -349,16 +356,6 @@ class EngineProcess(StreamingHost):
         for loop, q in streams.values():
             loop.call_soon_threadsafe(q.put_nowait, EngineGoneError(f"engine stopped: {exc!r}"))
 
-
-def _child_env(key: bytes) -> dict[str, str]:
-    """The child's environment: its auth key, and the directory this code was imported from
-    first on its path. The child runs with `-P`: the working directory (whatever files a
-    replica's cwd holds) is not on its `sys.path`, so it imports only this code and the
-    installed packages."""
-    root = str(_CODE_ROOT)
-    path = os.environ.get("PYTHONPATH")
-    pythonpath = os.pathsep.join([root, path] if path else [root])
-    return {**os.environ, AUTHKEY_ENV: key.hex(), "PYTHONPATH": pythonpath}
 
 def _put_all(items: list[tuple[DeltaQueue, StreamDelta]]) -> None:
     for q, delta in items:
