@@ -367,7 +367,8 @@ async def _sync_through_restart(sub: IndexSubscriber, timeout_s: float = 120.0) 
     ),
 )
 class FakeWorker:
-    """Caches each prompt's pages; pages below `params` (a token frontier) become tombstones."""
+    """Caches each prompt's pages; pages below a token frontier (the request id's prefix,
+    `frontier:uuid`) become tombstones."""
 
     def __init__(self) -> None:
         ctx = serve.get_replica_context()
@@ -385,7 +386,8 @@ class FakeWorker:
             self.started = True
         chain = page_hashes(req.token_ids[:-1], PAGE)
         cached = valid_match_reference([self.pages.get(h) for h in chain], PAGE, WINDOW) * PAGE
-        await self.publisher.publish(self._store(chain, int(req.params or 0) // PAGE))
+        frontier = int(req.request_id.partition(":")[0] or 0)
+        await self.publisher.publish(self._store(chain, frontier // PAGE))
         return {"worker": self.wid, "cached": cached}
 
     def record_routing_stats(self) -> dict:
@@ -434,8 +436,8 @@ def _family(head: int, pages: int, extra: int = 0) -> list[int]:
 
 
 def _send(handle, tokens: list[int], frontier: int = 0) -> dict:
-    rid = uuid.uuid4().hex
-    out = handle.remote(RoutedRequest(tokens, request_id=rid, params=frontier)).result(timeout_s=30)
+    rid = f"{frontier}:{uuid.uuid4().hex}"
+    out = handle.remote(RoutedRequest(tokens, request_id=rid)).result(timeout_s=30)
     # What the ingress does: read the router's placement (the router lives in this process,
     # the driver's), and note the request's end when it sees its last delta (Serve's own
     # completion report may come after the next request).
