@@ -3,7 +3,7 @@
 A server's processes are the descendants of the PID the harness started (so another engineer's
 server on the same machine is never counted). Roles come from the process titles Ray and vLLM
 set: swaserve's ``ray::ServeReplica:swaserve:Worker`` / ``…:Ingress``, ``ray::ProxyActor``
-(Serve's HTTP proxy) and each worker's engine process (``python -m worker.hosts.engine_process``),
+(Serve's HTTP proxy) and each worker's engine process (its ``-c`` entry runs ``worker.hosts.engine_process``),
 vLLM's API server (the started process itself), ``VLLM::EngineCore`` and
 ``VLLM::Worker``. CPU time is utime + stime of ``/proc/<pid>/stat``, all threads included.
 """
@@ -17,7 +17,7 @@ from pathlib import Path
 PROC = Path("/proc")
 ROLE_TITLES = (
     ("worker", "ServeReplica:swaserve:Worker"),
-    ("engine", "-m worker.hosts.engine_process"),  # a worker replica's engine (its child)
+    ("engine", "'worker.hosts.engine_process'"),  # a worker replica's engine (its child's entry)
     ("ingress", "ServeReplica:swaserve:Ingress"),
     ("proxy", "ray::ProxyActor"),
     ("engine_core", "VLLM::EngineCor"),

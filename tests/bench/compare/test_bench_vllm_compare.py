@@ -144,7 +144,7 @@ def test_process_roles_are_the_started_servers_own(tmp_path: Path) -> None:
     _fake_proc(tmp_path, 12, 11, "ray::ServeReplica:swaserve:Worker", 3 * ticks)
     _fake_proc(tmp_path, 13, 11, "ray::ServeReplica:swaserve:Ingress", ticks)
     _fake_proc(tmp_path, 14, 11, "ray::ProxyActor", ticks)
-    _fake_proc(tmp_path, 15, 12, "/venv/bin/python -m worker.hosts.engine_process /tmp/s", 5 * ticks)
+    _fake_proc(tmp_path, 15, 12, "/venv/bin/python -c import runpy, sys; runpy.run_module('worker.hosts.engine_process') /r /tmp/s", 5 * ticks)
     _fake_proc(tmp_path, 20, 1, "ray::ServeReplica:swaserve:Worker", ticks)  # someone else's
     assert {p.pid for p in descendants(10, tmp_path)} == {10, 11, 12, 13, 14, 15}
     roles = role_pids(10, tmp_path)
