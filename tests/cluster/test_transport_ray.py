@@ -334,8 +334,15 @@ def test_late_router_and_actor_restart(actor_name: str) -> None:
                 pass
             assert time.monotonic() < deadline, "the restarted actor never got the resync"
             await asyncio.sleep(0.1)  # waits on Ray restarting the actor
-        await _sync_through_restart(sub)
-        assert _pages(sub.index, "w0") == {1, 2}
+        # The subscriber's loop syncs again and again; the first sync after a restart may land
+        # before the resynced pages, so wait (with a deadline) for them as its loop would.
+        deadline = time.monotonic() + 120
+        while True:
+            await _sync_through_restart(sub)
+            if _pages(sub.index, "w0") == {1, 2}:
+                break
+            assert time.monotonic() < deadline, f"resync never reached: {_pages(sub.index, 'w0')}"
+            await asyncio.sleep(0.1)  # waits on the actor holding the publisher's resync
 
     asyncio.run(run())
 
