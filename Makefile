@@ -24,11 +24,11 @@ serve: $(STAMP)
 	$(BIN)/swaserve serve $(SERVE_ARGS)
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -m 'not ray or loaded'
-	$(BIN)/python -m pytest -q -m 'ray and not loaded' --cpu-hogs 2
+	$(BIN)/python -m pytest -q -m 'not ray or loaded' --durations=15
+	$(BIN)/python -m pytest -q -m 'ray and not loaded' --cpu-hogs 2 --durations=15
 
 test-loaded: $(STAMP)
-	$(BIN)/python -m pytest -q -m 'ray and not loaded' --cpu-hogs 2
+	$(BIN)/python -m pytest -q -m 'ray and not loaded' --cpu-hogs 2 --durations=15
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m 'not slow and not ray'
