@@ -19,8 +19,12 @@ the table is rewritten under --out after each, so a timeout keeps what ran):
    engine, compile auto vs off agreeing. MoE models are not captured (their experts' token
    counts go to the host): their graph rows say so, skipped.
 4. **overlap**: FlashInfer with graphs, overlap scheduling on vs off: greedy tokens agree.
-5. **quantized**: a packed-expert GPU kernel vs the dequantized path (skipped: none yet;
-   `quantized_weights: keep` runs the CPU-tested reference path on CUDA too, docs/design.md §16).
+5. **quantized**: GPT-OSS-120B-shaped MXFP4 experts (hidden and intermediate 2880, 32 experts,
+   top 4) through FlashInfer's fused SM90 MoE kernel vs the per-expert dequantization
+   (`quantized_weights: keep`'s reference path), 1, 8 and 300 tokens: max |difference| over
+   max |reference| within bf16 tolerance. Skipped with the reason where the kernel cannot run
+   (not SM90, or `flashinfer.fused_moe` absent: the device carry does not hold it,
+   docs/design.md §18.3).
 6. **bandwidth**: B requests at context C decode N steps (synchronised, wall time per step),
    eager and with graphs; every request is admitted before the first one can finish (each
    asks for more tokens than the steps that admit the others take); achieved GB/s
@@ -48,8 +52,7 @@ from bench.harness import markdown_table
 
 NO_CUDA = "no CUDA device here (torch.cuda.is_available() is False)"
 NO_FLASHINFER = "flashinfer is not importable (pip install -e '.[gpu]', or the device carry: bench/gpu_carry.py)"
-NO_QUANTIZED = ("no GPU kernel for packed experts yet: quantized_weights=keep runs the same "
-                "reference path on CUDA as on the CPU, where its tests check it (docs/design.md §16)")  # fmt: skip
+NO_QUANTIZED = "FlashInfer's fused MXFP4 MoE kernel (SM90) cannot run here"
 ATOL = 2e-2
 DTYPE = torch.bfloat16
 PEAK_TBS = {"H200": 4.8, "H100": 3.35}  # HBM3e / HBM3 spec sheets
@@ -122,13 +125,26 @@ def environment() -> dict[str, bool]:
             have["flashinfer"] = True
         except ImportError:
             pass
+        have["quantized"] = quantized_unavailable() is None
     return have
+
+
+def quantized_unavailable() -> str | None:
+    """Why the fused MXFP4 MoE kernel cannot run on this machine's first GPU; None if it can."""
+    if not torch.cuda.is_available():
+        return NO_CUDA
+    from worker.models.quant.mxfp4_kernel import unavailable
+
+    return unavailable(torch.device("cuda"), DTYPE)
 
 
 def skip_reason(step: Step, have: dict[str, bool]) -> str | None:
     """Why `step` cannot run on a machine offering `have`, or None."""
-    why = {"cuda": NO_CUDA, "flashinfer": NO_FLASHINFER, "quantized": NO_QUANTIZED}
-    return next((why[n] for n in step.needs if not have.get(n, False)), None)
+    why = {"cuda": NO_CUDA, "flashinfer": NO_FLASHINFER}
+    missing = next((n for n in step.needs if not have.get(n, False)), None)
+    if missing == "quantized":
+        return f"{NO_QUANTIZED}: {quantized_unavailable()}"
+    return None if missing is None else why[missing]
 
 
 # ---- 1. kernels ---------------------------------------------------------------------------------
@@ -447,6 +463,53 @@ def overlap_parity(ctx: Context) -> list[Row]:
     return [_agreement("greedy overlap off vs on (FlashInfer, graphs)", outs["off"], outs["on"], s.new_tokens)]
 
 
+# ---- 5. quantized --------------------------------------------------------------------------------
+QUANTIZED_SHAPE = (2880, 2880, 32, 4)  # GPT-OSS-120B's hidden, intermediate, top-k; 32 experts
+
+
+def random_mxfp4_moe(device: str, hidden: int, inter: int, experts: int, top_k: int, seed: int = 0) -> Any:
+    """A GPT-OSS MoE block in bf16 whose experts are kept MXFP4 (`Mxfp4Experts`), random codes
+    with scales around 2 ** -4 and small biases."""
+    from worker.models.moe import GptOssMoE
+    from worker.models.quant.resident import Mxfp4Experts
+
+    gen = torch.Generator().manual_seed(seed)
+    moe = GptOssMoE(hidden, inter, experts, top_k, 1.702, 7.0)
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
+        packed = Mxfp4Experts.from_experts(moe.experts)
+        for name, b in packed.named_buffers():
+            lo, hi = (0, 256) if name.endswith("blocks") else (119, 125)
+            b.copy_(torch.randint(lo, hi, b.shape, generator=gen, dtype=torch.int32).to(torch.uint8))
+    moe.experts = packed
+    return moe.to(device=device, dtype=DTYPE)
+
+
+def quantized_parity(ctx: Context, shape: tuple[int, int, int, int] = QUANTIZED_SHAPE) -> list[Row]:
+    """GPT-OSS-120B-shaped MXFP4 experts: FlashInfer's fused SM90 kernel vs the per-expert
+    dequantization, on decode (1 and 8 tokens) and prefill (300 tokens) batches: max |difference|
+    over max |reference|."""
+    from worker.models.quant.mxfp4_kernel import use_fused_kernels
+
+    hidden, inter, experts, top_k = shape
+    reference = random_mxfp4_moe(ctx.device, hidden, inter, experts, top_k)
+    fused = random_mxfp4_moe(ctx.device, hidden, inter, experts, top_k)
+    why = use_fused_kernels(fused, torch.device(ctx.device), DTYPE)
+    if why is not None:
+        return [Row("quantized: fused MXFP4 MoE vs per-expert", f"skipped: {why}", None, skipped=True)]
+    gen = torch.Generator().manual_seed(3)
+    rows = []
+    with torch.inference_mode():
+        for tokens in (1, 8, 300):
+            x = torch.randn(tokens, hidden, generator=gen).to(ctx.device, DTYPE)
+            want, got = reference.mix(x).float(), fused.mix(x).float()
+            rel = ((got - want).abs().max() / want.abs().max().clamp(min=1e-6)).item()
+            rows.append(Row(f"quantized: fused MXFP4 MoE vs per-expert, {tokens} tokens",
+                            f"max |diff| / max |ref| {rel:.4f}", rel < ATOL))  # fmt: skip
+    return rows
+
+
 # ---- 6. bandwidth -------------------------------------------------------------------------------
 def bandwidth(ctx: Context) -> list[Row]:
     from worker.models.quant.resident import stored_bytes
@@ -519,7 +582,7 @@ STEPS = (
     Step("greedy", ("cuda", "flashinfer"), greedy_parity),
     Step("graph-logits", ("cuda", "flashinfer"), graph_logits),
     Step("overlap", ("cuda", "flashinfer"), overlap_parity),
-    Step("quantized", ("cuda", "flashinfer", "quantized"), lambda ctx: []),
+    Step("quantized", ("cuda", "quantized"), quantized_parity),
     Step("bandwidth", ("cuda", "flashinfer"), bandwidth),
 )
 

@@ -281,4 +281,8 @@ def load_model(
     keep = (quant, Path(model_dir)) if keep_quantized and quant is not None else None
     model, shard_plan = _build(config, spec, dtype, device, group, keep)
     load_weights(model, model_dir, quant, shard_plan)
+    if keep is not None:
+        from worker.models.quant.mxfp4_kernel import use_fused_kernels
+
+        use_fused_kernels(model, torch.device(device), dtype)  # or says why not (logged)
     return model

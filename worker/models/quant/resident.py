@@ -58,6 +58,11 @@ class Mxfp4Experts(GptOssExperts):
     """`GptOssExperts` whose two expert matrices stay MXFP4 (blocks of 32 along `in`)."""
 
     PACKED = ("gate_up_proj", "down_proj")
+    fused: nn.Module | None  # the fused kernel's experts, once `use_fused` gave it them
+    gate_up_proj_blocks: torch.Tensor
+    gate_up_proj_scales: torch.Tensor
+    down_proj_blocks: torch.Tensor
+    down_proj_scales: torch.Tensor
 
     @classmethod
     def from_experts(cls, experts: GptOssExperts) -> Mxfp4Experts:
@@ -71,11 +76,24 @@ class Mxfp4Experts(GptOssExperts):
             dev = getattr(experts, name).device
             out.register_buffer(f"{name}_blocks", torch.empty(e, n_out, n_in // BLOCK, BLOCK // 2, dtype=torch.uint8, device=dev))
             out.register_buffer(f"{name}_scales", torch.empty(e, n_out, n_in // BLOCK, dtype=torch.uint8, device=dev))
+        out.fused = None
         return out
 
     def weight_numel(self) -> int:
-        """The packed matrices' weights (two per block byte)."""
+        """The packed matrices' weights (two per block byte; counted before `use_fused`)."""
+        if self.fused is not None:
+            return self.numel_before_fused
         return sum(2 * getattr(self, f"{n}_blocks").numel() for n in self.PACKED)
+
+    def use_fused(self, fused: nn.Module) -> None:
+        """Run on `fused` (`worker.models.quant.mxfp4_kernel`, which holds the experts in its own
+        layout) from now on: the packed buffers are freed."""
+        self.numel_before_fused = self.weight_numel()
+        self.fused = fused
+        for name in self.PACKED:
+            for part in ("blocks", "scales"):
+                t = getattr(self, f"{name}_{part}")
+                self.register_buffer(f"{name}_{part}", t.new_empty(0))
 
     def weight(self, name: str, e: int, dtype: torch.dtype) -> torch.Tensor:
         blocks, scales = getattr(self, f"{name}_blocks")[e], getattr(self, f"{name}_scales")[e]
