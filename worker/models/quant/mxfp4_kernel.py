@@ -210,11 +210,14 @@ class FusedMxfp4(nn.Module):
 
 def use_fused_kernels(model: nn.Module, device: torch.device, dtype: torch.dtype) -> str | None:
     """Give every `Mxfp4Experts` of `model` the fused kernel (its packed tensors converted once
-    and freed), or none of them: returns why not (logged), None when they run on it."""
+    and freed), or none of them: returns why not (logged); None when they run on it or the
+    model has none."""
     from worker.models.quant.resident import Mxfp4Experts
 
     layers = [m for m in model.modules() if isinstance(m, Mxfp4Experts)]
-    why = unavailable(device, dtype) if layers else None
+    if not layers:
+        return None
+    why = unavailable(device, dtype)
     if why is not None:
         logger.info("MXFP4 experts: dequantized per expert when they run (%s)", why)
         return why
