@@ -19,12 +19,13 @@ the table is rewritten under --out after each, so a timeout keeps what ran):
    engine, compile auto vs off agreeing. MoE models are not captured (their experts' token
    counts go to the host): their graph rows say so, skipped.
 4. **overlap**: FlashInfer with graphs, overlap scheduling on vs off: greedy tokens agree.
-5. **quantized**: GPT-OSS-120B-shaped MXFP4 experts (hidden and intermediate 2880, 32 experts,
-   top 4) through FlashInfer's fused SM90 MoE kernel vs the per-expert dequantization
-   (`quantized_weights: keep`'s reference path), 1, 8 and 300 tokens: max |difference| over
-   max |reference| within bf16 tolerance. Skipped with the reason where the kernel cannot run
-   (not SM90, or `flashinfer.fused_moe` absent: the device carry does not hold it,
-   docs/design.md §18.3).
+5. **quantized**: the GPU kernels that read `quantized_weights: keep`'s packed weights vs its
+   reference path (dequantized per call): GPT-OSS-120B-shaped MXFP4 experts (hidden and
+   intermediate 2880, 32 experts, top 4) through FlashInfer's fused SM90 MoE kernel, 1, 8 and
+   300 tokens, within bf16 tolerance; MiMo-V2-Flash-shaped block-FP8 linears through its SM90
+   blockwise GEMM, 1 and 300 tokens, within FP8 input rounding. Each skipped with its reason
+   where it cannot run (not SM90, or the FlashInfer module absent: the device carry holds
+   neither, docs/design.md §18.3).
 6. **bandwidth**: B requests at context C decode N steps (synchronised, wall time per step),
    eager and with graphs; every request is admitted before the first one can finish (each
    asks for more tokens than the steps that admit the others take); achieved GB/s
@@ -52,7 +53,6 @@ from bench.harness import markdown_table
 
 NO_CUDA = "no CUDA device here (torch.cuda.is_available() is False)"
 NO_FLASHINFER = "flashinfer is not importable (pip install -e '.[gpu]', or the device carry: bench/gpu_carry.py)"
-NO_QUANTIZED = "FlashInfer's fused MXFP4 MoE kernel (SM90) cannot run here"
 ATOL = 2e-2
 DTYPE = torch.bfloat16
 PEAK_TBS = {"H200": 4.8, "H100": 3.35}  # HBM3e / HBM3 spec sheets
@@ -111,13 +111,13 @@ class Context:
 @dataclass(frozen=True)
 class Step:
     name: str
-    needs: tuple[str, ...]  # "cuda", "flashinfer", "quantized"
+    needs: tuple[str, ...]  # "cuda", "flashinfer"
     run: Callable[[Context], list[Row]]
 
 
 def environment() -> dict[str, bool]:
     """What this machine offers the steps."""
-    have = {"cuda": torch.cuda.is_available(), "flashinfer": False, "quantized": False}
+    have = {"cuda": torch.cuda.is_available(), "flashinfer": False}
     if have["cuda"]:
         try:
             import flashinfer  # noqa: F401
@@ -125,26 +125,13 @@ def environment() -> dict[str, bool]:
             have["flashinfer"] = True
         except ImportError:
             pass
-        have["quantized"] = quantized_unavailable() is None
     return have
-
-
-def quantized_unavailable() -> str | None:
-    """Why the fused MXFP4 MoE kernel cannot run on this machine's first GPU; None if it can."""
-    if not torch.cuda.is_available():
-        return NO_CUDA
-    from worker.models.quant.mxfp4_kernel import unavailable
-
-    return unavailable(torch.device("cuda"), DTYPE)
 
 
 def skip_reason(step: Step, have: dict[str, bool]) -> str | None:
     """Why `step` cannot run on a machine offering `have`, or None."""
     why = {"cuda": NO_CUDA, "flashinfer": NO_FLASHINFER}
-    missing = next((n for n in step.needs if not have.get(n, False)), None)
-    if missing == "quantized":
-        return f"{NO_QUANTIZED}: {quantized_unavailable()}"
-    return None if missing is None else why[missing]
+    return next((why[n] for n in step.needs if not have.get(n, False)), None)
 
 
 # ---- 1. kernels ---------------------------------------------------------------------------------
@@ -487,26 +474,71 @@ def random_mxfp4_moe(device: str, hidden: int, inter: int, experts: int, top_k: 
 
 
 def quantized_parity(ctx: Context, shape: tuple[int, int, int, int] = QUANTIZED_SHAPE) -> list[Row]:
+    """Each GPU kernel that reads weights kept quantized vs the per-call dequantization, or a
+    row saying why it cannot run here (`mxfp4_moe_rows`, `fp8_linear_rows`)."""
+    return mxfp4_moe_rows(ctx.device, shape) + fp8_linear_rows(ctx.device)
+
+
+def _relative(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.float() - want.float()).abs().max() / want.float().abs().max().clamp(min=1e-6)).item()
+
+
+def mxfp4_moe_rows(device: str, shape: tuple[int, int, int, int]) -> list[Row]:
     """GPT-OSS-120B-shaped MXFP4 experts: FlashInfer's fused SM90 kernel vs the per-expert
-    dequantization, on decode (1 and 8 tokens) and prefill (300 tokens) batches: max |difference|
-    over max |reference|."""
+    dequantization, on decode (1 and 8 tokens) and prefill (300 tokens) batches."""
     from worker.models.quant.mxfp4_kernel import use_fused_kernels
 
+    label = "quantized: fused MXFP4 MoE vs per-expert"
     hidden, inter, experts, top_k = shape
-    reference = random_mxfp4_moe(ctx.device, hidden, inter, experts, top_k)
-    fused = random_mxfp4_moe(ctx.device, hidden, inter, experts, top_k)
-    why = use_fused_kernels(fused, torch.device(ctx.device), DTYPE)
+    reference = random_mxfp4_moe(device, hidden, inter, experts, top_k)
+    fused = random_mxfp4_moe(device, hidden, inter, experts, top_k)
+    why = use_fused_kernels(fused, torch.device(device), DTYPE)
     if why is not None:
-        return [Row("quantized: fused MXFP4 MoE vs per-expert", f"skipped: {why}", None, skipped=True)]
+        return [Row(label, f"skipped: {why}", None, skipped=True)]
     gen = torch.Generator().manual_seed(3)
     rows = []
     with torch.inference_mode():
         for tokens in (1, 8, 300):
-            x = torch.randn(tokens, hidden, generator=gen).to(ctx.device, DTYPE)
-            want, got = reference.mix(x).float(), fused.mix(x).float()
-            rel = ((got - want).abs().max() / want.abs().max().clamp(min=1e-6)).item()
-            rows.append(Row(f"quantized: fused MXFP4 MoE vs per-expert, {tokens} tokens",
-                            f"max |diff| / max |ref| {rel:.4f}", rel < ATOL))  # fmt: skip
+            x = torch.randn(tokens, hidden, generator=gen).to(device, DTYPE)
+            rel = _relative(fused.mix(x), reference.mix(x))
+            rows.append(Row(f"{label}, {tokens} tokens", f"max |diff| / max |ref| {rel:.4f}", rel < ATOL))
+    return rows
+
+
+# MiMo-V2-Flash's FP8 linears (out, in): q_proj, full-attention k_proj, o_proj, an expert's down_proj
+FP8_SHAPES = ((12288, 4096), (768, 4096), (4096, 8192), (4096, 2048))
+
+
+def fp8_linear_rows(device: str) -> list[Row]:
+    """MiMo-V2-Flash-shaped block-FP8 linears: FlashInfer's SM90 blockwise GEMM (which rounds
+    the input to FP8 per 1 x 128) vs the dequantized weight, 1 and 300 tokens."""
+    from worker.models.quant.fp8_kernel import use_fp8_kernels
+    from worker.models.quant.resident import Fp8Linear
+
+    label = "quantized: FP8 blockwise GEMM vs dequantized"
+    gen = torch.Generator().manual_seed(4)
+    rows = []
+    for n, k in FP8_SHAPES:
+        linear = Fp8Linear(torch.nn.Linear(k, n, bias=False, dtype=DTYPE), (128, 128))
+        with torch.no_grad():
+            linear.weight.copy_((torch.randn(n, k, generator=gen) * 100).to(torch.float8_e4m3fn))
+            linear.weight_scale_inv.copy_(torch.rand(linear.weight_scale_inv.shape, generator=gen) * 1e-3)
+        linear = linear.to(device)
+        kernel = torch.nn.Sequential(linear)
+        why = use_fp8_kernels(kernel, torch.device(device), DTYPE)
+        if why is not None:
+            return [Row(label, f"skipped: {why}", None, skipped=True)]
+        with torch.inference_mode():
+            for tokens in (1, 300):
+                x = torch.randn(tokens, k, generator=gen).to(device, DTYPE)
+                got = linear(x)
+                fallback, linear.kernel = linear.kernel, None
+                want = linear(x)
+                linear.kernel = fallback
+                rel = _relative(got, want)
+                # FP8 rounding of the input: ~2 ** -4 relative per element, averaged over K
+                rows.append(Row(f"{label}, {n} x {k}, {tokens} tokens", f"max |diff| / max |ref| {rel:.4f}",
+                                rel < 0.1 and fallback is not None))  # fmt: skip
     return rows
 
 
@@ -582,7 +614,7 @@ STEPS = (
     Step("greedy", ("cuda", "flashinfer"), greedy_parity),
     Step("graph-logits", ("cuda", "flashinfer"), graph_logits),
     Step("overlap", ("cuda", "flashinfer"), overlap_parity),
-    Step("quantized", ("cuda", "quantized"), quantized_parity),
+    Step("quantized", ("cuda",), quantized_parity),
     Step("bandwidth", ("cuda", "flashinfer"), bandwidth),
 )
 

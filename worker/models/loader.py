@@ -282,7 +282,10 @@ def load_model(
     model, shard_plan = _build(config, spec, dtype, device, group, keep)
     load_weights(model, model_dir, quant, shard_plan)
     if keep is not None:
+        from worker.models.quant.fp8_kernel import use_fp8_kernels
         from worker.models.quant.mxfp4_kernel import use_fused_kernels
 
-        use_fused_kernels(model, torch.device(device), dtype)  # or says why not (logged)
+        # GPU kernels that read the packed form where they can run; else why not (logged)
+        use_fused_kernels(model, torch.device(device), dtype)
+        use_fp8_kernels(model, torch.device(device), dtype)
     return model

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 
 import torch
 import torch.nn.functional as F
@@ -125,6 +125,8 @@ class Fp8Linear(nn.Module):
         self.register_buffer("weight", torch.empty(n, k, dtype=torch.float8_e4m3fn, device=dev))
         self.register_buffer("weight_scale_inv", torch.empty(scales, dtype=torch.float32, device=dev))
         self.bias = linear.bias
+        # FlashInfer's blockwise FP8 GEMM where `quant.fp8_kernel.use_fp8_kernels` found it usable
+        self.kernel: Callable[..., torch.Tensor] | None = None
         self.index = len(_FP8_REGISTRY)
         _FP8_REGISTRY.append(weakref.ref(self))
 
@@ -137,7 +139,15 @@ class Fp8Linear(nn.Module):
         return self.product(x)
 
     def product(self, x: torch.Tensor) -> torch.Tensor:
-        """``x @ W.T + b`` with `W` dequantized into this thread's scratch (a fresh result)."""
+        """``x @ W.T + b``: through the kernel, or with `W` dequantized into this thread's scratch
+        (a fresh result either way)."""
+        if self.kernel is not None:
+            from worker.models.quant.fp8_kernel import call_kernel
+
+            rows = x.reshape(-1, self.in_features).contiguous()
+            y = call_kernel(self.kernel, rows, self.weight, self.weight_scale_inv)
+            y = y if self.bias is None else y + self.bias
+            return y.view(*x.shape[:-1], self.out_features)
         w = scratch((self.out_features, self.in_features), self.dtype, self.weight.device)
         dequantize_fp8_into(w, self.weight, self.weight_scale_inv, self.block)
         return F.linear(x, w, self.bias)
