@@ -3,7 +3,8 @@
 Weight bytes are counted tensor by tensor from the real configs (`bench/configs/`) for both
 settings of `quantized_weights`: **dequantize** (the default: quantized checkpoints become bf16
 while loading, docs/design.md §16) and **keep** (the experts stay as published: GPT-OSS's MXFP4,
-4-bit values with one E8M0 scale per 32, 0.53125 bytes a weight; MiMo-V2-Flash's block FP8, 1
+4-bit values with one E8M0 scale per 32, 0.53125 bytes a weight, its hidden and intermediate
+sizes (2880) padded to 2944 for the fused SM90 kernel that H100s and H200s run; MiMo-V2-Flash's block FP8, 1
 byte a weight and one float32 scale per 128x128 block, its attention and dense-MLP linears too
 on one GPU but bf16 under tensor parallelism; everything else bf16, as `keep` holds it). Tensor parallelism over N GPUs gives each 1/N of the weights (every matrix, the vocabulary
 and the experts, packed or not, are split).
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from bench.configs import CONFIG_DIR
+from worker.models.quant.mxfp4_kernel import PAD
 
 GPUS = {"H200": 143_771 * 2**20, "H100": 81_559 * 2**20}  # total memory nvidia-smi reports
 CUDA_RESERVE = 2 * 2**30
@@ -44,6 +46,9 @@ class Weights:
     # MLP): `keep` holds them as stored on one GPU; under tensor parallelism they are bf16 (the
     # sharder splits plain linears, docs/design.md §16).
     dense_quantized: int = 0
+    # The expert weights as `keep` holds them on an SM90 GPU (H100, H200): GPT-OSS's fused MXFP4
+    # kernel pads hidden and intermediate to multiples of 128 (`mxfp4_kernel.PAD`); 0: unpadded.
+    kernel_quantized: int = 0
 
     @property
     def params(self) -> int:
@@ -53,7 +58,8 @@ class Weights:
         """All the weights' bytes, held on one GPU (`n` 1) or split over `n`."""
         if keep_quantized:
             dense = self.quantized_bytes if n == 1 else 2
-            return int(2 * self.bf16 + self.quantized_bytes * self.quantized + dense * self.dense_quantized)
+            experts = self.kernel_quantized or self.quantized
+            return int(2 * self.bf16 + self.quantized_bytes * experts + dense * self.dense_quantized)
         return 2 * self.params
 
 
@@ -66,8 +72,9 @@ def gpt_oss_weights(c: dict[str, Any]) -> Weights:
     router = e * h + e
     expert_biases = e * (2 * inter + h)
     experts = e * (h * 2 * inter + inter * h)  # gate_up, down: MXFP4
+    hp, ip = (-(-d // PAD) * PAD for d in (h, inter))
     bf16 = layers * (attn + router + expert_biases + 2 * h) + 2 * vocab * h + h
-    return Weights(bf16, layers * experts, MXFP4_BYTES)
+    return Weights(bf16, layers * experts, MXFP4_BYTES, kernel_quantized=layers * e * 3 * hp * ip)
 
 
 def mimo_weights(c: dict[str, Any]) -> Weights:
