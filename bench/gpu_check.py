@@ -456,20 +456,22 @@ QUANTIZED_SHAPE = (2880, 2880, 32, 4)  # GPT-OSS-120B's hidden, intermediate, to
 
 def random_mxfp4_moe(device: str, hidden: int, inter: int, experts: int, top_k: int, seed: int = 0) -> Any:
     """A GPT-OSS MoE block in bf16 whose experts are kept MXFP4 (`Mxfp4Experts`), random codes
-    with scales around 2 ** -4 and small biases."""
+    with scales around 2 ** -4 and small biases (built on meta: no float copy of the experts)."""
     from worker.models.moe import GptOssMoE
     from worker.models.quant.resident import Mxfp4Experts
 
     gen = torch.Generator().manual_seed(seed)
-    moe = GptOssMoE(hidden, inter, experts, top_k, 1.702, 7.0)
+    with torch.device("meta"):
+        moe = GptOssMoE(hidden, inter, experts, top_k, 1.702, 7.0)
+        moe.experts = Mxfp4Experts.from_experts(moe.experts)
+    moe.to_empty(device="cpu")
     with torch.no_grad():
-        for p in moe.parameters():
-            p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
-        packed = Mxfp4Experts.from_experts(moe.experts)
-        for name, b in packed.named_buffers():
-            lo, hi = (0, 256) if name.endswith("blocks") else (119, 125)
-            b.copy_(torch.randint(lo, hi, b.shape, generator=gen, dtype=torch.int32).to(torch.uint8))
-    moe.experts = packed
+        for name, t in [*moe.named_parameters(), *moe.named_buffers()]:
+            if t.dtype != torch.uint8:
+                t.copy_(torch.randn(t.shape, generator=gen) * 0.05)
+            else:
+                lo, hi = (0, 256) if name.endswith("blocks") else (119, 125)
+                t.copy_(torch.randint(lo, hi, t.shape, generator=gen, dtype=torch.int32).to(torch.uint8))
     return moe.to(device=device, dtype=DTYPE)
 
 
@@ -486,9 +488,12 @@ def _relative(got: torch.Tensor, want: torch.Tensor) -> float:
 def mxfp4_moe_rows(device: str, shape: tuple[int, int, int, int]) -> list[Row]:
     """GPT-OSS-120B-shaped MXFP4 experts: FlashInfer's fused SM90 kernel vs the per-expert
     dequantization, on decode (1 and 8 tokens) and prefill (300 tokens) batches."""
-    from worker.models.quant.mxfp4_kernel import use_fused_kernels
+    from worker.models.quant.mxfp4_kernel import unavailable, use_fused_kernels
 
     label = "quantized: fused MXFP4 MoE vs per-expert"
+    why = unavailable(torch.device(device), DTYPE)
+    if why is not None:  # before building anything
+        return [Row(label, f"skipped: {why}", None, skipped=True)]
     hidden, inter, experts, top_k = shape
     reference = random_mxfp4_moe(device, hidden, inter, experts, top_k)
     fused = random_mxfp4_moe(device, hidden, inter, experts, top_k)
@@ -512,10 +517,13 @@ FP8_SHAPES = ((12288, 4096), (768, 4096), (4096, 8192), (4096, 2048))
 def fp8_linear_rows(device: str) -> list[Row]:
     """MiMo-V2-Flash-shaped block-FP8 linears: FlashInfer's SM90 blockwise GEMM (which rounds
     the input to FP8 per 1 x 128) vs the dequantized weight, 1 and 300 tokens."""
-    from worker.models.quant.fp8_kernel import use_fp8_kernels
+    from worker.models.quant.fp8_kernel import device_unavailable, use_fp8_kernels
     from worker.models.quant.resident import Fp8Linear
 
     label = "quantized: FP8 blockwise GEMM vs dequantized"
+    why = device_unavailable(torch.device(device), DTYPE)
+    if why is not None:
+        return [Row(label, f"skipped: {why}", None, skipped=True)]
     gen = torch.Generator().manual_seed(4)
     rows = []
     for n, k in FP8_SHAPES:
