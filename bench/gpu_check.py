@@ -19,8 +19,13 @@ the table is rewritten under --out after each, so a timeout keeps what ran):
    engine, compile auto vs off agreeing. MoE models are not captured (their experts' token
    counts go to the host): their graph rows say so, skipped.
 4. **overlap**: FlashInfer with graphs, overlap scheduling on vs off: greedy tokens agree.
-5. **quantized**: a packed-expert GPU kernel vs the dequantized path (skipped: none yet;
-   `quantized_weights: keep` runs the CPU-tested reference path on CUDA too, docs/design.md §16).
+5. **quantized**: the GPU kernels that read `quantized_weights: keep`'s packed weights vs its
+   reference path (dequantized per call): GPT-OSS-120B-shaped MXFP4 experts (hidden and
+   intermediate 2880, 32 experts, top 4) through FlashInfer's fused SM90 MoE kernel, 1, 8 and
+   300 tokens, within bf16 tolerance; MiMo-V2-Flash-shaped block-FP8 linears through its SM90
+   blockwise GEMM, 1 and 300 tokens, within FP8 input rounding. Each skipped with its reason
+   where it cannot run (not SM90, or the FlashInfer module absent: the device carry holds
+   neither, docs/design.md §18.3).
 6. **bandwidth**: B requests at context C decode N steps (synchronised, wall time per step),
    eager and with graphs; every request is admitted before the first one can finish (each
    asks for more tokens than the steps that admit the others take); achieved GB/s
@@ -48,8 +53,6 @@ from bench.harness import markdown_table
 
 NO_CUDA = "no CUDA device here (torch.cuda.is_available() is False)"
 NO_FLASHINFER = "flashinfer is not importable (pip install -e '.[gpu]', or the device carry: bench/gpu_carry.py)"
-NO_QUANTIZED = ("no GPU kernel for packed experts yet: quantized_weights=keep runs the same "
-                "reference path on CUDA as on the CPU, where its tests check it (docs/design.md §16)")  # fmt: skip
 ATOL = 2e-2
 DTYPE = torch.bfloat16
 PEAK_TBS = {"H200": 4.8, "H100": 3.35}  # HBM3e / HBM3 spec sheets
@@ -108,13 +111,13 @@ class Context:
 @dataclass(frozen=True)
 class Step:
     name: str
-    needs: tuple[str, ...]  # "cuda", "flashinfer", "quantized"
+    needs: tuple[str, ...]  # "cuda", "flashinfer"
     run: Callable[[Context], list[Row]]
 
 
 def environment() -> dict[str, bool]:
     """What this machine offers the steps."""
-    have = {"cuda": torch.cuda.is_available(), "flashinfer": False, "quantized": False}
+    have = {"cuda": torch.cuda.is_available(), "flashinfer": False}
     if have["cuda"]:
         try:
             import flashinfer  # noqa: F401
@@ -127,7 +130,7 @@ def environment() -> dict[str, bool]:
 
 def skip_reason(step: Step, have: dict[str, bool]) -> str | None:
     """Why `step` cannot run on a machine offering `have`, or None."""
-    why = {"cuda": NO_CUDA, "flashinfer": NO_FLASHINFER, "quantized": NO_QUANTIZED}
+    why = {"cuda": NO_CUDA, "flashinfer": NO_FLASHINFER}
     return next((why[n] for n in step.needs if not have.get(n, False)), None)
 
 
@@ -447,6 +450,106 @@ def overlap_parity(ctx: Context) -> list[Row]:
     return [_agreement("greedy overlap off vs on (FlashInfer, graphs)", outs["off"], outs["on"], s.new_tokens)]
 
 
+# ---- 5. quantized --------------------------------------------------------------------------------
+QUANTIZED_SHAPE = (2880, 2880, 32, 4)  # GPT-OSS-120B's hidden, intermediate, top-k; 32 experts
+
+
+def random_mxfp4_moe(device: str, hidden: int, inter: int, experts: int, top_k: int, seed: int = 0) -> Any:
+    """A GPT-OSS MoE block in bf16 whose experts are kept MXFP4 (`Mxfp4Experts`), random codes
+    with scales around 2 ** -4 and small biases (built on meta: no float copy of the experts)."""
+    from worker.models.moe import GptOssMoE
+    from worker.models.quant.resident import Mxfp4Experts
+
+    gen = torch.Generator().manual_seed(seed)
+    with torch.device("meta"):
+        moe = GptOssMoE(hidden, inter, experts, top_k, 1.702, 7.0)
+        moe.experts = Mxfp4Experts.from_experts(moe.experts)
+    moe.to_empty(device="cpu")
+    with torch.no_grad():
+        for name, t in [*moe.named_parameters(), *moe.named_buffers()]:
+            if t.dtype != torch.uint8:
+                t.copy_(torch.randn(t.shape, generator=gen) * 0.05)
+            else:
+                lo, hi = (0, 256) if name.endswith("blocks") else (119, 125)
+                t.copy_(torch.randint(lo, hi, t.shape, generator=gen, dtype=torch.int32).to(torch.uint8))
+    return moe.to(device=device, dtype=DTYPE)
+
+
+def quantized_parity(ctx: Context, shape: tuple[int, int, int, int] = QUANTIZED_SHAPE) -> list[Row]:
+    """Each GPU kernel that reads weights kept quantized vs the per-call dequantization, or a
+    row saying why it cannot run here (`mxfp4_moe_rows`, `fp8_linear_rows`)."""
+    return mxfp4_moe_rows(ctx.device, shape) + fp8_linear_rows(ctx.device)
+
+
+def _relative(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.float() - want.float()).abs().max() / want.float().abs().max().clamp(min=1e-6)).item()
+
+
+def mxfp4_moe_rows(device: str, shape: tuple[int, int, int, int]) -> list[Row]:
+    """GPT-OSS-120B-shaped MXFP4 experts: FlashInfer's fused SM90 kernel vs the per-expert
+    dequantization, on decode (1 and 8 tokens) and prefill (300 tokens) batches."""
+    from worker.models.quant.mxfp4_kernel import unavailable, use_fused_kernels
+
+    label = "quantized: fused MXFP4 MoE vs per-expert"
+    why = unavailable(torch.device(device), DTYPE)
+    if why is not None:  # before building anything
+        return [Row(label, f"skipped: {why}", None, skipped=True)]
+    hidden, inter, experts, top_k = shape
+    reference = random_mxfp4_moe(device, hidden, inter, experts, top_k)
+    fused = random_mxfp4_moe(device, hidden, inter, experts, top_k)
+    why = use_fused_kernels(fused, torch.device(device), DTYPE)
+    if why is not None:
+        return [Row(label, f"skipped: {why}", None, skipped=True)]
+    gen = torch.Generator().manual_seed(3)
+    rows = []
+    with torch.inference_mode():
+        for tokens in (1, 8, 300):
+            x = torch.randn(tokens, hidden, generator=gen).to(device, DTYPE)
+            rel = _relative(fused.mix(x), reference.mix(x))
+            rows.append(Row(f"{label}, {tokens} tokens", f"max |diff| / max |ref| {rel:.4f}", rel < ATOL))
+    return rows
+
+
+# MiMo-V2-Flash's FP8 linears (out, in): q_proj, full-attention k_proj, o_proj, an expert's down_proj
+FP8_SHAPES = ((12288, 4096), (768, 4096), (4096, 8192), (4096, 2048))
+
+
+def fp8_linear_rows(device: str) -> list[Row]:
+    """MiMo-V2-Flash-shaped block-FP8 linears: FlashInfer's SM90 blockwise GEMM (which rounds
+    the input to FP8 per 1 x 128) vs the dequantized weight, 1 and 300 tokens."""
+    from worker.models.quant.fp8_kernel import device_unavailable, use_fp8_kernels
+    from worker.models.quant.resident import Fp8Linear
+
+    label = "quantized: FP8 blockwise GEMM vs dequantized"
+    why = device_unavailable(torch.device(device), DTYPE)
+    if why is not None:
+        return [Row(label, f"skipped: {why}", None, skipped=True)]
+    gen = torch.Generator().manual_seed(4)
+    rows = []
+    for n, k in FP8_SHAPES:
+        linear = Fp8Linear(torch.nn.Linear(k, n, bias=False, dtype=DTYPE), (128, 128))
+        with torch.no_grad():
+            linear.weight.copy_((torch.randn(n, k, generator=gen) * 100).to(torch.float8_e4m3fn))
+            linear.weight_scale_inv.copy_(torch.rand(linear.weight_scale_inv.shape, generator=gen) * 1e-3)
+        linear = linear.to(device)
+        kernel = torch.nn.Sequential(linear)
+        why = use_fp8_kernels(kernel, torch.device(device), DTYPE)
+        if why is not None:
+            return [Row(label, f"skipped: {why}", None, skipped=True)]
+        with torch.inference_mode():
+            for tokens in (1, 300):
+                x = torch.randn(tokens, k, generator=gen).to(device, DTYPE)
+                got = linear(x)
+                fallback, linear.kernel = linear.kernel, None
+                want = linear(x)
+                linear.kernel = fallback
+                rel = _relative(got, want)
+                # FP8 rounding of the input: ~2 ** -4 relative per element, averaged over K
+                rows.append(Row(f"{label}, {n} x {k}, {tokens} tokens", f"max |diff| / max |ref| {rel:.4f}",
+                                rel < 0.1 and fallback is not None))  # fmt: skip
+    return rows
+
+
 # ---- 6. bandwidth -------------------------------------------------------------------------------
 def bandwidth(ctx: Context) -> list[Row]:
     from worker.models.quant.resident import stored_bytes
@@ -519,7 +622,7 @@ STEPS = (
     Step("greedy", ("cuda", "flashinfer"), greedy_parity),
     Step("graph-logits", ("cuda", "flashinfer"), graph_logits),
     Step("overlap", ("cuda", "flashinfer"), overlap_parity),
-    Step("quantized", ("cuda", "flashinfer", "quantized"), lambda ctx: []),
+    Step("quantized", ("cuda",), quantized_parity),
     Step("bandwidth", ("cuda", "flashinfer"), bandwidth),
 )
 

@@ -3,9 +3,10 @@
 Weight bytes are counted tensor by tensor from the real configs (`bench/configs/`) for both
 settings of `quantized_weights`: **dequantize** (the default: quantized checkpoints become bf16
 while loading, docs/design.md §16) and **keep** (the experts stay as published: GPT-OSS's MXFP4,
-4-bit values with one E8M0 scale per 32, 0.53125 bytes a weight; MiMo-V2-Flash's block FP8, 1
-byte a weight and one float32 scale per 128x128 block; everything else bf16, as `keep` holds
-it). Tensor parallelism over N GPUs gives each 1/N of the weights (every matrix, the vocabulary
+4-bit values with one E8M0 scale per 32, 0.53125 bytes a weight, its hidden and intermediate
+sizes (2880) padded to 2944 for the fused SM90 kernel that H100s and H200s run; MiMo-V2-Flash's block FP8, 1
+byte a weight and one float32 scale per 128x128 block, its attention and dense-MLP linears too
+on one GPU but bf16 under tensor parallelism; everything else bf16, as `keep` holds it). Tensor parallelism over N GPUs gives each 1/N of the weights (every matrix, the vocabulary
 and the experts, packed or not, are split).
 
 KV tokens per GPU: the engine's own plan (`plan_pools`, default `swa_full_tokens_ratio` 0.8,
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from bench.configs import CONFIG_DIR
+from worker.models.quant.mxfp4_kernel import PAD
 
 GPUS = {"H200": 143_771 * 2**20, "H100": 81_559 * 2**20}  # total memory nvidia-smi reports
 CUDA_RESERVE = 2 * 2**30
@@ -40,14 +42,24 @@ class Weights:
     bf16: int  # parameters held in bf16 either way
     quantized: int  # expert weights the checkpoint stores quantized (bf16 with `dequantize`)
     quantized_bytes: float  # bytes per such weight as published (with `keep`)
+    # Weights the checkpoint stores quantized outside the experts (MiMo's attention and dense
+    # MLP): `keep` holds them as stored on one GPU; under tensor parallelism they are bf16 (the
+    # sharder splits plain linears, docs/design.md §16).
+    dense_quantized: int = 0
+    # The expert weights as `keep` holds them on an SM90 GPU (H100, H200): GPT-OSS's fused MXFP4
+    # kernel pads hidden and intermediate to multiples of 128 (`mxfp4_kernel.PAD`); 0: unpadded.
+    kernel_quantized: int = 0
 
     @property
     def params(self) -> int:
-        return self.bf16 + self.quantized
+        return self.bf16 + self.quantized + self.dense_quantized
 
-    def bytes(self, keep_quantized: bool) -> int:
+    def bytes(self, keep_quantized: bool, n: int = 1) -> int:
+        """All the weights' bytes, held on one GPU (`n` 1) or split over `n`."""
         if keep_quantized:
-            return int(2 * self.bf16 + self.quantized_bytes * self.quantized)
+            dense = self.quantized_bytes if n == 1 else 2
+            experts = self.kernel_quantized or self.quantized
+            return int(2 * self.bf16 + self.quantized_bytes * experts + dense * self.dense_quantized)
         return 2 * self.params
 
 
@@ -60,32 +72,33 @@ def gpt_oss_weights(c: dict[str, Any]) -> Weights:
     router = e * h + e
     expert_biases = e * (2 * inter + h)
     experts = e * (h * 2 * inter + inter * h)  # gate_up, down: MXFP4
+    hp, ip = (-(-d // PAD) * PAD for d in (h, inter))
     bf16 = layers * (attn + router + expert_biases + 2 * h) + 2 * vocab * h + h
-    return Weights(bf16, layers * experts, MXFP4_BYTES)
+    return Weights(bf16, layers * experts, MXFP4_BYTES, kernel_quantized=layers * e * 3 * hp * ip)
 
 
 def mimo_weights(c: dict[str, Any]) -> Weights:
     """MiMo-V2-Flash: full and SWA attention of their own shapes, a dense MLP or E experts. Its
-    attention and dense-MLP linears are FP8 in the checkpoint too, but `keep` dequantizes them
-    at load (~2% of the weights): bf16 here."""
+    attention and dense-MLP linears are FP8 in the checkpoint too (~2% of the weights):
+    `dense_quantized`."""
     h, layers, vocab = c["hidden_size"], c["num_hidden_layers"], c["vocab_size"]
     pattern, moe = c["hybrid_layer_pattern"], c["moe_layer_freq"]
     e, moe_inter, inter = c["n_routed_experts"], c["moe_intermediate_size"], c["intermediate_size"]
-    fp8 = bf16 = 0
+    fp8 = bf16 = dense = 0
     for i in range(layers):
         swa = pattern[i] == 1
         heads = c["swa_num_attention_heads"] if swa else c["num_attention_heads"]
         kv = c["swa_num_key_value_heads"] if swa else c["num_key_value_heads"]
         dqk = c["swa_head_dim"] if swa else c["head_dim"]
         dv = c["swa_v_head_dim"] if swa else c["v_head_dim"]
-        bf16 += h * heads * dqk + h * kv * (dqk + dv) + heads * dv * h  # q, k, v, o
+        dense += h * heads * dqk + h * kv * (dqk + dv) + heads * dv * h  # q, k, v, o
         bf16 += 2 * h + (heads if swa and c["add_swa_attention_sink_bias"] else 0)
         if moe[i]:
             fp8 += e * 3 * moe_inter * h
             bf16 += e * h + e  # router, its score-correction bias
         else:
-            bf16 += 3 * inter * h
-    return Weights(bf16 + 2 * vocab * h + h, fp8, FP8_BLOCK_BYTES)
+            dense += 3 * inter * h
+    return Weights(bf16 + 2 * vocab * h + h, fp8, FP8_BLOCK_BYTES, dense)
 
 
 MODELS = {"gpt-oss-120b": gpt_oss_weights, "mimo-v2-flash": mimo_weights}
@@ -117,7 +130,7 @@ def fit(model: str, gpu: str, n: int, keep_quantized: bool) -> Fit:
     from worker.models.hf_config import load_spec
     from worker.parallel.shard import shard_spec
 
-    weights = -(-weights_of(model).bytes(keep_quantized) // n)
+    weights = -(-weights_of(model).bytes(keep_quantized, n) // n)
     free = GPUS[gpu] - weights - CUDA_RESERVE
     budget = kv_share_of(int(free * GPU_KV_FRACTION)) if free > 0 else 0
     tokens = 0
@@ -158,5 +171,5 @@ if __name__ == "__main__":
     for name in MODELS:
         w = weights_of(name)
         print(f"{name}: {w.params / 1e9:.1f} B parameters, dequantize {w.bytes(False) / 1e9:.1f} GB, "
-              f"keep {w.bytes(True) / 1e9:.1f} GB")  # fmt: skip
+              f"keep {w.bytes(True) / 1e9:.1f} GB (one GPU), {w.bytes(True, 2) / 1e9:.1f} GB (split)")  # fmt: skip
     print(table())

@@ -34,13 +34,28 @@ def test_dry_run_skips_every_step_with_its_reason(tmp_path: Path, capsys: pytest
 
 
 def test_skip_reasons_name_what_is_missing() -> None:
-    """CUDA first, then FlashInfer; the quantized comparison waits for a quantized path."""
+    """CUDA first, then FlashInfer; the quantized step needs CUDA only (its rows say why a
+    kernel cannot run)."""
     steps = {st.name: st for st in gpu_check.STEPS}
-    no_fi = {"cuda": True, "flashinfer": False, "quantized": False}
+    no_fi = {"cuda": True, "flashinfer": False}
     assert gpu_check.skip_reason(steps["kernels"], no_fi) == gpu_check.NO_FLASHINFER
     assert gpu_check.skip_reason(steps["kernels"], {**no_fi, "cuda": False}) == gpu_check.NO_CUDA
     assert gpu_check.skip_reason(steps["kernels"], {**no_fi, "flashinfer": True}) is None
-    assert gpu_check.skip_reason(steps["quantized"], {**no_fi, "flashinfer": True}) == gpu_check.NO_QUANTIZED
+    assert gpu_check.skip_reason(steps["quantized"], no_fi) is None
+
+
+def test_quantized_step_builds_its_weights_and_declines_the_kernels_on_cpu() -> None:
+    """The quantized step's random MXFP4 experts run the per-expert path on the CPU (small
+    shapes), and the step reports each kernel skipped with its reason there."""
+    moe = gpu_check.random_mxfp4_moe("cpu", 64, 64, 4, 2)
+    x = torch.randn(3, 64).to(gpu_check.DTYPE)
+    with torch.inference_mode():
+        y = moe.mix(x)
+    assert y.shape == x.shape and y.dtype == gpu_check.DTYPE and y.abs().max() > 0
+    ctx = gpu_check.Context(gpu_check.GpuCheckSettings(), Path("."), device="cpu")
+    rows = gpu_check.quantized_parity(ctx, (64, 64, 4, 2))
+    assert [r.skipped for r in rows] == [True, True]
+    assert "CUDA's (device cpu)" in rows[0].result and "CUDA's (device cpu)" in rows[1].result
 
 
 def test_kernel_cases_rehearse_on_cpu() -> None:

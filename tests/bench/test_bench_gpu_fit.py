@@ -4,6 +4,7 @@ the one `bench.gpu_fit` computes."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -19,10 +20,22 @@ def test_parameter_counts_match_the_published_sizes(model: str, published: float
 
 
 def test_gpt_oss_120b_bytes_bf16_and_mxfp4() -> None:
-    """Nearly all of GPT-OSS-120B is experts: MXFP4 (4.25 bits) takes it from 234 GB to 65 GB."""
+    """Nearly all of GPT-OSS-120B is experts: MXFP4 (4.25 bits) takes it from 234 GB to 65 GB as
+    published, 68 GB as the fused SM90 kernel holds it (2880 padded to 2944)."""
     w = gpu_fit.weights_of("gpt-oss-120b")
     assert w.quantized / w.params > 0.98
-    assert round(w.bytes(False) / 1e9) == 234 and round(w.bytes(True) / 1e9) == 65
+    assert w.kernel_quantized == pytest.approx(w.quantized * (2944 / 2880) ** 2, rel=1e-9)
+    published = dataclasses.replace(w, kernel_quantized=0)
+    assert round(w.bytes(False) / 1e9) == 234 and round(published.bytes(True) / 1e9) == 65
+    assert round(w.bytes(True) / 1e9) == 68
+
+
+def test_mimo_bytes_fp8_attention_kept_on_one_gpu_only() -> None:
+    """MiMo-V2-Flash's non-expert FP8 linears (~2%) are held FP8 by `keep` in one process and
+    bf16 under tensor parallelism: 310 GB against 315 GB, 618 GB dequantized."""
+    w = gpu_fit.weights_of("mimo-v2-flash")
+    assert 0.01 < w.dense_quantized / w.params < 0.03 and w.quantized / w.params > 0.97
+    assert [round(b / 1e9) for b in (w.bytes(False), w.bytes(True), w.bytes(True, 4))] == [618, 310, 315]
 
 
 @pytest.mark.parametrize(

@@ -90,17 +90,19 @@ def active_parameters(model: torch.nn.Module) -> int:
     count top_k / experts of themselves (its router says both)."""
     scaled: set[int] = set()
     active = 0
+    # Weights kept quantized are buffers of their modules: counted by `weight_numel`.
+    kept = [m for m in model.modules() if isinstance(m, (Mxfp4Experts, Fp8Linear))]
     for module in model.modules():
         experts, router = getattr(module, "experts", None), _router(module)
         if isinstance(experts, torch.nn.Module) and router is not None:
             weight: torch.Tensor = getattr(router, "weight")  # noqa: B009 - typed here
             top_k, n = int(getattr(router, "top_k")), int(weight.shape[0])  # noqa: B009
             params = list(experts.parameters())
-            # Experts kept quantized hold their matrices as buffers: count their weights.
-            kept = sum(m.weight_numel() for m in experts.modules() if isinstance(m, (Mxfp4Experts, Fp8Linear)))
-            active += (sum(p.numel() for p in params) + kept) * top_k // n
-            scaled.update(id(p) for p in params)
-    return active + sum(p.numel() for p in model.parameters() if id(p) not in scaled)
+            inside = [m for m in experts.modules() if isinstance(m, (Mxfp4Experts, Fp8Linear))]
+            active += (sum(p.numel() for p in params) + sum(m.weight_numel() for m in inside)) * top_k // n
+            scaled.update(id(t) for t in (*params, *inside))
+    dense = sum(m.weight_numel() for m in kept if id(m) not in scaled)
+    return active + dense + sum(p.numel() for p in model.parameters() if id(p) not in scaled)
 
 
 def _router(module: torch.nn.Module) -> torch.nn.Module | None:

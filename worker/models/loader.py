@@ -3,10 +3,11 @@
 The module tree is created on the meta device, materialised empty on the target device in the
 target dtype, then every parameter and persistent buffer is filled from the checkpoint by name,
 one shard at a time. Quantized checkpoints (config.json's `quantization_config`) are dequantized
-into the parameters as their parts arrive, or, with `keep_quantized`, their packed experts are
-swapped for modules that hold them as stored and load them by name (docs/design.md §16). Missing or unexpected tensors and
-shape mismatches raise with the names involved. Under tensor parallelism the tree is cut into
-this rank's shard before allocation, and each tensor's slice is copied (docs/design.md §17.2).
+into the parameters as their parts arrive, or, with `keep_quantized`, the modules whose weights
+are stored packed are swapped for ones that hold them as stored and load them by name
+(docs/design.md §16). Missing or unexpected tensors and shape mismatches raise with the names
+involved. Under tensor parallelism the tree is cut into this rank's shard before allocation, and
+each tensor's slice is copied (docs/design.md §17.2).
 """
 
 from __future__ import annotations
@@ -52,7 +53,8 @@ def _build(
     keep: tuple[QuantFormat, Path] | None = None,
 ) -> tuple[CausalLM, ShardPlan | None]:
     """All of the tree, or `group`'s rank's shard with the plan that loads it. `keep`: the
-    checkpoint's format and directory, whose packed experts the tree keeps as stored."""
+    checkpoint's format and directory, whose packed weights the tree keeps as stored (under
+    tensor parallelism the experts only: the sharder splits plain linears)."""
     cls = model_class(config.model_type)
     plan = None
     with torch.device("meta"):
@@ -62,12 +64,13 @@ def _build(
             target = torch.float32 if any(k in name for k in cls.keep_fp32) else dtype
             param.data = param.data.to(target)
         if keep is not None:
-            from worker.models.quant.resident import keep_experts_quantized
+            from worker.models.quant.resident import keep_quantized_modules
 
             quant, model_dir = keep
             stored = _stored_names(_shard_files(model_dir), model)
             names = {n for s, n in stored if not _skipped(s, n, model)}
-            keep_experts_quantized(model, quant, {p.target for p in quant.plan(names).values()})
+            targets = {p.target for p in quant.plan(names).values()}
+            keep_quantized_modules(model, quant, targets, dense=group is None or group.size == 1)
         if group is not None and group.size > 1:
             from worker.parallel.shard import shard_model
 
@@ -264,8 +267,9 @@ def load_model(
         dtype / device: where and how the weights live.
         config: an already loaded HF config (else read from `model_dir`).
         group: a tensor-parallel group: load this rank's shard (`worker.parallel.shard`).
-        keep_quantized: keep the experts a quantized checkpoint stores packed as stored,
-            dequantized per call (`worker.models.quant.resident`); else all at load.
+        keep_quantized: keep the weights a quantized checkpoint stores packed as stored,
+            dequantized per call (`worker.models.quant.resident`; under `group` of two or
+            more ranks, the experts only); else all at load.
     """
     if config is None:
         from worker.models.hf_config import (
@@ -277,4 +281,11 @@ def load_model(
     keep = (quant, Path(model_dir)) if keep_quantized and quant is not None else None
     model, shard_plan = _build(config, spec, dtype, device, group, keep)
     load_weights(model, model_dir, quant, shard_plan)
+    if keep is not None:
+        from worker.models.quant.fp8_kernel import use_fp8_kernels
+        from worker.models.quant.mxfp4_kernel import use_fused_kernels
+
+        # GPU kernels that read the packed form where they can run; else why not (logged)
+        use_fused_kernels(model, torch.device(device), dtype)
+        use_fp8_kernels(model, torch.device(device), dtype)
     return model

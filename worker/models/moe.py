@@ -171,6 +171,11 @@ class GptOssMoE(MoEBlock):
 
     def mix(self, x: torch.Tensor) -> torch.Tensor:
         top_idx, top_w = self.router(x)
+        # Experts kept MXFP4 on a GPU with FlashInfer's fused kernel (`quant.mxfp4_kernel`).
+        fused = getattr(self.experts, "fused", None)
+        if fused is not None:
+            total = self.router.weight.shape[0]
+            return self.shard.finish(fused(x, top_idx, top_w, self.shard.experts, total))
         first = self.shard.experts.start
 
         def expert(e: int, rows: torch.Tensor) -> torch.Tensor:

@@ -256,7 +256,7 @@ def test_packer_rounds_to_the_nearest_e2m1_value() -> None:
 
 @pytest.mark.parametrize("name", ["gpt_oss_mxfp4", "mimo_fp8"])
 def test_kept_experts_give_the_dequantized_paths_tokens_and_logits(name: str, request: pytest.FixtureRequest) -> None:
-    """`keep_quantized`: the packed experts stay packed (their modules swapped, fewer bytes held),
+    """`keep_quantized`: the packed weights stay packed (their modules swapped, fewer bytes held),
     each dequantized when it runs into the same values the load-time path writes, so greedy
     tokens and logits equal that path's exactly, and transformers' within tolerance."""
     from worker.assembly.host import active_parameters
@@ -267,8 +267,19 @@ def test_kept_experts_give_the_dequantized_paths_tokens_and_logits(name: str, re
     kept = load_model(case.path, case.ours.spec, keep_quantized=True)
     swapped = [m for m in kept.modules() if isinstance(m, (Mxfp4Experts, Fp8Linear))]
     blocks = [m for m in kept.modules() if isinstance(m, MoEBlock)]
+    in_experts = [m for b in blocks for m in b.modules() if isinstance(m, (Mxfp4Experts, Fp8Linear))]
     per_block = 1 if name == "gpt_oss_mxfp4" else 3 * case.oracle.config.n_routed_experts
-    assert blocks and len(swapped) == per_block * len(blocks)  # every expert of every MoE layer
+    assert blocks and len(in_experts) == per_block * len(blocks)  # every expert of every MoE layer
+    # Every weight the checkpoint stores quantized is held as stored (MiMo: attention and the
+    # dense MLP too); a listed module (layer 0's o_proj) stays a plain linear.
+    stored = {k for f in case.path.glob("*.safetensors") for k in load_file(f)}
+    held = kept.state_dict()
+    quantized = {n for n in stored if n.endswith(("_scale_inv", "_scales"))}
+    assert quantized and quantized <= set(held)
+    if name == "mimo_fp8":
+        assert len(swapped) == len(quantized) > len(in_experts)
+        assert all(held[n.removesuffix("_scale_inv")].dtype == torch.float8_e4m3fn for n in quantized)
+        assert type(kept.model.layers[0].self_attn.o_proj) is torch.nn.Linear
     packed = sum(m.weight_numel() for m in swapped)
     per_weight = 0.5 + 1 / 32 if name == "gpt_oss_mxfp4" else 1.0
     saved = stored_bytes(case.ours) - stored_bytes(kept)
@@ -307,3 +318,46 @@ def test_engine_quantized_weights_keep_equals_dequantize(name: str, request: pyt
         finally:
             engine.close()
     assert outs["keep"] == outs["dequantize"]
+
+
+def test_kept_fp8_linear_compiles_as_one_opaque_op_with_the_eager_result(mimo_fp8: Case) -> None:
+    """Under `torch.compile` a kept FP8 linear (attention, dense MLP) is the opaque
+    ``swaserve::fp8_linear`` op: one graph, no break, the eager product exactly."""
+    from worker.models.quant.resident import Fp8Linear
+
+    kept = load_model(mimo_fp8.path, mimo_fp8.ours.spec, keep_quantized=True)
+    q = kept.model.layers[1].self_attn.q_proj
+    assert isinstance(q, Fp8Linear)
+    x = torch.randn(3, q.in_features, generator=torch.Generator().manual_seed(3))
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(q)(x)
+    assert explained.graph_break_count == 0
+    ops = [n.target for g in explained.graphs for n in g.graph.nodes if n.op == "call_function"]
+    assert torch.ops.swaserve.fp8_linear in ops or torch.ops.swaserve.fp8_linear.default in ops
+    compiled = torch.compile(q, backend="aot_eager", fullgraph=True)
+    assert torch.equal(compiled(x), q(x))
+    w = mimo_fp8.ours.model.layers[1].self_attn.q_proj.weight
+    assert torch.equal(q(x), torch.nn.functional.linear(x, w))
+
+
+def test_under_tensor_parallelism_only_experts_are_kept(mimo_fp8: Case) -> None:
+    """`dense=False` (tensor parallelism: the sharder splits plain linears): the FP8 expert
+    linears are swapped, attention and the dense MLP stay plain linears."""
+    from worker.models.hf_config import load_hf_config
+    from worker.models.loader import _shard_files, _skipped, _stored_names
+    from worker.models.quant import quant_format
+    from worker.models.quant.resident import Fp8Linear, keep_quantized_modules
+    from worker.models.registry import model_class
+
+    config = load_hf_config(mimo_fp8.path)
+    quant = quant_format(config)
+    assert quant is not None
+    with torch.device("meta"):
+        model = model_class(config.model_type)(config, mimo_fp8.ours.spec)
+    stored = _stored_names(_shard_files(mimo_fp8.path), model)
+    names = {n for s, n in stored if not _skipped(s, n, model)}
+    targets = {p.target for p in quant.plan(names).values()}
+    swapped = keep_quantized_modules(model, quant, targets, dense=False)
+    fp8 = [n for n, m in model.named_modules() if isinstance(m, Fp8Linear)]
+    assert swapped == len(fp8) == 3 * config.n_routed_experts * (config.num_hidden_layers - 1)
+    assert all(".mlp.experts." in n for n in fp8)
