@@ -209,9 +209,11 @@ class EngineConfig:
     # docs/design.md §16
     quantized_weights: str = knob(
         "dequantize",
-        "A quantized checkpoint's experts (GPT-OSS MXFP4, MiMo-V2-Flash block FP8): dequantize: "
-        "to dtype at load; keep: in memory as stored, each expert dequantized when it runs "
-        "(about a quarter of GPT-OSS's bf16 bytes, half of MiMo's).",
+        "A quantized checkpoint's weights (GPT-OSS's MXFP4 experts; MiMo-V2-Flash's block-FP8 "
+        "experts, and its attention and dense linears on one rank): dequantize: to dtype at "
+        "load; keep: in memory as stored, multiplied by FlashInfer's kernels on SM90 GPUs, "
+        "elsewhere each weight dequantized when it runs (about a quarter of GPT-OSS's bf16 "
+        "bytes, half of MiMo's).",
         choices=QUANTIZED_WEIGHTS_MODES,
     )
     # docs/design.md §19
