@@ -125,7 +125,7 @@ class SwaPrefixRequestRouter(RequestRouter):
         if self._actor_name is None:
             dep = candidate_replicas[0].replica_id.deployment_id
             self._actor_name = transport.index_actor_name(dep.app_name, dep.name)
-        await self._ensure_fresh(self._actor_name)
+        await self._ensure_fresh(self._actor_name, catch_up=len(candidate_replicas) > 1)
         request = _routed_request(pending_request)
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         candidates = [Candidate(wid, self._load(wid, r)) for wid, r in by_id.items()]
@@ -212,8 +212,15 @@ class SwaPrefixRequestRouter(RequestRouter):
                 self.core.complete(key)
         self._completions += 1  # their cache events are at the actor: pull before deciding
 
-    async def _ensure_fresh(self, actor_name: str) -> None:
-        """Follow the index actor: start (or restart) the subscriber, or pull once if asked."""
+    async def _ensure_fresh(self, actor_name: str, catch_up: bool = True) -> None:
+        """Follow the index actor: start (or restart) the subscriber, or pull once if asked.
+
+        `catch_up` False (one candidate): the catch-up pull after a completion is skipped, since
+        the ranking of one replica is that replica whatever the index says. It is owed, not
+        dropped: the next decision between several replicas pulls first. What the skip can cost
+        is the prediction only (headers, `swaserve_router_predictions_total`), and only when
+        the request outran the long poll (~1 ms after the finished request's push).
+        """
         self._take_ingress_completions()
         if not self._subscribe:
             return
@@ -221,6 +228,8 @@ class SwaPrefixRequestRouter(RequestRouter):
         if sub is not None and not sub.stopped:
             if self._sync_before_decide:
                 self._completions += 1
+            elif not catch_up:
+                return
             await self._catch_up(self._completions)
             return
         if time.monotonic() < self._next_lookup or not ray.is_initialized():

@@ -218,7 +218,7 @@ def test_completion_triggers_one_shared_catch_up_pull() -> None:
         router = _router()
         sub = CountingSubscriber()
         router._subscribe, router._subscriber = True, sub
-        replicas = [FakeReplica("a")]
+        replicas = [FakeReplica("a"), FakeReplica("b")]
         await router.choose_replicas(replicas, _pending(tokens, "r1"))
         assert sub.pulls == 0
         router.on_request_completed(replicas[0].replica_id, "r1")
@@ -228,6 +228,42 @@ def test_completion_triggers_one_shared_catch_up_pull() -> None:
         assert sub.pulls == 1
         await router.choose_replicas(replicas, _pending(tokens, "r5"))
         assert sub.pulls == 1
+
+    asyncio.run(run())
+
+
+def test_one_candidate_skips_the_catch_up_pull_until_there_are_two() -> None:
+    """With one candidate the ranking cannot change, so a completion costs the next decision no
+    pull (the first token's hop); the pull is owed: the first decision between two pulls once."""
+    tokens = prompt(2)
+
+    async def run() -> None:
+        router = _router()
+        sub = CountingSubscriber()
+        router._subscribe, router._subscriber = True, sub
+        one = [FakeReplica("a")]
+        for i in range(3):
+            router.on_request_completed(one[0].replica_id, f"r{i}")
+            ranks = await router.choose_replicas(one, _pending(tokens, f"n{i}"))
+            assert [r[0].name for r in ranks] == ["a"]
+        assert sub.pulls == 0
+        await router.choose_replicas([*one, FakeReplica("b")], _pending(tokens, "two"))
+        assert sub.pulls == 1
+
+    asyncio.run(run())
+
+
+def test_sync_before_decide_pulls_even_for_one_candidate() -> None:
+    """`sync_before_decide` (tests, benchmarks: exact predictions) keeps its pull per decision."""
+    tokens = prompt(2)
+
+    async def run() -> None:
+        router = _router()
+        sub = CountingSubscriber()
+        router._subscribe, router._subscriber, router._sync_before_decide = True, sub, True
+        await router.choose_replicas([FakeReplica("a")], _pending(tokens, "r1"))
+        await router.choose_replicas([FakeReplica("a")], _pending(tokens, "r2"))
+        assert sub.pulls == 2
 
     asyncio.run(run())
 
@@ -245,7 +281,7 @@ def test_an_unreachable_index_does_not_hold_decisions(monkeypatch) -> None:
         hang = asyncio.Event()
         sub = CountingSubscriber(hang)
         router._subscribe, router._subscriber = True, sub
-        replicas = [FakeReplica("a")]
+        replicas = [FakeReplica("a"), FakeReplica("b")]
         router.on_request_completed(replicas[0].replica_id, "r0")
         await asyncio.wait_for(router.choose_replicas(replicas, _pending(tokens, "r1")), 10)
         assert sub.pulls == 1 and not sub.reachable

@@ -93,3 +93,25 @@ def test_compiled_graph_copies_nothing_to_the_device(archs: Archs) -> None:
     moved = [c for c in calls if any(isinstance(a, torch.device) for a in c[1])]
     made = [c for c in calls if "built-in method tensor" in c[0]]
     assert moved == [] and made == [], (moved, made)
+
+
+def test_no_prompt_length_compiles_after_warm_up(archs: Archs) -> None:
+    """Served prompts come in every length (a client's random 256-token prompts tokenize to
+    256–258): after warm-up, prefills of many random lengths, one at a time and batched with
+    others, compile nothing (a recompile in a request would cost its first token seconds)."""
+    import random
+
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    arch = archs["gemma3_text"]
+    model = load_model(arch.tiny.path, arch.spec)
+    counter = CompileCounterWithBackend("aot_eager")
+    prepare_model(model, CompilePlan(pack=False, backend=counter), torch.device("cpu"), torch.float32)  # type: ignore[arg-type]
+    drv = Driver(arch.spec, model, page_size=4)
+    drv.runner.warm_up()
+    compiled_at_warm_up = counter.frame_count
+    lengths = random.Random(0).sample(range(2, 3 * arch.window + 40), 12)
+    for n in lengths[:4]:  # alone
+        drv.run([drv.add(prompt_of(n, seed=n), 2)])
+    drv.run([drv.add(prompt_of(n, seed=n), 3) for n in lengths[4:]])  # batched
+    assert counter.frame_count == compiled_at_warm_up
