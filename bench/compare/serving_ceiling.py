@@ -25,7 +25,9 @@ fixed number of requests (`cell_requests`), so every cell stops by itself. Per c
   1000 / (ingress CPU-s per 1,000 tokens), tokens/s.
 
 Each ingress count is its own server (started, warmed up with a short run, every concurrency, then
-stopped). Writes `serving_ceiling.json` and `summary.md`.
+stopped). `--profile-concurrency c` adds one more run at c on the first server, with py-spy on
+its first ingress replica: samples by file and CPU by thread, where the ingress's CPU per token
+goes. Writes `serving_ceiling.json` and `summary.md`.
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ import argparse
 import dataclasses
 import json
 import resource
+import signal
+import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -42,7 +46,8 @@ from pathlib import Path
 from bench.compare.client import Workload, client_command
 from bench.compare.model import ensure_compare_model
 from bench.compare.peers import PeerVenvError, vllm_cli
-from bench.compare.procs import descendants, read_proc, role_of
+from bench.compare.procs import descendants, read_proc, role_of, thread_comms, thread_cpu_seconds
+from bench.compare.profile_breakdown import by_file, parse_raw
 from bench.compare.servers import (
     SWASERVE_ENV,
     RunningServer,
@@ -78,6 +83,9 @@ class CeilingSettings:
     vllm: str = ""  # the client's vllm CLI; "" = the default peer venv's (`bench.compare.peers`)
     port: int = 18405
     client_timeout_s: float = 900.0
+    profile_concurrency: int | None = None  # a further, py-spy'd run of ingress 1 at this c
+    py_spy: str = str(Path(sys.executable).parent / "py-spy")
+    profile_rate: int = 100  # py-spy samples per second
 
 
 def cell_requests(c: int, s: CeilingSettings) -> int:
@@ -215,13 +223,55 @@ def run_cell(
 
 
 def _run(command: list[str], log: Path, timeout_s: float) -> None:
-    import subprocess
-
     with log.open("wb") as f:
         proc = subprocess.run(command, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                               timeout=timeout_s, check=False)  # fmt: skip
     if proc.returncode != 0:
         raise RuntimeError(f"client exited {proc.returncode}; log {log}:\n{log.read_text(errors='replace')[-3000:]}")
+
+
+# ---------------------------------------------------------------- where the ingress's CPU goes
+
+TOP = 15
+
+
+@dataclass(frozen=True)
+class IngressProfile:
+    """py-spy of ingress 1 over one more cell: samples by file, CPU seconds by thread."""
+
+    cell: CellResult
+    samples: int
+    self_by_file: dict[str, int]  # the leaf frame's file
+    inclusive_swaserve: dict[str, int]  # swaserve's files anywhere on the stack
+    threads: dict[str, float]  # the kernel's thread name -> CPU seconds over the cell
+
+
+def profile_ingress(
+    server: RunningServer, w: Workload, model_dir: Path, out: Path, s: CeilingSettings, ingress: int
+) -> IngressProfile:
+    pid = min(p for p, name in process_names(server.pid).items() if name == "ingress 1")
+    raw = out / f"ingress_i{ingress}_c{w.concurrency}.pyspy.txt"
+    spy = subprocess.Popen(
+        [s.py_spy, "record", "--pid", str(pid), "--format", "raw", "--output", str(raw),
+         "--rate", str(s.profile_rate), "--threads", "--full-filenames", "--nonblocking"],
+        stdout=subprocess.DEVNULL, stderr=(out / "pyspy.log").open("wb"),
+    )  # fmt: skip
+    threads0 = thread_cpu_seconds(pid)
+    try:
+        cell = run_cell(server, w, model_dir, out, s, ingress)
+    finally:
+        spy.send_signal(signal.SIGINT)  # py-spy writes its file on Ctrl-C
+        spy.wait(120)
+    names, threads = thread_comms(pid), dict[str, float]()
+    for tid, cpu in thread_cpu_seconds(pid).items():
+        name = names.get(tid, "?")
+        threads[name] = threads.get(name, 0.0) + cpu - threads0.get(tid, 0.0)
+    stacks = parse_raw(raw.read_text()) if raw.is_file() else []
+    return IngressProfile(
+        cell, sum(x.count for x in stacks),
+        dict(by_file(stacks, inclusive=False).most_common(TOP)),
+        dict(by_file(stacks, inclusive=True, prefix="deploy/").most_common(TOP)), threads,
+    )  # fmt: skip
 
 
 # ---------------------------------------------------------------- the benchmark
@@ -234,12 +284,14 @@ class CeilingResult:
     configs: dict[int, str]  # ingress replicas -> its config file
     cells: tuple[CellResult, ...]
     date: str
+    profile: IngressProfile | None = None
 
 
 def run_ceiling(s: CeilingSettings, out: Path) -> CeilingResult:
     model_dir = ensure_compare_model()
     cells: list[CellResult] = []
     commands, configs = {}, {}
+    profile = None
     for ingress in s.ingress_replicas:
         config = out / f"serve_i{ingress}.yaml"
         configs[ingress] = server_config(s, model_dir, ingress)
@@ -254,9 +306,15 @@ def run_ceiling(s: CeilingSettings, out: Path) -> CeilingResult:
                 w = Workload(f"c={c}", "random", c, seed=500 + i, num_prompts=cell_requests(c, s),
                              output_len=s.output_len, input_len=s.input_len)  # fmt: skip
                 cells.append(run_cell(server, w, model_dir, out, s, ingress))
+            if s.profile_concurrency is not None and profile is None:
+                c = s.profile_concurrency
+                w = Workload(f"c={c} profiled", "random", c, seed=600, num_prompts=cell_requests(c, s),
+                             output_len=s.output_len, input_len=s.input_len)  # fmt: skip
+                profile = profile_ingress(server, w, model_dir, out, s, ingress)
         finally:
             stop_server(server)
-    return CeilingResult(s, commands, configs, tuple(cells), time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
+    date = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    return CeilingResult(s, commands, configs, tuple(cells), date, profile)
 
 
 # ---------------------------------------------------------------- report
@@ -296,7 +354,26 @@ def summary_markdown(r: CeilingResult) -> str:
         f"{s.output_len} output tokens each, `vllm bench serve` (`--ignore-eos`, streaming).",
         f"Servers:\n\n```\n{servers}```",
         "Throughput and latency (overheads are over the stand-in's pace):\n\n" + ceiling_table(r.cells),
-        "CPU seconds per 1,000 output tokens, by process:\n\n" + cpu_table(r.cells),
+        "CPU seconds per 1,000 output tokens, by process (the client's whole run, its start "
+        "included):\n\n" + cpu_table(r.cells),
+        *([] if r.profile is None else [profile_markdown(r.profile)]),
+    ])  # fmt: skip
+
+
+def profile_markdown(p: IngressProfile) -> str:
+    c, n = p.cell, max(1, p.samples)
+    total = sum(p.threads.values()) or 1.0
+    threads = [[t, f"{v:.2f}", f"{100 * v / total:.0f}%"] for t, v in sorted(p.threads.items(), key=lambda kv: -kv[1])
+               if v >= 0.005]  # fmt: skip
+    files = [[f, k, f"{100 * k / n:.1f}%"] for f, k in p.self_by_file.items()]
+    ours = [[f, k, f"{100 * k / n:.1f}%"] for f, k in p.inclusive_swaserve.items()]
+    return "\n\n".join([
+        f"Ingress 1 under py-spy ({c.ingress_replicas} ingress, c={c.concurrency}, "
+        f"{c.tokens_per_s:,.0f} tokens/s, ingress 1 {c.per_1k('ingress 1'):.3f} CPU-s/1k tokens, "
+        f"{p.samples} samples). CPU seconds by thread:\n\n"
+        + markdown_table(["thread", "CPU s", "share"], threads),
+        "Self samples by file:\n\n" + markdown_table(["file", "samples", "share"], files),
+        "Inclusive samples of swaserve's HTTP files:\n\n" + markdown_table(["file", "samples", "share"], ours),
     ])  # fmt: skip
 
 
@@ -314,6 +391,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--min-requests", type=int, default=d.min_requests, help="per concurrency")
     parser.add_argument("--max-cell-tokens", type=int, default=d.max_cell_tokens)
     parser.add_argument("--port", type=int, default=d.port)
+    parser.add_argument("--profile-concurrency", type=int, default=None,
+                        help="after the cells, one more run at this c with py-spy on ingress 1")  # fmt: skip
+    parser.add_argument("--py-spy", default=d.py_spy)
     parser.add_argument("--vllm", default=d.vllm,
                         help="the vllm CLI (the client; default: the vLLM peer venv's, built when absent)")  # fmt: skip
     add_output_arguments(parser, "bench_results/serving_ceiling")
@@ -325,6 +405,7 @@ def settings_from_args(args: argparse.Namespace) -> CeilingSettings:
         ingress_replicas=tuple(args.ingress_replicas), output_len=args.output_len,
         input_len=args.input_len, min_requests=args.min_requests,
         max_cell_tokens=args.max_cell_tokens, vllm=args.vllm, port=args.port,
+        profile_concurrency=args.profile_concurrency, py_spy=args.py_spy,
     )  # fmt: skip
 
 
