@@ -26,6 +26,7 @@ BENCHMARKS = {
     "vllm-compare": "bench.compare.vllm_compare",
     "cluster-compare": "bench.compare.cluster_compare",
     "replica-profile": "bench.compare.replica_profile",
+    "serving-ceiling": "bench.compare.serving_ceiling",
     "host-step": "bench.host_step",
     "gpu-check": "bench.gpu_check",
     "schedule": "bench.schedule",

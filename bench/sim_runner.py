@@ -25,10 +25,7 @@ scheduler and the router choose load / repair / recompute with the prices the cl
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
-
-import torch
 
 from core.geometry import Geometry
 from core.reuse import TierCosts
@@ -43,8 +40,8 @@ from worker.kv.hybrid_allocator import HybridAllocator
 from worker.kv.memory_plan import PoolPlan, plan_host_pools, plan_pools
 from worker.kv.transfer import CopyBatch, TransferQueue
 from worker.models.spec import KindShape, LayerKind, ModelSpec
-from worker.runner.forward_batch import ForwardBatch, ForwardOutput
-from worker.runner.sampler import SampleOutput, SampleRow
+from worker.runner.sampler import SampleRow
+from worker.runner.standin import ComputeFreeRunner
 
 SIM_VOCAB = 32_000
 SIM_MAX_MODEL_LEN = 65_536
@@ -79,40 +76,16 @@ class StepCost:
         )
 
 
-class SimRunner:
-    """`forward` counts the step's tokens; `sample` returns `token_id` for every row.
-
-    A row feeding one token after a non-empty prefix counts as a decode (a one-token prefill
-    rest after a cache hit is priced the same way: one token either way).
-    """
+class SimRunner(ComputeFreeRunner):
+    """`ComputeFreeRunner` (worker/runner/standin.py: `forward` counts the step's prefill and
+    decode tokens, which `StepCost` prices); every row samples `token_id`."""
 
     def __init__(self, token_id: int = SIM_TOKEN) -> None:
+        super().__init__()
         self.token_id = token_id
-        self.last_prefill_tokens = 0
-        self.last_decode_tokens = 0
-        self.fed_tokens = 0  # every token fed since start (prefill and decode)
-        self.repair_tokens = 0  # of those, repair rows (docs/design.md §9.8; priced as prefill)
 
-    def forward(self, batch: ForwardBatch) -> ForwardOutput:
-        prefill = decode = 0
-        for r in batch.reqs:
-            n = len(r.token_ids)
-            if n == 1 and r.prefix_len > 0 and r.repair is None:
-                decode += 1
-            else:
-                prefill += n
-            self.repair_tokens += r.repair_tokens
-        self.last_prefill_tokens, self.last_decode_tokens = prefill, decode
-        self.fed_tokens += prefill + decode
-        # Logits with no vocabulary: the row count is all `sample` needs.
-        return ForwardOutput(torch.empty(batch.num_logits, 0))
-
-    def sample(
-        self, logits: torch.Tensor, rows: Sequence[SampleRow], bitmask: torch.Tensor | None = None
-    ) -> SampleOutput:
-        n = len(rows)
-        assert n == logits.shape[0], f"{n} sampling rows for {logits.shape[0]} logits rows"
-        return SampleOutput([self.token_id] * n, [None] * n, [None] * n)
+    def pick(self, row: SampleRow) -> int:
+        return self.token_id
 
 
 def sim_spec(window: int, vocab_size: int = SIM_VOCAB) -> ModelSpec:

@@ -18,8 +18,9 @@ Ray's environment switches are set here and nowhere else:
 - `MALLOC_*` (`MALLOC_ENV` below): glibc malloc keeps a replica's step buffers instead of
   returning them to the OS and faulting them in again every step;
 - with `LocalRayConfig.direct_ingress_port` (`swaserve serve`), Serve's direct ingress
-  (`direct_ingress_env` below): the ingress replica listens on that port itself, so HTTP no
-  longer passes through Serve's proxy process (docs/design.md §4.2).
+  (`direct_ingress_env` below): the ingress replicas listen on that port themselves, all of
+  them on the one port, so HTTP no longer passes through Serve's proxy process
+  (docs/design.md §4.2).
 Each cluster gets its own short temp dir (Ray's socket paths must stay under ~107 bytes), so
 parallel jobs on one machine do not share sessions; it is removed on stop. The two Ray internals
 this needs live in `cluster.ray_private`.
@@ -68,29 +69,33 @@ class LocalRayConfig:
     object_store_memory: int = 256 << 20  # the default takes 30 % of RAM in /dev/shm
     namespace: str | None = None
     temp_root: str = "/tmp"
-    # The ingress replica serves HTTP on this port itself (Serve's direct ingress); None: the
-    # HTTP port is Serve's proxy's, as `serve.start(http_options=...)` sets it.
+    # The ingress replicas serve HTTP on this port themselves (Serve's direct ingress); None:
+    # the HTTP port is Serve's proxy's, as `serve.start(http_options=...)` sets it.
     direct_ingress_port: int | None = None
+    direct_ingress_replicas: int = 1  # how many ingress replicas share that port
 
 
-def direct_ingress_env(port: int) -> dict[str, str]:
-    """Serve's direct ingress with exactly one port, `port`, for the one ingress replica.
+def direct_ingress_env(port: int, replicas: int = 1) -> dict[str, str]:
+    """Serve's direct ingress with `replicas` ingress replicas all serving `port`.
 
-    - the port range is [port, port + 1): a second ingress replica would find no port, so only a
-      single-replica ingress may run this way (`swaserve serve`'s);
+    - the port range is [port, port + replicas): Serve allocates each replica a port of its
+      own from it (a replica more would find none), but every replica binds `port` itself
+      (`SHARED_INGRESS_PORT_ENV`, `cluster.ray_private.direct_ingress_server`: SO_REUSEPORT,
+      the kernel spreads connections over them); the others of the range stay unbound;
     - no quarantine of a released port (Serve holds it back ~90 s by default, for HAProxy
       workers still routing to it) and no minimum draining period (30 s by default, for an
       external load balancer to deregister the replica): nothing stands in front of a local
-      ingress, and a replacement replica must get the port back at once.
+      ingress, and a replacement replica must get a port back at once.
     Serve's controller still starts its proxy on the head node (a fallback it keeps in this
     mode); the caller gives it another port.
     """
     return {
         "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",
         "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(port),
-        "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(port + 1),
+        "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(port + replicas),
         "RAY_SERVE_PORT_QUARANTINE_S": "0",
         "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "0",
+        ray_private.SHARED_INGRESS_PORT_ENV: str(port),
     }
 
 
@@ -119,7 +124,7 @@ def start_local_ray(config: LocalRayConfig | None = None) -> LocalRay:
     # Read by Serve's controller and replicas, which inherit the raylet's environment (this
     # process's at `ray.init`); restored at stop so a later cluster does not inherit them.
     if cfg.direct_ingress_port is not None:
-        _set_env(direct_ingress_env(cfg.direct_ingress_port))
+        _set_env(direct_ingress_env(cfg.direct_ingress_port, cfg.direct_ingress_replicas))
     # NOTE: Ray reads the variable when it is imported, usually before this call; set the
     # constant it became as well (restored by stop_local_ray).
     ray_private.set_clusters_enabled(False)

@@ -101,10 +101,16 @@ def grpc_stream_handle(handle: Any, method_name: str) -> Any:
     )
 
 
+# Set by `swaserve serve` (`cluster.ray_local.direct_ingress_env`): the one port every
+# direct-ingress replica of the cluster binds, whatever port Serve allocated it.
+SHARED_INGRESS_PORT_ENV = "SWASERVE_SHARED_INGRESS_PORT"
+
+
 def direct_ingress_server(wrap_app: Callable[[Any], Any]) -> None:
     """In this process, Serve's direct-ingress HTTP server binds its port with SO_REUSEADDR
     (and SO_REUSEPORT), as Serve's own HTTP proxy does (`SOCKET_REUSE_PORT_ENABLED`, on by
-    default), and serves `wrap_app(app)` instead of Serve's app.
+    default), and serves `wrap_app(app)` instead of Serve's app; with `SHARED_INGRESS_PORT_ENV`
+    set, it binds that port rather than the one Serve allocated the replica.
 
     Why private: a direct-ingress replica binds through `start_asgi_http_server(...,
     enable_so_reuseport=False)` (`Replica._maybe_start_direct_ingress_servers`), a bare socket.
@@ -118,20 +124,27 @@ def direct_ingress_server(wrap_app: Callable[[Any], Any]) -> None:
     The ingress replica calls it in its constructor, which Serve runs before it starts the
     server; a second call replaces the first's wrapper.
 
-    NOTE: SO_REUSEPORT here does not let two ingress replicas share the port: Serve's
-    controller gives each direct-ingress replica its own port from
-    `[RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT, ..._MAX_HTTP_PORT)` (`PortAllocator`), so
-    `swaserve serve` runs one ingress replica on its port (more need Serve's proxy).
+    The shared port: Serve's controller gives each direct-ingress replica a port of its own
+    from `[RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT, ..._MAX_HTTP_PORT)` (`PortAllocator`), and
+    no option makes two replicas one port. With SO_REUSEPORT on every replica's socket the
+    kernel lets them all bind the same port and spreads new connections over them (a hash of
+    the connection's addresses), so N ingress replicas serve one port with no proxy in front:
+    `swaserve serve` sets the range to N ports (each replica still gets one; it is left
+    unbound) and `SHARED_INGRESS_PORT_ENV` to the port they all bind (docs/design.md §4.2).
     """
     import functools
+    import os
 
     from ray.serve._private import http_util, replica
 
     original = http_util.start_asgi_http_server
+    shared = os.environ.get(SHARED_INGRESS_PORT_ENV)
 
     @functools.wraps(original)
-    async def start(app: Any, *args: Any, **kwargs: Any) -> Any:
+    async def start(app: Any, http_options: Any, *args: Any, **kwargs: Any) -> Any:
         kwargs["enable_so_reuseport"] = True
-        return await original(wrap_app(app), *args, **kwargs)
+        if shared:
+            http_options = http_options.model_copy(update={"port": int(shared)})
+        return await original(wrap_app(app), http_options, *args, **kwargs)
 
     replica.start_asgi_http_server = start

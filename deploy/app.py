@@ -32,7 +32,7 @@ from deploy.replica.deployment import EngineFactory, WorkerDeployment, WorkerOpt
 class IngressSettings:
     """Ingress knobs that are not `ServeConfig` fields; the defaults suit both CPU and GPU."""
 
-    max_queued: int = 256  # requests the proxy queues for a busy ingress replica; beyond: 503
+    max_queued: int = 256  # at least: requests queued for a busy ingress replica; beyond: 503
     retry_after_s: int = 1
     num_cpus: float = 0.25  # tokenization and SSE only; a fraction keeps small hosts schedulable
 
@@ -72,7 +72,11 @@ def build_app_from_config(
         # A generation request is one sequence at least (admission counts them): the rest is
         # headroom for /health, /metrics and the utility routes.
         max_ongoing_requests=cfg.max_inflight_sequences + 32,
-        max_queued_requests=ingress.max_queued,  # beyond: the proxy answers 503, never a hang
+        # Beyond: 503, never a hang. NOTE: Serve's direct ingress counts a request as queued from
+        # its arrival until it holds a slot, free slots or not, so a burst of new streams larger
+        # than this was answered 503 while admission would have taken it (measured: 330 of
+        # 1,024 streams started at once, `bench serving-ceiling`); never below what admits.
+        max_queued_requests=max(ingress.max_queued, cfg.max_inflight_sequences),
         ray_actor_options={"num_cpus": ingress.num_cpus},
     )(IngressDeployment)
     options = WorkerOptions(engine_process=cfg.engine_process, engine_niceness=cfg.engine_niceness)

@@ -251,8 +251,9 @@ class ServeConfig(EngineFields):
         ge=1,
         description=(
             "Ingress replicas (HTTP parsing, tokenizing, streaming), each with its own admission "
-            "bounds. More than one needs Serve's HTTP proxy in front (`swaserve serve "
-            "--serve-proxy`, or a cluster): direct ingress gives each replica a port of its own."
+            "bounds and event loop. `swaserve serve` binds them all to its one port (the kernel "
+            "spreads connections over them); behind Serve's HTTP proxy (`--serve-proxy`, a "
+            "cluster) the proxy spreads requests over them."
         ),
     )
     max_inflight_sequences: int = Field(

@@ -4,14 +4,14 @@ Steps, each announced on stderr: resolve the config (file, then flags on top), p
 (create the tiny model, or check the directory), start Ray bound to 127.0.0.1, start Serve, deploy,
 then report worker progress until every worker has its engine loaded and `/health` answers 200.
 
-The ingress replica listens on `--host/--port` itself (Serve's direct ingress,
+The ingress replicas listen on `--host/--port` themselves (Serve's direct ingress,
 `cluster.ray_local.direct_ingress_env`): HTTP goes client → ingress → worker, without Serve's
 HTTP proxy process in between (one process hop and two messages fewer per streamed token;
-docs/design.md §4.2). Serve still starts its proxy on the head node, on another free port;
-`--serve-proxy` puts the proxy on `--host/--port` instead, as a Ray Serve deployment on a
-cluster (the Helm chart) has it. Direct ingress is one ingress replica: Serve gives each one a
-port of its own, so `ingress_replicas` > 1 needs `--serve-proxy` (the proxy spreads requests
-over them; SIGTERM's drain then reaches one of them, the others stop with Serve).
+docs/design.md §4.2). With `ingress_replicas` > 1 every one of them binds the one port
+(SO_REUSEPORT: the kernel spreads connections over them). Serve still starts its proxy on the
+head node, on another free port; `--serve-proxy` puts the proxy on `--host/--port` instead, as a
+Ray Serve deployment on a cluster (the Helm chart) has it. SIGTERM's drain reaches one ingress
+replica; the others stop with Serve.
 
 SIGTERM (what Kubernetes, systemd and `docker stop` send) or Ctrl-C drains, then stops: the
 ingress stops admitting (503 + Retry-After, `/health` 503), the requests in flight get up to the
@@ -104,13 +104,6 @@ def plan(req: ServeRequest) -> Plan:
     cfg = ServeConfig.model_validate(args)
     cfg = _fit_cpus(cfg, args, num_cpus)
     _check_gpus(cfg)
-    if cfg.ingress_replicas > 1 and not req.serve_proxy:
-        # Serve's direct ingress gives each ingress replica a port of its own from its range
-        # (cluster.ray_private.direct_ingress_server): a second one could not have this port.
-        raise ValueError(
-            f"ingress_replicas={cfg.ingress_replicas} needs --serve-proxy: without it the one "
-            "ingress replica listens on the port itself; Serve's proxy spreads requests over many"
-        )
     return Plan(cfg, req.host or host or DEFAULT_HOST, req.port or port or DEFAULT_PORT, num_cpus,
                 req.serve_proxy)  # fmt: skip
 
@@ -195,7 +188,8 @@ def serve_foreground(req: ServeRequest, out: TextIO = sys.stdout) -> int:
 
     progress.say(f"starting a local Ray cluster on 127.0.0.1 ({p.num_cpus} CPUs) ...")
     cluster = start_local_ray(
-        LocalRayConfig(num_cpus=p.num_cpus, direct_ingress_port=p.direct_ingress_port)
+        LocalRayConfig(num_cpus=p.num_cpus, direct_ingress_port=p.direct_ingress_port,
+                       direct_ingress_replicas=p.config.ingress_replicas)  # fmt: skip
     )
     _quiet_ray_logs()  # after ray.init, which sets up Ray's loggers
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
@@ -233,7 +227,9 @@ def _deploy(p: Plan, progress: Progress, timeout_s: float) -> None:
         progress.say(f"starting Serve, its HTTP proxy on {p.host}:{p.port} ...")
     else:
         proxy_port = free_port(p.host)
-        progress.say(f"starting Serve (the ingress replica will listen on {p.host}:{p.port}; "
+        n = p.config.ingress_replicas
+        who = "the ingress replica" if n == 1 else f"the {n} ingress replicas"
+        progress.say(f"starting Serve ({who} will listen on {p.host}:{p.port}; "
                      f"Serve's own proxy on {p.host}:{proxy_port}) ...")  # fmt: skip
     serve.start(http_options={"host": p.host, "port": proxy_port}, proxy_location="HeadOnly")
     _quiet_ray_logs()  # serve.start configures the serve logger

@@ -227,6 +227,14 @@ class EngineConfig:
         "healthy; off: plain eager PyTorch.",
         choices=COMPILE_MODES,
     )
+    # docs/design.md §22
+    standin_tokens_per_s: float | None = knob(
+        None,
+        "Benchmarks only: replace the model's forward with a compute-free stand-in emitting "
+        "tokens at this rate per request (tokens drawn from the model's real vocabulary; no "
+        "weights or KV buffers are loaded). Unset: the model runs.",
+        gt=0,
+    )
 
     def __post_init__(self) -> None:
         problems = [
@@ -276,6 +284,11 @@ def _rule_problems(config: EngineConfig) -> list[str]:
         problems.append(
             "host_kv_bytes needs the radix cache (enable_radix_cache: true): the host tier holds "
             "what the prefix cache evicts"
+        )
+    if config.standin_tokens_per_s is not None and (n > 1 or config.host_kv_bytes):
+        problems.append(
+            "standin_tokens_per_s (the benchmarks' compute-free stand-in) runs one rank without a "
+            "host KV tier: set tensor_parallel_size: 1 and host_kv_bytes: 0"
         )
     if config.max_num_batched_tokens < config.max_running_requests:
         problems.append(

@@ -60,17 +60,23 @@ def test_the_ingress_takes_the_port_unless_serve_proxy_is_asked() -> None:
     assert plan(ServeRequest(port=8123, num_cpus=2, serve_proxy=True)).direct_ingress_port is None
 
 
-def test_more_than_one_ingress_replica_needs_the_serve_proxy(tmp_path: Path) -> None:
-    """Direct ingress is one replica on the port (Serve gives each direct-ingress replica its own
-    port): ingress_replicas > 1 is refused without --serve-proxy and planned with it, each
-    replica's CPU share counted; metrics_key from the file survives the merge."""
+def test_more_ingress_replicas_share_the_direct_ingress_port(tmp_path: Path) -> None:
+    """ingress_replicas > 1 is planned with or without --serve-proxy, each replica's CPU share
+    counted; direct ingress gets a port range of one port per replica, all of them told to bind
+    the first; metrics_key from the file survives the merge."""
     doc = tmp_path / "cfg.yaml"
     doc.write_text("model: tiny\ningress_replicas: 3\nmetrics_key: scrape\n")
-    with pytest.raises(ValueError, match="ingress_replicas=3 needs --serve-proxy"):
-        plan(ServeRequest(config=str(doc), num_cpus=2))
-    p = plan(ServeRequest(config=str(doc), num_cpus=2, serve_proxy=True))
-    assert p.config.ingress_replicas == 3 and p.config.metrics_key.get_secret_value() == "scrape"
-    assert p.config.worker_num_cpus + 3 * 0.25 <= 2
+    for proxy in (False, True):
+        p = plan(ServeRequest(config=str(doc), num_cpus=2, port=8123, serve_proxy=proxy))
+        assert p.config.ingress_replicas == 3 and p.config.metrics_key.get_secret_value() == "scrape"
+        assert p.config.worker_num_cpus + 3 * 0.25 <= 2
+        assert p.direct_ingress_port == (None if proxy else 8123)
+    from cluster.ray_local import direct_ingress_env
+    from cluster.ray_private import SHARED_INGRESS_PORT_ENV
+
+    env = direct_ingress_env(8123, replicas=3)
+    assert (env["RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT"], env["RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT"]) == ("8123", "8126")
+    assert env[SHARED_INGRESS_PORT_ENV] == "8123"
 
 
 def test_plan_refuses_workers_that_cannot_fit(tmp_path: Path) -> None:

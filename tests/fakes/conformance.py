@@ -16,6 +16,7 @@ from worker.hosts.async_engine import AsyncEngine
 from worker.parallel.runner import TPRunner
 from worker.runner.base import Runner
 from worker.runner.model_runner import ModelRunner
+from worker.runner.standin import StandInRunner
 
 
 def fake_engine_is_an_engine_client(engine: FakeEngine) -> EngineClient:
@@ -27,6 +28,10 @@ def async_engine_is_an_engine_client(engine: AsyncEngine) -> EngineClient:
 
 
 def sim_runner_is_a_runner(runner: SimRunner) -> Runner:
+    return runner
+
+
+def standin_runner_is_a_runner(runner: StandInRunner) -> Runner:
     return runner
 
 

@@ -3,7 +3,8 @@
 starts, starts the other ranks, builds its share the way every rank does (`rank.py`), then adds
 what exists once: the cache over its allocator (with the host tier, docs/design.md §9.9), the
 stop tokens, the tokenizer and, with N > 1, a `TPRunner` and the other ranks (docs/design.md
-§17)."""
+§17). With `standin_tokens_per_s` set the model is the benchmarks' compute-free stand-in
+(`standin.py`): no rank, no weights."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from worker.assembly.parts import EngineParts, cache_geometry
 from worker.assembly.rank import build_rank, max_model_len
 from worker.assembly.rank_processes import ProcessLauncher
 from worker.assembly.ranks import RankLauncher, Ranks, TensorParallel
+from worker.assembly.standin import build_standin_parts
 from worker.cache import create_cache
 from worker.config import EngineConfig
 from worker.models.hf_config import load_spec
@@ -32,6 +34,8 @@ def build_engine_parts(config: EngineConfig, launcher: RankLauncher | None = Non
     processes) started the other ranks."""
     model_dir = resolve_model_dir(config.model)
     spec = load_spec(model_dir)
+    if config.standin_tokens_per_s is not None:  # benchmarks: no model (docs/design.md §22)
+        return build_standin_parts(config, model_dir, spec, eos_token_ids(model_dir))
     check_tp_config(config, spec)
     group, ranks = _start(config, model_dir, launcher)
     try:

@@ -25,7 +25,7 @@ class EngineParts:
     spec: ModelSpec
     allocator: HybridAllocator
     cache: PrefixCache
-    runner: Runner  # a ModelRunner, or a compute-free stand-in (bench.sim_runner.SimRunner)
+    runner: Runner  # a ModelRunner, or a compute-free one (worker/runner/standin.py)
     max_model_len: int
     eos_token_ids: tuple[int, ...] = ()
     tokenizer_loader: Callable[[], Tokenizer] | None = None

@@ -1,6 +1,7 @@
 """`Runner`: what the engine needs of a model runner, one step at a time. `ModelRunner` is the
-real one; tensor parallelism's `TPRunner` (`worker/parallel/runner.py`) and the benchmarks'
-compute-free `SimRunner` stand in for it (`tests/fakes/conformance.py` checks all three)."""
+real one; tensor parallelism's `TPRunner` (`worker/parallel/runner.py`), the routing simulator's
+compute-free `SimRunner` and the serving ceiling's `StandInRunner` (`worker/runner/standin.py`)
+stand in for it (`tests/fakes/conformance.py` checks all four)."""
 
 from __future__ import annotations
 

@@ -20,6 +20,7 @@ from bench.routing.workloads import WorkloadSize, make_workload
 from bench.sim_runner import SIM_TOKEN, SimRunner, StepCost, build_sim_engine, sim_spec
 from core.sampling_params import SamplingParams
 from worker.runner.forward_batch import ForwardBatch, ForwardReq
+from worker.runner.sampler import SampleRow
 
 WORKERS, PER_WORKER = 4, 12  # small, but enough traffic for tombstones to change placements
 
@@ -43,7 +44,7 @@ def test_sim_runner_counts_prefill_and_decode_and_samples_its_token() -> None:
     runner = SimRunner()
     logits = runner.forward(batch).logits
     assert (runner.last_prefill_tokens, runner.last_decode_tokens, logits.shape[0]) == (28, 1, 2)
-    out = runner.sample(logits, [SamplingParams()] * 2, [None, None])
+    out = runner.sample(logits, [SampleRow(SamplingParams(), key=0, step=0)] * 2)
     assert out.token_ids == [SIM_TOKEN, SIM_TOKEN] and runner.fed_tokens == 29
 
 
