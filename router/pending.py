@@ -50,6 +50,7 @@ class _Record:
     hashes: tuple[int, ...]  # the pages that will be LIVE on the worker
     at: float
     loaded: tuple[int, ...] = ()  # the pages whose full KV comes back from the host tier
+    missing: int = 0  # the page `_confirmed` last found absent: tested first next time
 
 
 @dataclass(slots=True)
@@ -197,9 +198,18 @@ class PendingPages:
 
 
 def _confirmed(rec: _Record, pages: Mapping[int, PageState]) -> bool:
-    """The index holds the record's LIVE pages, and none of its loaded pages is on the host."""
-    if not all(h in pages for h in rec.hashes):
+    """The index holds the record's LIVE pages, and none of its loaded pages is on the host.
+
+    NOTE: a worker mid-prefill holds a record's pages up to some depth; the page found absent
+    last time is tested first, so an unconfirmed record costs one lookup per index change
+    instead of a scan of its whole prefix (same answer: one absent page decides it)."""
+    hashes = rec.hashes
+    if hashes and hashes[rec.missing] not in pages:
         return False
+    for i, h in enumerate(hashes):
+        if h not in pages:
+            rec.missing = i
+            return False
     return not any((s := pages.get(h)) is not None and s.full_on_host for h in rec.loaded)
 
 

@@ -34,6 +34,11 @@ class RequestView:
     max_new_tokens: int = 0
 
 
+# NOTE: `tuple.__new__(NamedTupleClass, values)` builds the same value as the class call at a
+# third of its cost; every field is given, in declaration order.
+_new = tuple.__new__
+
+
 class Ranked(NamedTuple):  # one per candidate per request: a NamedTuple is cheap to build
     position: int  # index into the views the policy was given
     cost: float
@@ -72,13 +77,19 @@ class Policy(ABC):
         counted apart (`Reuse.loaded_full + loaded_swa`, docs/design.md §9.9)."""
         return view.loaded_full + view.loaded_swa
 
-    def _order(self, costs: Sequence[float], keys: Sequence[tuple[float, ...]]) -> list[Ranked]:
-        """Sort by `keys`, ties by a rotation that advances every decision."""
-        n = len(costs)
+    def _turn_next(self) -> int:
+        """This decision's rotation (ties go to the candidate at `(i - turn) % n` lowest)."""
         turn, self._turn = self._turn, self._turn + 1
-        full_keys = [(*key, (i - turn) % n) for i, key in enumerate(keys)]
-        order = sorted(range(n), key=full_keys.__getitem__)
-        return [Ranked(i, costs[i]) for i in order]
+        return turn
+
+    def _order(self, costs: Sequence[float], keys: list[tuple[float, ...]]) -> list[Ranked]:
+        """Sort by `keys` (each ending with the rotation term `(i - turn) % n`).
+
+        NOTE: the caller builds each key with its rotation in one tuple: one allocation per
+        candidate instead of two (they count towards the garbage collector's thresholds too).
+        """
+        order = sorted(range(len(keys)), key=keys.__getitem__)
+        return [_new(Ranked, (i, costs[i])) for i in order]
 
 
 class _CachePolicy(Policy):
@@ -104,7 +115,8 @@ class _CachePolicy(Policy):
             for v, load in zip(views, loads)
         ]
         over = overloaded(loads, w)
-        keys = [(float(over[i]), costs[i], loads[i]) for i in range(len(views))]
+        n, turn = len(views), self._turn_next()
+        keys = [(float(over[i]), costs[i], loads[i], (i - turn) % n) for i in range(n)]
         return self._order(costs, keys)
 
 
@@ -140,14 +152,19 @@ class LeastLoadedPolicy(Policy):
             load_tokens(v, w) + capacity_tokens(v, request.prompt_tokens, request.max_new_tokens, w)
             for v in views
         ]
-        return self._order(costs, [(c,) for c in costs])
+        n, turn = len(views), self._turn_next()
+        return self._order(costs, [(c, (i - turn) % n) for i, c in enumerate(costs)])
 
 
 class RoundRobinPolicy(Policy):
     name = "round_robin"
 
     def rank(self, request: RequestView, views: Sequence[WorkerView]) -> list[Ranked]:
-        return self._order([0.0] * len(views), [()] * len(views))
+        n, turn = len(views), self._turn_next()
+        if not n:
+            return []
+        start = turn % n  # the rotation alone: candidate `start` first, then in order
+        return [_new(Ranked, (i % n, 0.0)) for i in range(start, start + n)]
 
 
 POLICIES: dict[str, type[Policy]] = {
