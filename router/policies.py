@@ -82,7 +82,7 @@ class Policy(ABC):
         turn, self._turn = self._turn, self._turn + 1
         return turn
 
-    def _order(self, costs: Sequence[float], keys: list[tuple[float, ...]]) -> list[Ranked]:
+    def _order(self, costs: Sequence[float], keys: Sequence[tuple[float, ...]]) -> list[Ranked]:
         """Sort by `keys` (each ending with the rotation term `(i - turn) % n`).
 
         NOTE: the caller builds each key with its rotation in one tuple: one allocation per
