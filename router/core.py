@@ -112,21 +112,18 @@ class RouterCore:
         chains: dict[int, list[int]] | None = {} if request_key is not None else None
         matched = self._match(token_ids, [c.worker_id for c in ordered], root_hash, chains)
         views = self._views(ordered, matched)
-        ranked = self.policy.rank(RequestView(len(token_ids), max_new_tokens), views)
+        order, costs = self.policy.rank(RequestView(len(token_ids), max_new_tokens), views)
         if avoid:
-            ranked.sort(key=lambda r: views[r.position].worker_id in avoid)  # stable
+            order.sort(key=lambda i: views[i].worker_id in avoid)  # stable
         policy = self.policy
         predicted, repaired, loaded = policy.predicted, policy.predicted_repaired, policy.predicted_loaded
-        decision = RoutingDecision(
-            policy.name,
-            tuple(
-                _new(RankedWorker, (v.worker_id, predicted(v), r.cost, repaired(v), loaded(v)))
-                for r in ranked
-                for v in (views[r.position],)
-            ),
-        )
-        if request_key is not None and ranked:
-            best = views[ranked[0].position]
+        ranked = []
+        for i in order:
+            v = views[i]
+            ranked.append(_new(RankedWorker, (v.worker_id, predicted(v), costs[i], repaired(v), loaded(v))))
+        decision = RoutingDecision(policy.name, tuple(ranked))
+        if request_key is not None and order:
+            best = views[order[0]]
             best_match = matched.get(best.worker_id)
             self._place(request_key, token_ids, best, best_match, now, root_hash, chains)
         return decision
