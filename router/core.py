@@ -39,6 +39,19 @@ _worker_id = operator.itemgetter(0)  # Candidate.worker_id
 _MAX_IDLE_VIEWS = 4096  # cached views of workers holding none of a prompt (`RouterCore._views`)
 
 
+class _Matches(NamedTuple):
+    """A decision's match: the candidates the index knows (fresh), and each one's tiered match
+    by its bit. NOTE: two dicts, not an (entry, match) tuple per worker: one allocation fewer
+    per candidate per decision."""
+
+    entries: dict[str, WorkerEntry]
+    by_bit: dict[int, TieredMatch]
+
+    def get(self, worker_id: str) -> tuple[WorkerEntry, TieredMatch] | None:
+        entry = self.entries.get(worker_id)
+        return None if entry is None else (entry, self.by_bit[entry.bit])
+
+
 class Candidate(NamedTuple):  # one per replica per request: a NamedTuple is cheap to build
     worker_id: str  # the id the replica stamps on its cache events
     load: WorkerLoad | None = None
@@ -124,7 +137,7 @@ class RouterCore:
         decision = RoutingDecision(policy.name, tuple(ranked))
         if request_key is not None and order:
             best = views[order[0]]
-            best_match = matched.get(best.worker_id)
+            best_match = matched.get(best.worker_id)  # one tuple, for the placed worker only
             self._place(request_key, token_ids, best, best_match, now, root_hash, chains)
         return decision
 
@@ -189,7 +202,8 @@ class RouterCore:
 
         The worker computes at least one token, so it matches `token_ids[:-1]`; so do we.
         """
-        return {wid: m for wid, (_, m) in self._match(token_ids, worker_ids, root_hash, None).items()}
+        matched = self._match(token_ids, worker_ids, root_hash, None)
+        return {wid: matched.by_bit[e.bit] for wid, e in matched.entries.items()}
 
     def _match(
         self,
@@ -197,52 +211,55 @@ class RouterCore:
         worker_ids: Sequence[str],
         root_hash: int,
         chains: dict[int, list[int]] | None,
-    ) -> dict[str, tuple[WorkerEntry, TieredMatch]]:
+    ) -> _Matches:
         """Per known, fresh worker: its index entry and tiered match. With `chains`, the whole
         prompt's chain is hashed per page size and left there (for `_place`); without, only the
         pages the walk pulls."""
+        entries: dict[str, WorkerEntry] = {}
         by_page_size: dict[int, list[WorkerEntry]] = {}
         worker = self.index.worker
         for wid in worker_ids:
             entry = worker(wid)
             if entry is not None and not entry.stale:
+                entries[wid] = entry
                 by_page_size.setdefault(entry.meta.geometry.page_size, []).append(entry)
-        out: dict[str, tuple[WorkerEntry, TieredMatch]] = {}
-        if not by_page_size:
-            return out
+        by_bit: dict[int, TieredMatch] = {}
+        if not entries:
+            return _Matches(entries, by_bit)
         pages = self.pending.overlay(self.index.page_map)
         last = len(token_ids) - 1  # the match covers token_ids[:-1]
-        for page_size, entries in by_page_size.items():
-            geometries = {e.bit: e.meta.geometry for e in entries}
+        for page_size, group in by_page_size.items():
+            geometries = {e.bit: e.meta.geometry for e in group}
             hashes: Iterable[int]
             if chains is None:
                 hashes = self.hasher.iter_hashes(token_ids[:last], page_size, root_hash)
             else:
                 chain = chains[page_size] = self.hasher.hashes(token_ids, page_size, root_hash)
                 hashes = itertools.islice(chain, last // page_size)  # the prefix's pages
-            by_bit = match_chain(hashes, pages, geometries)
-            for e in entries:
-                out[e.meta.worker_id] = (e, by_bit[e.bit])
-        return out
+            by_bit.update(match_chain(hashes, pages, geometries))
+        return _Matches(entries, by_bit)
 
-    def _views(
-        self, ordered: Sequence[Candidate], matched: dict[str, tuple[WorkerEntry, TieredMatch]]
-    ) -> list[WorkerView]:
+    def _views(self, ordered: Sequence[Candidate], matched: _Matches) -> list[WorkerView]:
         """One `WorkerView` per candidate. A worker holding none of the prompt (most of a large
         fleet, for any one prompt) gets the view it got last time when its load sample and this
         router's corrections are the same objects/values: no allocation, no work per decision
         between stats updates."""
         unsampled = self.inflight.unsampled
         idle = self._idle_views
+        entries, by_bit = matched
         views: list[WorkerView] = []
         for cand in ordered:
             wid, load = cand
             extra_tokens, extra_requests = unsampled(wid, load.timestamp_s if load is not None else None)
-            m = matched.get(wid)
-            if m is not None and m[1][0]:  # some of the prompt's full KV there
-                views.append(self._matched_view(wid, load, extra_tokens, extra_requests, m))
-                continue
-            geometry, hybrid = (m[0].meta.geometry, m[0].meta.hybrid) if m is not None else (UNKNOWN_GEOMETRY, False)
+            entry = entries.get(wid)
+            if entry is not None:
+                m = by_bit[entry.bit]
+                if m[0]:  # some of the prompt's full KV there
+                    views.append(self._matched_view(wid, load, extra_tokens, extra_requests, entry, m))
+                    continue
+                geometry, hybrid = entry.meta.geometry, entry.meta.hybrid
+            else:
+                geometry, hybrid = UNKNOWN_GEOMETRY, False
             view = idle.get(wid)
             if (
                 view is None
@@ -266,7 +283,7 @@ class RouterCore:
         )
         if matched is None:
             return WorkerView(cand.worker_id, 0, 0, load, extra_tokens, extra_requests)
-        return self._matched_view(cand.worker_id, load, extra_tokens, extra_requests, matched)
+        return self._matched_view(cand.worker_id, load, extra_tokens, extra_requests, *matched)
 
     def _matched_view(
         self,
@@ -274,9 +291,10 @@ class RouterCore:
         load: WorkerLoad | None,
         extra_tokens: int,
         extra_requests: int,
-        matched: tuple[WorkerEntry, TieredMatch],
+        entry: WorkerEntry,
+        m: TieredMatch,
     ) -> WorkerView:
-        meta, m = matched[0].meta, matched[1]
+        meta = entry.meta
         geometry = meta.geometry
         p_full, p_valid, p_device = m[0], m[1], m[2]
         repair = meta.tombstone_repair and meta.hybrid
