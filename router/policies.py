@@ -36,8 +36,7 @@ class RequestView:
 
 class Ranking(NamedTuple):
     """A policy's answer: positions in the views it was given, best first, and each position's
-    cost. NOTE: two lists, not a tuple per candidate: fewer allocations per decision (each
-    counts towards the garbage collector's next collection, which may land in a decision)."""
+    cost. NOTE: two lists, not a tuple per candidate: one allocation fewer per candidate."""
 
     order: list[int]
     costs: list[float]
@@ -85,7 +84,7 @@ class Policy(ABC):
         """Sort by `keys` (each ending with the rotation term `(i - turn) % n`).
 
         NOTE: the caller builds each key with its rotation in one tuple: one allocation per
-        candidate instead of two (they count towards the garbage collector's thresholds too).
+        candidate instead of two.
         """
         return Ranking(sorted(range(len(keys)), key=keys.__getitem__), costs)
 
