@@ -7,7 +7,7 @@ enough for a sub-millisecond decision on a 4k-token prompt:
 
 - all tokens are packed once (one `array` conversion, a C loop: `struct.pack(*tokens)` first
   builds an argument tuple and costs ~30 µs on a 2k-token prompt), each page hashes a slice;
-- hashes are memoised by (parent, page bytes) in a bounded two-generation dict, so the shared
+- hashes are memoised by the bytes hashed (parent || page) in a bounded two-generation dict, so the shared
   prefixes the router exists for cost a dict lookup per page after their first request;
 - the chain is a generator: the matcher stops pulling pages once no worker holds the next one.
 """
@@ -44,8 +44,12 @@ class PageHasher:
         if memo_pages < 2:
             raise ValueError(f"memo_pages must be >= 2, got {memo_pages}")
         self._half = memo_pages // 2
-        self._young: dict[tuple[int, bytes], int] = {}
-        self._old: dict[tuple[int, bytes], int] = {}
+        # NOTE: keyed by the hashed bytes themselves (parent u64 || page tokens), not a
+        # (parent, bytes) tuple: bytes are no garbage-collected objects, so the ~100 new pages a
+        # prompt adds to the memo do not bring the next collection closer (tuples would, and it
+        # then lands inside a decision).
+        self._young: dict[bytes, int] = {}
+        self._old: dict[bytes, int] = {}
 
     def iter_hashes(
         self, tokens: Sequence[int], page_size: int, parent: int = ROOT_HASH
@@ -58,13 +62,12 @@ class PageHasher:
         stride = page_size * 8
         young = self._young
         for start in range(0, n * 8, stride):
-            key = (parent, buf[start : start + stride])
+            key = _PACK_PARENT(parent) + buf[start : start + stride]
             value = young.get(key)  # the hot path: one dict lookup per page
             if value is None:
                 value = self._old.get(key)
                 if value is None:  # NOTE: inline, no helper call: once per new page
-                    digest = _blake2b(_PACK_PARENT(parent) + key[1], digest_size=8).digest()
-                    value = _from_bytes(digest, "little") & _MASK_63
+                    value = _from_bytes(_blake2b(key, digest_size=8).digest(), "little") & _MASK_63
                 young = self._young  # another chain's walk may have started a generation
                 if len(young) >= self._half:  # a new generation
                     self._old, self._young = young, {}
