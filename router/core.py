@@ -227,7 +227,7 @@ class RouterCore:
         if not entries:
             return _Matches(entries, by_bit)
         pages = self.pending.overlay(self.index.page_map)
-        last = len(token_ids) - 1  # the match covers token_ids[:-1]
+        last = max(0, len(token_ids) - 1)  # the match covers token_ids[:-1]
         for page_size, group in by_page_size.items():
             geometries = {e.bit: e.meta.geometry for e in group}
             hashes: Iterable[int]

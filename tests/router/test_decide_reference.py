@@ -107,3 +107,12 @@ def test_decide_equals_the_straightforward_computation(
             new = tuple(h for h in page_hashes(tokens, PAGE) if h not in entry.pages)
             events = (CacheEvent(EventKind.STORED, new),) if new else ()
             index.apply(EventBatch(wid, "inc", seqs[wid], events))
+
+
+def test_a_placing_decision_on_a_prompt_shorter_than_a_page_matches_nothing() -> None:
+    """The whole chain is hashed for the placement; the walk reads none of it (an empty prompt
+    or one token has no page before its last token)."""
+    core = RouterCore(index_with(prompt(2), {"w0": "LL"}), make_policy())
+    for tokens in ([], [5]):
+        decision = core.decide(tokens, [Candidate("w0")], request_key=f"r{len(tokens)}")
+        assert decision.predicted_for("w0") == 0
