@@ -23,6 +23,7 @@ BENCHMARKS = {
     "engine": "bench.engine.main",
     "cache": "bench.cache",
     "routing": "bench.routing.main",
+    "index-ingest": "bench.index_ingest",
     "vllm-compare": "bench.compare.vllm_compare",
     "cluster-compare": "bench.compare.cluster_compare",
     "replica-profile": "bench.compare.replica_profile",

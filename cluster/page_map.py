@@ -4,7 +4,7 @@ The router walks a request's hash chain once for all workers: one dict lookup pe
 four bitsets (bit i = the worker in slot i of the `ClusterIndex`). That keeps a decision at 64
 workers one pass over the chain instead of 64.
 
-    entry = [present, tomb, host_full, host_swa]      tomb, host_full, host_swa ⊆ present
+    entry = (present, tomb, host_full, host_swa)      tomb, host_full, host_swa ⊆ present
 
 | state (core/events.py) | tomb (SWA KV freed) | host_full (full KV on the host) | host_swa (SWA KV on the host) |
 |---|---|---|---|
@@ -24,6 +24,7 @@ from collections.abc import Callable
 from core.events import PageState
 
 PRESENT, TOMB, HOST_FULL, HOST_SWA = range(4)  # positions in an entry
+Entry = tuple[int, int, int, int]
 
 # (tomb, host_full, host_swa) of each state, the table above.
 _FLAGS: dict[PageState, tuple[bool, bool, bool]] = {
@@ -36,47 +37,57 @@ _FLAGS: dict[PageState, tuple[bool, bool, bool]] = {
 
 
 class PageMap:
-    """hash → [present, tomb, host_full, host_swa] bits; a hash no worker holds has no entry."""
+    """hash → (present, tomb, host_full, host_swa) bits; a hash no worker holds has no entry.
+
+    NOTE: entries are tuples of ints, replaced on every change, not lists changed in place: the
+    garbage collector untracks a tuple of ints once it survives a collection, so a map of
+    millions of pages (64 workers × a GPU's cache) costs nothing to the full collections that
+    otherwise stall a decision for tens of milliseconds while the index ingests.
+    """
 
     __slots__ = ("_entries",)
 
     def __init__(self) -> None:
-        self._entries: dict[int, list[int]] = {}
+        self._entries: dict[int, Entry] = {}
 
     def set(self, page_hash: int, bit: int, state: PageState) -> None:
         """Mark the page present for `bit`'s worker, in `state`."""
-        entry = self._entries.get(page_hash)
-        if entry is None:
-            entry = self._entries[page_hash] = [bit, 0, 0, 0]
-        else:
-            entry[PRESENT] |= bit
+        entries = self._entries
+        entry = entries.get(page_hash)
         tomb, host_full, host_swa = _FLAGS[state]
+        if entry is None:
+            entries[page_hash] = (bit, bit if tomb else 0, bit if host_full else 0, bit if host_swa else 0)
+            return
+        present, t, f, s = entry
         clear = ~bit
-        entry[TOMB] = entry[TOMB] | bit if tomb else entry[TOMB] & clear
-        entry[HOST_FULL] = entry[HOST_FULL] | bit if host_full else entry[HOST_FULL] & clear
-        entry[HOST_SWA] = entry[HOST_SWA] | bit if host_swa else entry[HOST_SWA] & clear
+        entries[page_hash] = (
+            present | bit,
+            t | bit if tomb else t & clear,
+            f | bit if host_full else f & clear,
+            s | bit if host_swa else s & clear,
+        )
 
     def drop(self, page_hash: int, bit: int) -> None:
         """Forget the page for `bit`'s worker (no-op when it was not there)."""
-        entry = self._entries.get(page_hash)
+        entries = self._entries
+        entry = entries.get(page_hash)
         if entry is None:
             return
         clear = ~bit
-        entry[PRESENT] &= clear
-        if not entry[PRESENT]:
-            del self._entries[page_hash]
-            return
-        entry[TOMB] &= clear
-        entry[HOST_FULL] &= clear
-        entry[HOST_SWA] &= clear
+        present = entry[PRESENT] & clear
+        if not present:
+            del entries[page_hash]
+        elif present != entry[PRESENT]:
+            entries[page_hash] = (present, entry[TOMB] & clear, entry[HOST_FULL] & clear, entry[HOST_SWA] & clear)
 
     def get(self, page_hash: int) -> list[int] | None:
-        """The [present, tomb, host_full, host_swa] bitsets; callers must not mutate them."""
-        return self._entries.get(page_hash)
+        """The [present, tomb, host_full, host_swa] bitsets (a copy)."""
+        entry = self._entries.get(page_hash)
+        return None if entry is None else list(entry)
 
     @property
-    def lookup(self) -> Callable[[int], list[int] | None]:
-        """`get` without the method call, for the matcher's per-page loop (read-only use)."""
+    def lookup(self) -> Callable[[int], Entry | None]:
+        """The entries' own `get`, for the matcher's per-page loop."""
         return self._entries.get
 
     def __len__(self) -> int:

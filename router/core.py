@@ -10,8 +10,10 @@ their own hashes, so a prediction never counts another salt's prefix.
 
 from __future__ import annotations
 
+import itertools
+import operator
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -20,7 +22,7 @@ from cluster.messages import WorkerLoad
 from core.events import ROOT_HASH
 from core.geometry import Geometry
 from core.reuse import Reuse, TieredMatch, choose_reuse, live_after, plan_reuse
-from router.cost import WorkerView
+from router.cost import UNKNOWN_GEOMETRY, WorkerView
 from router.hashing import PageHasher
 from router.inflight import InflightTracker
 from router.match import match_chain
@@ -33,6 +35,21 @@ from router.policies import Policy, RequestView
 # extra_prefill_tokens, extra_requests, geometry, hybrid, repaired, loaded_full, loaded_swa,
 # host_load_cost.
 _new = tuple.__new__
+_worker_id = operator.itemgetter(0)  # Candidate.worker_id
+_MAX_IDLE_VIEWS = 4096  # cached views of workers holding none of a prompt (`RouterCore._views`)
+
+
+class _Matches(NamedTuple):
+    """A decision's match: the candidates the index knows (fresh), and each one's tiered match
+    by its bit. NOTE: two dicts, not an (entry, match) tuple per worker: one allocation fewer
+    per candidate per decision."""
+
+    entries: dict[str, WorkerEntry]
+    by_bit: dict[int, TieredMatch]
+
+    def get(self, worker_id: str) -> tuple[WorkerEntry, TieredMatch] | None:
+        entry = self.entries.get(worker_id)
+        return None if entry is None else (entry, self.by_bit[entry.bit])
 
 
 class Candidate(NamedTuple):  # one per replica per request: a NamedTuple is cheap to build
@@ -84,6 +101,7 @@ class RouterCore:
         self.hasher = hasher or PageHasher()
         self.inflight = inflight or InflightTracker()
         self.pending = pending if pending is not None else PendingPages()  # it has a len()
+        self._idle_views: dict[str, WorkerView] = {}
 
     def decide(
         self,
@@ -102,25 +120,25 @@ class RouterCore:
         say ends them earlier. `root_hash`: the request's (its cache salt's)."""
         now = time.time() if now is None else now
         self.pending.settle(self.index, now)
-        ordered = sorted(candidates, key=lambda c: c.worker_id)
-        matched = self._match(token_ids, [c.worker_id for c in ordered], root_hash)
-        views = [self._view(c, matched.get(c.worker_id)) for c in ordered]
-        ranked = self.policy.rank(RequestView(len(token_ids), max_new_tokens), views)
+        ordered = sorted(candidates, key=_worker_id)
+        # A placement records the whole prompt's chain: hash it once, for the match too.
+        chains: dict[int, list[int]] | None = {} if request_key is not None else None
+        matched = self._match(token_ids, [c.worker_id for c in ordered], root_hash, chains)
+        views = self._views(ordered, matched)
+        order, costs = self.policy.rank(RequestView(len(token_ids), max_new_tokens), views)
         if avoid:
-            ranked.sort(key=lambda r: views[r.position].worker_id in avoid)  # stable
+            order.sort(key=lambda i: views[i].worker_id in avoid)  # stable
         policy = self.policy
         predicted, repaired, loaded = policy.predicted, policy.predicted_repaired, policy.predicted_loaded
-        decision = RoutingDecision(
-            policy.name,
-            tuple(
-                _new(RankedWorker, (v.worker_id, predicted(v), r.cost, repaired(v), loaded(v)))
-                for r in ranked
-                for v in (views[r.position],)
-            ),
-        )
-        if request_key is not None and ranked:
-            best = views[ranked[0].position]
-            self._place(request_key, token_ids, best, matched.get(best.worker_id), now, root_hash)
+        ranked = []
+        for i in order:
+            v = views[i]
+            ranked.append(_new(RankedWorker, (v.worker_id, predicted(v), costs[i], repaired(v), loaded(v))))
+        decision = RoutingDecision(policy.name, tuple(ranked))
+        if request_key is not None and order:
+            best = views[order[0]]
+            best_match = matched.get(best.worker_id)  # one tuple, for the placed worker only
+            self._place(request_key, token_ids, best, best_match, now, root_hash, chains)
         return decision
 
     def placed(
@@ -138,15 +156,16 @@ class RouterCore:
             return
         now = time.time() if now is None else now
         self.pending.complete(request_key)
-        matched = self._match(token_ids, [worker_id], root_hash).get(worker_id)
+        matched = self._match(token_ids, [worker_id], root_hash, None).get(worker_id)
         view = self._view(Candidate(worker_id), matched)
-        self._place(request_key, token_ids, view, matched, now, root_hash)
+        self._place(request_key, token_ids, view, matched, now, root_hash, None)
 
     def complete(self, request_key: str, now: float | None = None) -> None:
         self.inflight.complete(request_key, time.time() if now is None else now)
         self.pending.complete(request_key)
 
     def forget_worker(self, worker_id: str) -> None:
+        self._idle_views.pop(worker_id, None)
         self.inflight.forget_worker(worker_id)
         self.pending.forget_worker(worker_id)
 
@@ -158,6 +177,7 @@ class RouterCore:
         matched: tuple[WorkerEntry, TieredMatch] | None,
         now: float,
         root_hash: int,
+        chains: dict[int, list[int]] | None,
     ) -> None:
         uncached = max(0, len(token_ids) - view.valid_cached)
         self.inflight.record(request_key, view.worker_id, uncached, now)
@@ -169,7 +189,9 @@ class RouterCore:
         reuse = Reuse(view.valid_cached, view.repaired, view.loaded_full, view.loaded_swa)
         first_live, loaded_end = device_after(reuse, view.full_cached, geometry)
         page = geometry.page_size
-        chain = self.hasher.hashes(token_ids, page, root_hash)
+        chain = chains.get(page) if chains is not None else None
+        if chain is None:
+            chain = self.hasher.hashes(token_ids, page, root_hash)
         loaded = chain[: min(loaded_end, first_live) // page]
         self.pending.record(request_key, entry, chain[first_live // page :], now, loaded)
 
@@ -180,27 +202,79 @@ class RouterCore:
 
         The worker computes at least one token, so it matches `token_ids[:-1]`; so do we.
         """
-        return {wid: m for wid, (_, m) in self._match(token_ids, worker_ids, root_hash).items()}
+        matched = self._match(token_ids, worker_ids, root_hash, None)
+        return {wid: matched.by_bit[e.bit] for wid, e in matched.entries.items()}
 
     def _match(
-        self, token_ids: Sequence[int], worker_ids: Sequence[str], root_hash: int
-    ) -> dict[str, tuple[WorkerEntry, TieredMatch]]:
-        prefix = token_ids[: len(token_ids) - 1]
+        self,
+        token_ids: Sequence[int],
+        worker_ids: Sequence[str],
+        root_hash: int,
+        chains: dict[int, list[int]] | None,
+    ) -> _Matches:
+        """Per known, fresh worker: its index entry and tiered match. With `chains`, the whole
+        prompt's chain is hashed per page size and left there (for `_place`); without, only the
+        pages the walk pulls."""
+        entries: dict[str, WorkerEntry] = {}
         by_page_size: dict[int, list[WorkerEntry]] = {}
         worker = self.index.worker
         for wid in worker_ids:
             entry = worker(wid)
             if entry is not None and not entry.stale:
+                entries[wid] = entry
                 by_page_size.setdefault(entry.meta.geometry.page_size, []).append(entry)
-        out: dict[str, tuple[WorkerEntry, TieredMatch]] = {}
+        by_bit: dict[int, TieredMatch] = {}
+        if not entries:
+            return _Matches(entries, by_bit)
         pages = self.pending.overlay(self.index.page_map)
-        for page_size, entries in by_page_size.items():
-            geometries = {e.bit: e.meta.geometry for e in entries}
-            hashes = self.hasher.iter_hashes(prefix, page_size, root_hash)
-            by_bit = match_chain(hashes, pages, geometries)
-            for e in entries:
-                out[e.meta.worker_id] = (e, by_bit[e.bit])
-        return out
+        last = max(0, len(token_ids) - 1)  # the match covers token_ids[:-1]
+        for page_size, group in by_page_size.items():
+            geometries = {e.bit: e.meta.geometry for e in group}
+            hashes: Iterable[int]
+            if chains is None:
+                hashes = self.hasher.iter_hashes(token_ids[:last], page_size, root_hash)
+            else:
+                chain = chains[page_size] = self.hasher.hashes(token_ids, page_size, root_hash)
+                hashes = itertools.islice(chain, last // page_size)  # the prefix's pages
+            by_bit.update(match_chain(hashes, pages, geometries))
+        return _Matches(entries, by_bit)
+
+    def _views(self, ordered: Sequence[Candidate], matched: _Matches) -> list[WorkerView]:
+        """One `WorkerView` per candidate. A worker holding none of the prompt (most of a large
+        fleet, for any one prompt) gets the view it got last time when its load sample and this
+        router's corrections are the same objects/values: no allocation, no work per decision
+        between stats updates."""
+        unsampled = self.inflight.unsampled
+        idle = self._idle_views
+        entries, by_bit = matched
+        views: list[WorkerView] = []
+        for cand in ordered:
+            wid, load = cand
+            extra_tokens, extra_requests = unsampled(wid, load.timestamp_s if load is not None else None)
+            entry = entries.get(wid)
+            if entry is not None:
+                m = by_bit[entry.bit]
+                if m[0]:  # some of the prompt's full KV there
+                    views.append(self._matched_view(wid, load, extra_tokens, extra_requests, entry, m))
+                    continue
+                geometry, hybrid = entry.meta.geometry, entry.meta.hybrid
+            else:
+                geometry, hybrid = UNKNOWN_GEOMETRY, False
+            view = idle.get(wid)
+            if (
+                view is None
+                or view.load is not load
+                or view.extra_prefill_tokens != extra_tokens
+                or view.extra_requests != extra_requests
+                or view.geometry is not geometry
+                or view.hybrid is not hybrid
+            ):
+                view = _new(WorkerView, (wid, 0, 0, load, extra_tokens, extra_requests, geometry, hybrid, 0, 0, 0, 0.0))
+                if len(idle) >= _MAX_IDLE_VIEWS:
+                    idle.clear()  # workers that left; the live ones come back at once
+                idle[wid] = view
+            views.append(view)
+        return views
 
     def _view(self, cand: Candidate, matched: tuple[WorkerEntry, TieredMatch] | None) -> WorkerView:
         load = cand.load
@@ -209,13 +283,24 @@ class RouterCore:
         )
         if matched is None:
             return WorkerView(cand.worker_id, 0, 0, load, extra_tokens, extra_requests)
-        meta, m = matched[0].meta, matched[1]
+        return self._matched_view(cand.worker_id, load, extra_tokens, extra_requests, *matched)
+
+    def _matched_view(
+        self,
+        worker_id: str,
+        load: WorkerLoad | None,
+        extra_tokens: int,
+        extra_requests: int,
+        entry: WorkerEntry,
+        m: TieredMatch,
+    ) -> WorkerView:
+        meta = entry.meta
         geometry = meta.geometry
         p_full, p_valid, p_device = m[0], m[1], m[2]
         repair = meta.tombstone_repair and meta.hybrid
         if p_device == p_valid and (p_full == p_valid or not repair):
             # Nothing to load or repair: what every rule returns.
-            return _new(WorkerView, (cand.worker_id, p_valid, p_full, load, extra_tokens, extra_requests,
+            return _new(WorkerView, (worker_id, p_valid, p_full, load, extra_tokens, extra_requests,
                                      geometry, meta.hybrid, 0, 0, 0, 0.0))  # fmt: skip
         costs = meta.tier_costs
         host_cost = 0.0
@@ -227,7 +312,7 @@ class RouterCore:
             if costs.prefill > 0:  # in tokens of prefill, the cost model's unit
                 host_cost = (reuse.loaded_full * costs.load_full + reuse.loaded_swa * costs.load_swa) / costs.prefill
         reused, repaired, loaded_full, loaded_swa = reuse
-        return _new(WorkerView, (cand.worker_id, reused, p_full, load, extra_tokens, extra_requests, geometry,
+        return _new(WorkerView, (worker_id, reused, p_full, load, extra_tokens, extra_requests, geometry,
                                  meta.hybrid, repaired, loaded_full, loaded_swa, host_cost))  # fmt: skip
 
 

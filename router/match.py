@@ -26,6 +26,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping
 from typing import Protocol
 
+from cluster.page_map import Entry
 from core.geometry import Geometry
 from core.reuse import TieredMatch
 
@@ -44,7 +45,7 @@ class PageSource(Protocol):
     (`router.pending.OverlaidPages`)."""
 
     @property
-    def lookup(self) -> Callable[[int], list[int] | None]: ...
+    def lookup(self) -> Callable[[int], Entry | None]: ...
 
 
 def match_chain(

@@ -26,7 +26,7 @@ A record ends when
 - its worker leaves the index or comes back as another incarnation.
 
 The overlay works on `PageMap` bitsets: hash → bits of the workers where it is pending (LIVE,
-loaded), merged into the index's `[present, tomb, host_full, host_swa]` entry by
+loaded), merged into the index's `(present, tomb, host_full, host_swa)` entry by
 `OverlaidPages.lookup` (a pending LIVE page is present and LIVE there, a pending loaded one has
 its full KV on the device), so `router.match.match_chain` walks both in one pass.
 """
@@ -38,7 +38,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from cluster.index import ClusterIndex, WorkerEntry
-from cluster.page_map import PageMap
+from cluster.page_map import Entry, PageMap
 from core.events import PageState
 
 DEFAULT_TTL_S = 10.0
@@ -50,6 +50,7 @@ class _Record:
     hashes: tuple[int, ...]  # the pages that will be LIVE on the worker
     at: float
     loaded: tuple[int, ...] = ()  # the pages whose full KV comes back from the host tier
+    missing: int = 0  # the page `_confirmed` last found absent: tested first next time
 
 
 @dataclass(slots=True)
@@ -197,9 +198,18 @@ class PendingPages:
 
 
 def _confirmed(rec: _Record, pages: Mapping[int, PageState]) -> bool:
-    """The index holds the record's LIVE pages, and none of its loaded pages is on the host."""
-    if not all(h in pages for h in rec.hashes):
+    """The index holds the record's LIVE pages, and none of its loaded pages is on the host.
+
+    NOTE: a worker mid-prefill holds a record's pages up to some depth; the page found absent
+    last time is tested first, so an unconfirmed record costs one lookup per index change
+    instead of a scan of its whole prefix (same answer: one absent page decides it)."""
+    hashes = rec.hashes
+    if hashes and hashes[rec.missing] not in pages:
         return False
+    for i, h in enumerate(hashes):
+        if h not in pages:
+            rec.missing = i
+            return False
     return not any((s := pages.get(h)) is not None and s.full_on_host for h in rec.loaded)
 
 
@@ -211,23 +221,23 @@ class OverlaidPages:
     __slots__ = ("lookup",)
 
     def __init__(self, base: PageMap, live: dict[int, int], loaded: dict[int, int]) -> None:
-        self.lookup: Callable[[int], list[int] | None] = _merged(base.lookup, live.get, loaded.get)
+        self.lookup: Callable[[int], Entry | None] = _merged(base.lookup, live.get, loaded.get)
 
 
 def _merged(
-    base: Callable[[int], list[int] | None],
+    base: Callable[[int], Entry | None],
     live: Callable[[int], int | None],
     loaded: Callable[[int], int | None],
-) -> Callable[[int], list[int] | None]:
-    def lookup(page_hash: int) -> list[int] | None:
+) -> Callable[[int], Entry | None]:
+    def lookup(page_hash: int) -> Entry | None:
         bits = live(page_hash) or 0
         full = loaded(page_hash) or 0
         entry = base(page_hash)
         if not bits and not full:
             return entry
         if entry is None:
-            return [bits, 0, 0, 0] if bits else None
+            return (bits, 0, 0, 0) if bits else None
         keep = ~bits
-        return [entry[0] | bits, entry[1] & keep, entry[2] & ~(bits | full), entry[3] & keep]
+        return (entry[0] | bits, entry[1] & keep, entry[2] & ~(bits | full), entry[3] & keep)
 
     return lookup

@@ -34,9 +34,12 @@ class RequestView:
     max_new_tokens: int = 0
 
 
-class Ranked(NamedTuple):  # one per candidate per request: a NamedTuple is cheap to build
-    position: int  # index into the views the policy was given
-    cost: float
+class Ranking(NamedTuple):
+    """A policy's answer: positions in the views it was given, best first, and each position's
+    cost. NOTE: two lists, not a tuple per candidate: one allocation fewer per candidate."""
+
+    order: list[int]
+    costs: list[float]
 
 
 class Policy(ABC):
@@ -49,14 +52,14 @@ class Policy(ABC):
         self._turn = 0
 
     @abstractmethod
-    def rank(self, request: RequestView, views: Sequence[WorkerView]) -> list[Ranked]:
+    def rank(self, request: RequestView, views: Sequence[WorkerView]) -> Ranking:
         """Every view exactly once, best first.
 
         Args:
             request: prompt length and the expected number of new tokens.
             views: the candidates, in a stable order (sorted by worker id).
         Returns:
-            `Ranked(position in views, cost)`, lowest cost first.
+            the positions in `views`, lowest cost first, and the cost of each position.
         """
 
     def predicted(self, view: WorkerView) -> int:
@@ -72,13 +75,18 @@ class Policy(ABC):
         counted apart (`Reuse.loaded_full + loaded_swa`, docs/design.md §9.9)."""
         return view.loaded_full + view.loaded_swa
 
-    def _order(self, costs: Sequence[float], keys: Sequence[tuple[float, ...]]) -> list[Ranked]:
-        """Sort by `keys`, ties by a rotation that advances every decision."""
-        n = len(costs)
+    def _turn_next(self) -> int:
+        """This decision's rotation (ties go to the candidate at `(i - turn) % n` lowest)."""
         turn, self._turn = self._turn, self._turn + 1
-        full_keys = [(*key, (i - turn) % n) for i, key in enumerate(keys)]
-        order = sorted(range(n), key=full_keys.__getitem__)
-        return [Ranked(i, costs[i]) for i in order]
+        return turn
+
+    def _order(self, costs: list[float], keys: Sequence[tuple[float, ...]]) -> Ranking:
+        """Sort by `keys` (each ending with the rotation term `(i - turn) % n`).
+
+        NOTE: the caller builds each key with its rotation in one tuple: one allocation per
+        candidate instead of two.
+        """
+        return Ranking(sorted(range(len(keys)), key=keys.__getitem__), costs)
 
 
 class _CachePolicy(Policy):
@@ -94,7 +102,7 @@ class _CachePolicy(Policy):
     def predicted(self, view: WorkerView) -> int:
         return self.cached(view)
 
-    def rank(self, request: RequestView, views: Sequence[WorkerView]) -> list[Ranked]:
+    def rank(self, request: RequestView, views: Sequence[WorkerView]) -> Ranking:
         w = self.weights
         prompt, max_new = request.prompt_tokens, request.max_new_tokens
         loads = [load_tokens(v, w) for v in views]
@@ -104,7 +112,8 @@ class _CachePolicy(Policy):
             for v, load in zip(views, loads)
         ]
         over = overloaded(loads, w)
-        keys = [(float(over[i]), costs[i], loads[i]) for i in range(len(views))]
+        n, turn = len(views), self._turn_next()
+        keys = [(float(over[i]), costs[i], loads[i], (i - turn) % n) for i in range(n)]
         return self._order(costs, keys)
 
 
@@ -134,20 +143,23 @@ class PrefixPolicy(_CachePolicy):
 class LeastLoadedPolicy(Policy):
     name = "least_loaded"
 
-    def rank(self, request: RequestView, views: Sequence[WorkerView]) -> list[Ranked]:
+    def rank(self, request: RequestView, views: Sequence[WorkerView]) -> Ranking:
         w = self.weights
         costs = [
             load_tokens(v, w) + capacity_tokens(v, request.prompt_tokens, request.max_new_tokens, w)
             for v in views
         ]
-        return self._order(costs, [(c,) for c in costs])
+        n, turn = len(views), self._turn_next()
+        return self._order(costs, [(c, (i - turn) % n) for i, c in enumerate(costs)])
 
 
 class RoundRobinPolicy(Policy):
     name = "round_robin"
 
-    def rank(self, request: RequestView, views: Sequence[WorkerView]) -> list[Ranked]:
-        return self._order([0.0] * len(views), [()] * len(views))
+    def rank(self, request: RequestView, views: Sequence[WorkerView]) -> Ranking:
+        n, turn = len(views), self._turn_next()
+        start = turn % n if n else 0  # the rotation alone: candidate `start` first, then in order
+        return Ranking([*range(start, n), *range(start)], [0.0] * n)
 
 
 POLICIES: dict[str, type[Policy]] = {
