@@ -36,7 +36,7 @@ class StepHost(FakeEngine, StreamingHost):
         self._thread = threading.Thread(target=self._steps, daemon=True)
         self._thread.start()
 
-    def generate(  # type: ignore[override]
+    def generate(
         self, token_ids: list[int], params: SamplingParams, request_id: str, follows: str | None = None
     ) -> Any:
         async def start(_: DeltaQueue) -> None:
