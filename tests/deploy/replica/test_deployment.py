@@ -30,7 +30,8 @@ async def _collect(w: WorkerDeployment, req: RoutedRequest) -> list[Any]:
 
 
 def test_worker_refuses_invalid_and_draining() -> None:
-    """Invalid requests and requests during drain get a refusing StreamStart and nothing else."""
+    """Invalid requests (refused by the engine's add: no separate validation) and requests
+    during drain get a refusing StreamStart and nothing else."""
     w, _ = _worker()
     too_long = asyncio.run(_collect(w, RoutedRequest([1] * 60, "a", params=SamplingParams(max_tokens=10))))
     assert too_long == [StreamStart("r1", "invalid", too_long[0].message)] and "max_model_len" in too_long[0].message
@@ -141,14 +142,14 @@ def test_an_engine_stopped_by_a_shutdown_is_no_death() -> None:
 
 
 def test_an_engine_found_dead_on_arrival_is_a_refusal_not_an_error() -> None:
-    """The engine died before the request reached it, and its `validate` raises something other
-    than ValueError (the connection is gone): an `unavailable` refusal (503), not a 500."""
+    """The engine died before the request reached it, and the add raises something other than
+    ValueError (the connection is gone): an `unavailable` refusal (503), not a 500."""
     w, engine = _worker()
 
     def gone(*_: Any) -> None:
         engine.error = RuntimeError("the engine process is gone")
         raise BrokenPipeError("the connection to the engine process is closed")
 
-    engine.validate = gone  # type: ignore[method-assign]
+    engine.validate = gone  # type: ignore[method-assign]  # the fake's add checks with it
     items = asyncio.run(_collect(w, RoutedRequest([1, 2], "a", params=SamplingParams(max_tokens=2))))
     assert items == [StreamStart("r1", "unavailable", "worker engine failed; retry")]
