@@ -153,3 +153,14 @@ def test_an_engine_found_dead_on_arrival_is_a_refusal_not_an_error() -> None:
     engine.validate = gone  # type: ignore[method-assign]  # the fake's add checks with it
     items = asyncio.run(_collect(w, RoutedRequest([1, 2], "a", params=SamplingParams(max_tokens=2))))
     assert items == [StreamStart("r1", "unavailable", "worker engine failed; retry")]
+
+
+def test_a_refused_add_of_a_request_with_choices_is_one_refusal() -> None:
+    """n=2 of a prompt that can never run: the choices' adds are refused, the stream is the
+    refusing StreamStart alone, and nothing is left running or held."""
+    w, engine = _worker()
+    req = RoutedRequest([1] * 60, "p", params=SamplingParams(max_tokens=10, seed=1),
+                        sibling_params=(SamplingParams(max_tokens=10, seed=2),))  # fmt: skip
+    items = asyncio.run(_collect(w, req))
+    assert len(items) == 1 and items[0].refusal == "invalid" and "max_model_len" in items[0].message
+    assert not w._inflight and engine.stats().full.used == 0
