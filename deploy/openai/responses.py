@@ -7,6 +7,7 @@ text: content, `reasoning_content`, `tool_calls` (finish reason `tool_calls` the
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -62,6 +63,11 @@ class ResponseBuilder:
         self._prompts = prompts
         self._offsets: dict[int, OffsetTracker] = {}  # choice index -> offsets of its tokens
         self._started: set[int] = set()  # completion choices whose first chunk went out
+        # Every chunk's JSON up to its first choice's index: a text-only chunk is this, the
+        # index and the text (`_text_event`), no pydantic model built per token.
+        kind = "chat.completion.chunk" if chat else "text_completion"
+        self._head = (f'data: {{"id":{_json(response_id)},"object":"{kind}","created":{self.created},'
+                      f'"model":{_json(model)},"choices":[{{"index":')  # fmt: skip
 
     # -- completions ---------------------------------------------------------------------------
 
@@ -170,6 +176,17 @@ class ResponseBuilder:
         choice = self._completion_choice(c, text, delta.token_ids, lps, first, final)
         return CompletionResponse(id=self.id, created=self.created, model=self.model, choices=[choice])
 
+    def _text_event(self, c: ChoiceState, text: str, finish: str | None) -> str:
+        """`from_model` of the chunk of one choice that carries only its new text (and its
+        finish reason): the same bytes (pydantic's field order, `exclude_none`, and JSON string
+        escaping, which `json.dumps(ensure_ascii=False)` shares), from a template."""
+        if self.chat:
+            body = f'"delta":{{"content":{_json(text)}}}' if text else '"delta":{}'
+        else:
+            body = f'"text":{_json(text)}'
+        end = f',"finish_reason":{_json(finish)}' if finish is not None else ""
+        return f"{self._head}{c.index},{body}{end}}}]}}\n\n"
+
     # -- one worker delta, folded into its choice --------------------------------------------
 
     def fold(self, c: ChoiceState, delta: StreamDelta) -> None:
@@ -192,9 +209,20 @@ class ResponseBuilder:
                 chat_piece.content += tail.content
                 chat_piece.reasoning += tail.reasoning
                 chat_piece.tool_calls += tail.tool_calls
+            finish = self.finish_reason(c) if c.done else None
+            no_logprobs = not (self.shape.logprobs and delta.logprobs)
+            if no_logprobs and not chat_piece.reasoning and not chat_piece.tool_calls:
+                if not chat_piece.content and finish is None:
+                    return None
+                return self._text_event(c, chat_piece.content, finish)
             chunk = self.chat_chunk(c, chat_piece, delta, final=c.done)
         else:
             first = c.index not in self._started
+            if not self.shape.logprobs and not (first and (self.shape.echo or self.shape.prompt_logprobs)):
+                if not piece.text and not c.done:
+                    return None
+                self._started.add(c.index)
+                return self._text_event(c, piece.text, c.finish_reason if c.done else None)
             chunk = self.completion_chunk(c, piece.text, delta, first=first, final=c.done)
             if chunk is not None:
                 self._started.add(c.index)
@@ -204,3 +232,7 @@ class ResponseBuilder:
         if self.chat:
             return ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[], usage=usage)
         return CompletionResponse(id=self.id, created=self.created, model=self.model, choices=[], usage=usage)
+
+
+def _json(value: str) -> str:
+    return json.dumps(value, ensure_ascii=False)

@@ -17,7 +17,6 @@ The class is plain Python (no Serve decorator) so tests drive it in-process with
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import os
 import time
@@ -40,13 +39,12 @@ from deploy.metrics import flatten_stats
 from worker.config import EngineConfig
 from worker.engine.protocols import EngineClient
 from worker.errors import EngineGoneError
+from worker.hosts.streams import merge_deltas
 
 if TYPE_CHECKING:
     from ray.serve.context import ReplicaContext
 
     from deploy.replica.events import CacheEventPump
-
-_DeltaQueue = asyncio.Queue[tuple[str, StreamDelta | BaseException | None]]
 
 log = logging.getLogger("swaserve.worker")
 
@@ -141,33 +139,45 @@ class WorkerDeployment:
         """Stream one prompt: a `StreamStart`, then coalesced `StreamDelta`s until every choice
         finished (each delta's `request_id` names its choice, `RoutedRequest.choice_ids`).
 
-        Cancelling the caller (client disconnect, stop string at the ingress) cancels this
-        generator; the pump tasks are cancelled with it and the engine aborts the requests.
+        The request's add is its validation (`EngineClient.generate`): the `StreamStart` goes
+        out with the first deltas, or as the refusal when the engine refused the add. Cancelling
+        the caller (client disconnect, stop string at the ingress) closes the engine streams
+        here, and the engine aborts the requests.
         """
         token_ids = list(request.token_ids)
         params = request.params if request.params is not None else SamplingParams()
         choices = list(zip(request.choice_ids, (params, *request.sibling_params)))
-        refusal = await self._refusal(token_ids, params)
+        refusal = self._refusal()
         if refusal is not None:
             yield refusal
             return
         if self._events is not None:
             await self._events.ensure_started()
-        yield StreamStart(self.replica_id)
-        queue: _DeltaQueue = asyncio.Queue()  # (choice id, delta | error | None: ended)
-        first = choices[0][0]
-        pumps = [
-            asyncio.create_task(
-                self._pump(token_ids, p, cid, queue, None if cid == first else first)
-            )
-            for cid, p in choices
-        ]
-        open_ids = {cid for cid, _ in choices}
-        self._inflight.update(open_ids)
+        ids = [cid for cid, _ in choices]
+        streams = _SingleChoice(self, token_ids, *choices[0]) if len(choices) == 1 else _Choices(
+            self, token_ids, choices
+        )
+        open_ids = set(ids)
+        self._inflight.update(ids)
         try:
+            try:
+                batch = await streams.next()
+            except ValueError as e:  # the add refused it: it can never run
+                yield StreamStart(self.replica_id, "invalid", str(e))
+                return
+            except WorkerUnavailableError as e:
+                if isinstance(e, EngineDiedError) or self._engine.error is None:
+                    yield StreamStart(self.replica_id)  # it was running here: as before
+                    raise
+                yield StreamStart(self.replica_id, "unavailable", "worker engine failed; retry")
+                return
+            except Exception:
+                yield StreamStart(self.replica_id)
+                raise
+            yield StreamStart(self.replica_id)
             reported = False
-            while open_ids:
-                for delta in await self._next_deltas(queue):
+            while True:
+                for delta in batch:
                     if delta.finished:
                         open_ids.discard(delta.request_id)
                     if not open_ids and self._events is not None:
@@ -178,59 +188,31 @@ class WorkerDeployment:
                         self._report_stats(register=False)
                         reported = True
                     yield delta
+                if not open_ids:
+                    return
+                batch = await streams.next()
         finally:
-            self._inflight.difference_update(cid for cid, _ in choices)
-            live = [p for p in pumps if not p.done()]
-            for p in live:
-                p.cancel()
-            await asyncio.gather(*live, return_exceptions=True)
+            self._inflight.difference_update(ids)
+            await streams.close()
 
-    async def _next_deltas(self, queue: _DeltaQueue) -> list[StreamDelta]:
-        """Everything queued since the last call, merged per choice (fewer Ray stream items
-        when the consumer is slower than the engine). Raises what the engine raised, or
-        `WorkerUnavailableError` when a request was aborted here rather than by the caller
-        (a caller that cancels is gone and never sees this): that is shutdown."""
-        batch = [await queue.get()]
-        while not queue.empty():
-            batch.append(queue.get_nowait())
-        errors = [item for _, item in batch if isinstance(item, BaseException)]
-        if errors:
-            raise errors[0]
-        per_choice: dict[str, list[StreamDelta]] = {}
-        for cid, item in batch:
-            if isinstance(item, StreamDelta):
-                per_choice.setdefault(cid, []).append(item)
-        merged = {cid: merge_deltas(ds) for cid, ds in per_choice.items()}
-        for cid, item in batch:
-            delta = merged.get(cid)
-            ended_early = item is None and not (delta and delta.finished)
-            if ended_early or (delta and delta.finish_reason == "abort" and not delta.error):
-                raise WorkerUnavailableError(
-                    f"request {cid} was aborted on worker {self.replica_id}; retry"
-                )
-        return list(merged.values())
+    def _failure(self, rid: str, e: Exception) -> Exception:
+        """What the ingress hears of the engine's stream of `rid` raising `e`."""
+        if isinstance(e, EngineGoneError):
+            return self._engine_gone(rid, e)
+        if isinstance(e, ValueError) or self._engine.error is None:
+            return e  # a refused add; or the engine's own error, the request's
+        return WorkerUnavailableError(f"worker {self.replica_id}: its engine failed; retry")
 
-    async def _pump(
-        self,
-        token_ids: list[int],
-        params: SamplingParams,
-        rid: str,
-        queue: _DeltaQueue,
-        follows: str | None,
-    ) -> None:
-        gen = self._engine.generate(token_ids, params, rid, follows)
-        try:
-            async for delta in gen:
-                queue.put_nowait((rid, delta))
-        except EngineGoneError as e:
-            queue.put_nowait((rid, self._engine_gone(rid, e)))
-        except Exception as e:  # noqa: BLE001 - forwarded to the consumer, raised there
-            failed = self._engine.error is not None  # it died before this request reached it
-            refused = WorkerUnavailableError(f"worker {self.replica_id}: its engine failed; retry")
-            queue.put_nowait((rid, refused if failed else e))
-        finally:
-            queue.put_nowait((rid, None))
-            await gen.aclose()
+    def _check_delta(self, delta: StreamDelta) -> None:
+        """An abort the caller did not ask for is a shutdown (a caller that cancels is gone
+        and never sees this)."""
+        if delta.finish_reason == "abort" and not delta.error:
+            raise WorkerUnavailableError(
+                f"request {delta.request_id} was aborted on worker {self.replica_id}; retry"
+            )
+
+    def _ended_early(self, rid: str) -> WorkerUnavailableError:
+        return WorkerUnavailableError(f"request {rid} was aborted on worker {self.replica_id}; retry")
 
     def _engine_gone(self, rid: str, e: EngineGoneError) -> WorkerUnavailableError:
         """The engine ended under request `rid`: stopped by a shutdown (not the request's
@@ -241,22 +223,13 @@ class WorkerDeployment:
         log.warning("worker %s: the engine died while running %s: %s", self.replica_id, rid, e)
         return EngineDiedError(f"worker {self.replica_id}: its engine died while running the request")
 
-    async def _refusal(self, token_ids: list[int], params: SamplingParams) -> StreamStart | None:
+    def _refusal(self) -> StreamStart | None:
+        """Refused before the add: this replica is draining, or its engine has failed."""
         if self._draining:
             return StreamStart(
                 self.replica_id, "unavailable", "worker replica is shutting down; retry"
             )
         if self._engine.error is not None:  # Serve replaces us at the next health check
-            return StreamStart(self.replica_id, "unavailable", "worker engine failed; retry")
-        try:
-            # Off the event loop: checking a grammar compiles it, and an engine in its own
-            # process answers over its connection.
-            await asyncio.to_thread(self._engine.validate, token_ids, params)
-        except ValueError as e:
-            return StreamStart(self.replica_id, "invalid", str(e))
-        except Exception:
-            if self._engine.error is None:
-                raise
             return StreamStart(self.replica_id, "unavailable", "worker engine failed; retry")
         return None
 
@@ -344,18 +317,89 @@ class WorkerDeployment:
             self.shutdown()
 
 
-def merge_deltas(deltas: list[StreamDelta]) -> StreamDelta:
-    """Coalesce consecutive deltas of one request into one (fewer Ray stream items under load)."""
-    if len(deltas) == 1:
-        return deltas[0]
-    last = deltas[-1]
-    tokens = [t for d in deltas for t in d.token_ids]
-    logprobs = None
-    if any(d.logprobs is not None for d in deltas):
-        logprobs = [lp for d in deltas for lp in (d.logprobs or [])]
-    prompt_logprobs = next(
-        (d.prompt_logprobs for d in deltas if d.prompt_logprobs is not None), None
-    )
-    return dataclasses.replace(
-        last, token_ids=tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs
-    )
+
+class _SingleChoice:
+    """The engine stream of a one-choice request, read in the replica's own call (no task
+    and no queue between the engine's host and Serve's stream: its relay already merges what
+    queued up between reads)."""
+
+    def __init__(self, w: WorkerDeployment, token_ids: list[int], rid: str, params: SamplingParams) -> None:
+        self._w, self._rid = w, rid
+        self._gen = w._engine.generate(token_ids, params, rid, None)
+
+    async def next(self) -> list[StreamDelta]:
+        try:
+            delta = await anext(self._gen, None)
+        except Exception as e:  # noqa: BLE001 - mapped for the ingress
+            failure = self._w._failure(self._rid, e)
+            if failure is e:
+                raise
+            raise failure from e
+        if delta is None:
+            raise self._w._ended_early(self._rid)
+        self._w._check_delta(delta)
+        return [delta]
+
+    async def close(self) -> None:
+        await self._gen.aclose()
+
+
+_Item = tuple[str, "StreamDelta | BaseException | None"]  # (choice id, delta | error | None: ended)
+
+
+class _Choices:
+    """The engine streams of a request's choices (n, best_of), each pumped by a task into one
+    queue; the siblings follow the first into the engine."""
+
+    def __init__(
+        self, w: WorkerDeployment, token_ids: list[int], choices: list[tuple[str, SamplingParams]]
+    ) -> None:
+        self._w = w
+        self._queue: asyncio.Queue[_Item] = asyncio.Queue()
+        first = choices[0][0]
+        self._pumps = [
+            asyncio.create_task(self._pump(token_ids, p, cid, None if cid == first else first))
+            for cid, p in choices
+        ]
+
+    async def _pump(
+        self, token_ids: list[int], params: SamplingParams, rid: str, follows: str | None
+    ) -> None:
+        gen = self._w._engine.generate(token_ids, params, rid, follows)
+        try:
+            async for delta in gen:
+                self._queue.put_nowait((rid, delta))
+        except Exception as e:  # noqa: BLE001 - forwarded to the consumer, raised there
+            self._queue.put_nowait((rid, self._w._failure(rid, e)))
+        finally:
+            self._queue.put_nowait((rid, None))
+            await gen.aclose()
+
+    async def next(self) -> list[StreamDelta]:
+        """Everything queued since the last call, merged per choice. Raises what the engine
+        raised (a refused add: its ValueError), or `WorkerUnavailableError` when a request was
+        aborted here rather than by the caller."""
+        batch = [await self._queue.get()]
+        while not self._queue.empty():
+            batch.append(self._queue.get_nowait())
+        errors = [item for _, item in batch if isinstance(item, BaseException)]
+        if errors:
+            raise errors[0]
+        per_choice: dict[str, list[StreamDelta]] = {}
+        for cid, item in batch:
+            if isinstance(item, StreamDelta):
+                per_choice.setdefault(cid, []).append(item)
+        merged = {cid: merge_deltas(ds) for cid, ds in per_choice.items()}
+        for cid, item in batch:
+            delta = merged.get(cid)
+            if item is None and not (delta and delta.finished):
+                raise self._w._ended_early(cid)
+        for delta in merged.values():
+            self._w._check_delta(delta)
+        return list(merged.values())
+
+    async def close(self) -> None:
+        live = [p for p in self._pumps if not p.done()]
+        for p in live:
+            p.cancel()
+        await asyncio.gather(*live, return_exceptions=True)

@@ -11,7 +11,7 @@ the packages and on `tests/fakes`).
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator
 from pathlib import Path
 from typing import Protocol
 
@@ -58,10 +58,6 @@ class EngineClient(Protocol):
         reports unhealthy and refuses requests."""
         ...
 
-    def validate(self, token_ids: Sequence[int], params: SamplingParams) -> None:
-        """Raise ValueError (the message says what to change) for a request that can never run."""
-        ...
-
     def generate(
         self,
         token_ids: list[int],
@@ -70,7 +66,9 @@ class EngineClient(Protocol):
         follows: str | None = None,
     ) -> AsyncGenerator[StreamDelta, None]:
         """Stream the request's deltas; closing the iterator early aborts it. `follows`: the id
-        of an earlier choice of the same prompt; this one starts once that prompt is cached."""
+        of an earlier choice of the same prompt; this one starts once that prompt is cached. A
+        request that can never run raises ValueError (the message says what to change) at the
+        first step, before any delta: the add is the check."""
         ...
 
     def abort(self, request_id: str) -> None: ...

@@ -18,7 +18,7 @@ import concurrent.futures
 import functools
 import logging
 import threading
-from collections.abc import AsyncGenerator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable
 from pathlib import Path
 from typing import TypeVar
 
@@ -73,9 +73,6 @@ class AsyncEngine(StreamingHost):
         return RuntimeError(failure) if failure is not None else None
 
     # ---- requests -------------------------------------------------------------------------------
-    def validate(self, token_ids: Sequence[int], params: SamplingParams) -> None:
-        self.engine.validate(token_ids, params)
-
     def generate(
         self,
         token_ids: list[int],
@@ -84,7 +81,8 @@ class AsyncEngine(StreamingHost):
         follows: str | None = None,
     ) -> AsyncGenerator[StreamDelta, None]:
         """Stream the request's deltas; stopping the iteration (or cancelling) aborts it.
-        `follows`: another choice of the same prompt, already added (see `Engine.add_request`)."""
+        `follows`: another choice of the same prompt, already added (see `Engine.add_request`).
+        A request the engine refuses raises its `ValueError` before any delta (from the add)."""
 
         async def start(deltas: DeltaQueue) -> None:
             loop = asyncio.get_running_loop()

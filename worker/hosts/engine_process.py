@@ -14,8 +14,8 @@ fetching them with a call instead waited for the step in flight, and with many r
 at once those waits queued one behind another (seconds at concurrency 32).
 
     replica process                           child (python -m worker.hosts.engine_process)
-    generate/abort/validate/calls ──send──▶   control thread: adds, aborts → engine inbox,
-    reader thread ◀──recv── (step: deltas, stats,     validate answered at once, calls queued
+    generate/abort/calls ──send──▶            control thread: adds (a refused one answered
+    reader thread ◀──recv── (step: deltas, stats,     at once), aborts → engine inbox, calls queued
       events → buffer, deltas → each            cache events)   step thread: calls, step, send
       stream's asyncio queue
 
@@ -50,7 +50,7 @@ import tempfile
 import threading
 import time
 import traceback
-from collections.abc import AsyncGenerator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from multiprocessing.connection import Client, Connection, Listener
@@ -87,7 +87,8 @@ CALLS = (
 )
 
 
-# ---- messages (replica → child: _Add, _Abort, _Call, _Stop; child → replica: _Step, _Reply) ----
+# ---- messages (replica → child: _Add, _Abort, _Call, _Stop; child → replica: _Step, _Refused,
+# _Reply, _Died) ----
 @dataclass(frozen=True)
 class _Start:
     config: EngineConfig
@@ -110,9 +111,7 @@ class _Abort:
 @dataclass(frozen=True)
 class _Call:
     call_id: int
-    name: str  # "validate" or one of CALLS
-    token_ids: list[int] | None = None  # validate's
-    params: SamplingParams | None = None
+    name: str  # one of CALLS
 
 
 @dataclass(frozen=True)
@@ -125,6 +124,15 @@ class _Step:
     deltas: list[StreamDelta]
     stats: EngineStats
     events: list[CacheEvent] = dataclasses.field(default_factory=list)  # queued up to now
+
+
+@dataclass(frozen=True)
+class _Refused:
+    """The engine refused an `_Add` (it can never run: the `ValueError`'s message, which says
+    what to change); the request was not added."""
+
+    request_id: str
+    message: str
 
 
 @dataclass(frozen=True)
@@ -213,10 +221,6 @@ class EngineProcess(StreamingHost):
     def error(self) -> BaseException | None:
         return self._error
 
-    def validate(self, token_ids: Sequence[int], params: SamplingParams) -> None:
-        """Checked by the child's engine (answered by its control thread, not between steps)."""
-        self._call(_Call(0, "validate", list(token_ids), params))
-
     def generate(
         self,
         token_ids: list[int],
@@ -224,7 +228,8 @@ class EngineProcess(StreamingHost):
         request_id: str,
         follows: str | None = None,
     ) -> AsyncGenerator[StreamDelta, None]:
-        """Stream the request's deltas; stopping the iteration (or cancelling) aborts it."""
+        """Stream the request's deltas; stopping the iteration (or cancelling) aborts it. A
+        request the engine refuses raises its `ValueError` before any delta (`_Refused`)."""
 
         async def start(_: DeltaQueue) -> None:
             try:
@@ -313,6 +318,8 @@ class EngineProcess(StreamingHost):
                         with self._lock:
                             self._events.extend(message.events)
                     self._route(message.deltas)
+                elif isinstance(message, _Refused):
+                    self._refuse(message)
                 elif isinstance(message, _Reply):
                     value = message.value
                     with self._lock:
@@ -336,15 +343,11 @@ class EngineProcess(StreamingHost):
             logger.exception("engine process reader failed")
             self._die(exc)
 
-    def _route(self, deltas: list[StreamDelta]) -> None:
-        per_loop: dict[asyncio.AbstractEventLoop, list[tuple[DeltaQueue, StreamDelta]]] = {}
+    def _refuse(self, message: _Refused) -> None:
         with self._lock:
-            for delta in deltas:
-                stream = self._streams.get(delta.request_id)
-                if stream is not None:
-                    per_loop.setdefault(stream[0], []).append((stream[1], delta))
-        for loop, items in per_loop.items():
-            loop.call_soon_threadsafe(_put_all, items)
+            stream = self._streams.get(message.request_id)
+        if stream is not None:
+            stream[0].call_soon_threadsafe(stream[1].put_nowait, ValueError(message.message))
 
     def _die(self, exc: BaseException) -> None:
         with self._lock:
@@ -355,11 +358,6 @@ class EngineProcess(StreamingHost):
             fut.set_exception(RuntimeError(f"engine stopped: {exc!r}"))
         for loop, q in streams.values():
             loop.call_soon_threadsafe(q.put_nowait, EngineGoneError(f"engine stopped: {exc!r}"))
-
-
-def _put_all(items: list[tuple[DeltaQueue, StreamDelta]]) -> None:
-    for q, delta in items:
-        q.put_nowait(delta)
 
 
 def _accept(
@@ -424,8 +422,6 @@ class _Child:
                     self._add(message)
                 elif isinstance(message, _Abort):
                     self.engine.abort(message.request_id)
-                elif isinstance(message, _Call) and message.name == "validate":
-                    self._validate(message)
                 elif isinstance(message, _Call) and message.name in CALLS:
                     with self.calls_lock:
                         self.calls.append((message.call_id, message.name))
@@ -445,6 +441,8 @@ class _Child:
         def add() -> None:
             try:
                 self.engine.add_request(token_ids, params, rid, self._sink, follows)
+            except ValueError as exc:  # it can never run: refused, as a check before it was
+                self.send(_Refused(rid, str(exc)))
             except Exception as exc:  # noqa: BLE001 - the stream ends with it
                 delta = StreamDelta(rid, [], True, "abort", len(token_ids), 0, 0, error=repr(exc))
                 self.send(_Step([delta], self.engine.stats()))
@@ -457,22 +455,6 @@ class _Child:
 
     def _sink(self, delta: StreamDelta) -> None:  # step thread
         self.outbox.append(delta)
-
-    def _validate(self, m: _Call) -> None:
-        call_id, token_ids, params = m.call_id, m.token_ids, m.params
-        assert token_ids is not None and params is not None
-
-        def run() -> None:
-            try:
-                self.engine.validate(token_ids, params)
-                self.send(_Reply(call_id, True, None))
-            except Exception as exc:  # noqa: BLE001 - raised in the replica
-                self.send(_Reply(call_id, False, exc))
-
-        if params.grammar is None:
-            run()
-        else:
-            threading.Thread(target=run, daemon=True).start()
 
     # step thread
     def step_loop(self) -> None:

@@ -4,11 +4,20 @@ A host registers the stream's queue under its lock (so its death either fails th
 stream is never registered), starts the request, then relays deltas until the last one; however
 the relay stops (the caller closed it, the start failed, the engine died) the host's `end` runs,
 and a stream that did not finish is aborted there.
+
+Each wake-up of the relay takes everything queued for the request since the last one and yields
+it as one delta (`merge_deltas`): when the consumer (the replica's stream to the ingress) is
+slower than the engine, the tokens of several steps travel as one item instead of one each.
+
+A request that can never run is refused by its add (the engine's checks, a grammar compiled):
+the relay's first step raises that `ValueError`, before any delta, and the replica answers with
+a refusing `StreamStart` (no separate validation round trip before the add).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import threading
 from collections.abc import AsyncGenerator, Awaitable, Callable
@@ -16,7 +25,8 @@ from collections.abc import AsyncGenerator, Awaitable, Callable
 from core.outputs import StreamDelta
 from worker.errors import EngineGoneError
 
-DeltaQueue = asyncio.Queue["StreamDelta | EngineGoneError"]  # one stream's deltas, or its end
+# One stream's deltas, or its end: the engine gone, or the add refused (a ValueError)
+DeltaQueue = asyncio.Queue[StreamDelta | EngineGoneError | ValueError]
 
 
 async def relay(
@@ -24,20 +34,47 @@ async def relay(
     start: Callable[[DeltaQueue], Awaitable[None]],
     end: Callable[[bool], None],
 ) -> AsyncGenerator[StreamDelta, None]:
-    """Yield the deltas of the request `start` submits; `end(finished)` runs once it stops."""
+    """Yield the deltas of the request `start` submits, everything queued at each wake-up
+    merged into one; `end(finished)` runs once it stops. Raises the `ValueError` of a refused
+    add before any delta, and `EngineGoneError` after the deltas queued before it."""
     deltas = open_stream()
     finished = False
     try:
         await start(deltas)
         while not finished:
-            delta = await deltas.get()
-            if isinstance(delta, EngineGoneError):
-                finished = True  # nothing left to abort
-                raise delta
-            finished = delta.finished
-            yield delta
+            got: list[StreamDelta] = []
+            item = await deltas.get()
+            while isinstance(item, StreamDelta):
+                got.append(item)
+                if deltas.empty():
+                    break
+                item = deltas.get_nowait()
+            if got:
+                delta = merge_deltas(got)
+                finished = delta.finished
+                yield delta
+            if not isinstance(item, StreamDelta):
+                finished = True  # nothing left to abort: never added, or the engine is gone
+                raise item
     finally:
         end(finished)
+
+
+def merge_deltas(deltas: list[StreamDelta]) -> StreamDelta:
+    """Coalesce consecutive deltas of one request into one."""
+    if len(deltas) == 1:
+        return deltas[0]
+    last = deltas[-1]
+    tokens = [t for d in deltas for t in d.token_ids]
+    logprobs = None
+    if any(d.logprobs is not None for d in deltas):
+        logprobs = [lp for d in deltas for lp in (d.logprobs or [])]
+    prompt_logprobs = next(
+        (d.prompt_logprobs for d in deltas if d.prompt_logprobs is not None), None
+    )
+    return dataclasses.replace(
+        last, token_ids=tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs
+    )
 
 
 class StreamingHost:
@@ -62,6 +99,18 @@ class StreamingHost:
             functools.partial(self._end, request_id),
         )
 
+    def _route(self, deltas: list[StreamDelta]) -> None:
+        """One engine step's deltas (any thread) into their streams' queues: one callback per
+        event loop for the whole step, not one per delta."""
+        per_loop: dict[asyncio.AbstractEventLoop, list[tuple[DeltaQueue, StreamDelta]]] = {}
+        with self._lock:
+            for delta in deltas:
+                stream = self._streams.get(delta.request_id)
+                if stream is not None:
+                    per_loop.setdefault(stream[0], []).append((stream[1], delta))
+        for loop, items in per_loop.items():
+            loop.call_soon_threadsafe(_put_all, items)
+
     def _open(self, request_id: str) -> DeltaQueue:
         deltas: DeltaQueue = asyncio.Queue()
         with self._lock:  # with the host's death: a stream is failed by it or never registered
@@ -74,3 +123,8 @@ class StreamingHost:
             self._streams.pop(request_id, None)
         if not finished:
             self.abort(request_id)
+
+
+def _put_all(items: list[tuple[DeltaQueue, StreamDelta]]) -> None:
+    for q, delta in items:
+        q.put_nowait(delta)

@@ -30,7 +30,8 @@ async def _collect(w: WorkerDeployment, req: RoutedRequest) -> list[Any]:
 
 
 def test_worker_refuses_invalid_and_draining() -> None:
-    """Invalid requests and requests during drain get a refusing StreamStart and nothing else."""
+    """Invalid requests (refused by the engine's add: no separate validation) and requests
+    during drain get a refusing StreamStart and nothing else."""
     w, _ = _worker()
     too_long = asyncio.run(_collect(w, RoutedRequest([1] * 60, "a", params=SamplingParams(max_tokens=10))))
     assert too_long == [StreamStart("r1", "invalid", too_long[0].message)] and "max_model_len" in too_long[0].message
@@ -141,14 +142,25 @@ def test_an_engine_stopped_by_a_shutdown_is_no_death() -> None:
 
 
 def test_an_engine_found_dead_on_arrival_is_a_refusal_not_an_error() -> None:
-    """The engine died before the request reached it, and its `validate` raises something other
-    than ValueError (the connection is gone): an `unavailable` refusal (503), not a 500."""
+    """The engine died before the request reached it, and the add raises something other than
+    ValueError (the connection is gone): an `unavailable` refusal (503), not a 500."""
     w, engine = _worker()
 
     def gone(*_: Any) -> None:
         engine.error = RuntimeError("the engine process is gone")
         raise BrokenPipeError("the connection to the engine process is closed")
 
-    engine.validate = gone  # type: ignore[method-assign]
+    engine.validate = gone  # type: ignore[method-assign]  # the fake's add checks with it
     items = asyncio.run(_collect(w, RoutedRequest([1, 2], "a", params=SamplingParams(max_tokens=2))))
     assert items == [StreamStart("r1", "unavailable", "worker engine failed; retry")]
+
+
+def test_a_refused_add_of_a_request_with_choices_is_one_refusal() -> None:
+    """n=2 of a prompt that can never run: the choices' adds are refused, the stream is the
+    refusing StreamStart alone, and nothing is left running or held."""
+    w, engine = _worker()
+    req = RoutedRequest([1] * 60, "p", params=SamplingParams(max_tokens=10, seed=1),
+                        sibling_params=(SamplingParams(max_tokens=10, seed=2),))  # fmt: skip
+    items = asyncio.run(_collect(w, req))
+    assert len(items) == 1 and items[0].refusal == "invalid" and "max_model_len" in items[0].message
+    assert not w._inflight and engine.stats().full.used == 0

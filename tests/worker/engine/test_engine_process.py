@@ -1,6 +1,6 @@
 """`EngineProcess` (docs/design.md §20): the engine in a child process, behind the same
 `EngineClient` as `AsyncEngine` — streams equal the offline engine's greedy tokens, a closed
-stream aborts and frees its KV, refusals come back as ValueError, calls run between steps, and a
+stream aborts and frees its KV, a refused add raises its ValueError, calls run between steps, and a
 child that dies ends every open stream with `EngineGoneError` and fails every call instead of
 hanging them; the child runs at the niceness asked, or keeps its own when it may not lower it."""
 
@@ -143,12 +143,26 @@ def test_a_niceness_it_may_not_take_is_logged_and_kept(
     assert engine_process.set_niceness(before) == before and calls == [before - 5]  # no call
 
 
-def test_refusals_are_value_errors(engine: EngineProcess) -> None:
+def test_a_refused_add_raises_its_value_error_before_any_delta(engine: EngineProcess) -> None:
+    """The add is the check (no validation round trip before it): a request that can never run
+    raises the engine's ValueError at the stream's first step, the child keeps serving, and the
+    next good request streams as usual."""
+
+    async def first(prompt: list[int], params: SamplingParams, rid: str) -> StreamDelta | None:
+        gen = engine.generate(prompt, params, rid)
+        try:
+            return await anext(gen, None)
+        finally:
+            await gen.aclose()
+
     with pytest.raises(ValueError, match="prompt is empty"):
-        engine.validate([], GREEDY)
+        asyncio.run(first([], GREEDY, "empty"))
     with pytest.raises(ValueError, match="exceeds the model's context"):
-        engine.validate([1, 2], SamplingParams(max_tokens=engine.max_model_len))
-    engine.validate([1, 2, 3], GREEDY)  # a good one passes
+        asyncio.run(first([1, 2], SamplingParams(max_tokens=engine.max_model_len), "long"))
+    assert engine.error is None and not engine._streams
+    out = asyncio.run(_collect(engine, [1, 2, 3], "good"))
+    assert sum(len(d.token_ids) for d in out) == GREEDY.max_tokens and out[-1].finished
+    _wait_idle(engine)
 
 
 def test_a_dead_child_fails_streams_and_calls(oracle: Oracle) -> None:
