@@ -171,7 +171,7 @@ class ResponseBuilder:
 
     def completion_chunk(self, c: ChoiceState, text: str, delta: StreamDelta, first: bool, final: bool) -> BaseModel | None:
         lps = delta.logprobs or []
-        if not text and not final and not (self.shape.logprobs and lps) and not (first and self.shape.echo):
+        if not text and not delta.token_ids and not final and not (self.shape.logprobs and lps) and not (first and self.shape.echo):
             return None
         choice = self._completion_choice(c, text, delta.token_ids, lps, first, final)
         return CompletionResponse(id=self.id, created=self.created, model=self.model, choices=[choice])
@@ -199,7 +199,8 @@ class ResponseBuilder:
 
     def event(self, c: ChoiceState, delta: StreamDelta) -> str | None:
         """A streamed choice takes one delta; returns its SSE event, or None while the delta
-        shows nothing yet (text held back for a stop string or a whole character)."""
+        shows nothing yet (chat: text held back for a stop string or a whole character; a
+        completion sends a chunk for every delta with tokens, its text maybe empty)."""
         piece = c.consume(delta)
         chunk: BaseModel | None
         if c.parser is not None:
@@ -219,7 +220,11 @@ class ResponseBuilder:
         else:
             first = c.index not in self._started
             if not self.shape.logprobs and not (first and (self.shape.echo or self.shape.prompt_logprobs)):
-                if not piece.text and not c.done:
+                # NOTE: a delta of tokens whose text is held back (a character's first bytes, a
+                # stop string's prefix) still gets its chunk, with empty text, as vLLM's does:
+                # clients time the first token and the gaps by chunks, and holding it back made a
+                # few first tokens look hundreds of ms late (BENCHMARKS "vllm-compare").
+                if not piece.text and not delta.token_ids and not c.done:
                     return None
                 self._started.add(c.index)
                 return self._text_event(c, piece.text, c.finish_reason if c.done else None)

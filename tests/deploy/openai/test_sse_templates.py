@@ -4,10 +4,12 @@ and chat, with and without a finish reason, for any text (quotes, control charac
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
 
+from core.outputs import StreamDelta
 from deploy.openai.bodies import (
     ChatChunkChoice,
     ChatCompletionChunk,
@@ -16,6 +18,7 @@ from deploy.openai.bodies import (
     CompletionResponse,
 )
 from deploy.openai.choices import ChoiceState
+from deploy.openai.detokenize import StopTextStream
 from deploy.openai.responses import ResponseBuilder, Shape
 from deploy.openai.streaming import from_model
 
@@ -41,3 +44,30 @@ def test_a_text_chunk_from_the_template_equals_the_model_path(chat: bool, finish
         chunk = CompletionResponse(id=b.id, created=b.created, model=b.model,
                                    choices=[CompletionChoice(index=3, text=text, finish_reason=finish)])  # fmt: skip
     assert b._text_event(c, text, finish) == from_model(chunk)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    from transformers import AutoTokenizer
+
+    from tests.fakes.tokenizer import make_tokenizer_dir
+
+    return AutoTokenizer.from_pretrained(str(make_tokenizer_dir(tmp_path_factory.mktemp("tok"))))
+
+
+def _delta(ids: list[int], done: bool) -> StreamDelta:
+    return StreamDelta("r-0", ids, done, "length" if done else None, 2, 0, len(ids))
+
+
+@pytest.mark.parametrize("logprobs", [False, True])
+def test_a_completion_delta_whose_text_is_held_back_still_gets_its_chunk(tokenizer: Any, logprobs: bool) -> None:
+    """Tokens whose text waits (here: a stop string's prefix) are sent as a chunk with empty
+    text, as vLLM does, so a client times the first token when the engine made it; the held
+    text comes with a later chunk, and the texts add up to the whole."""
+    ids = tokenizer(" sli")["input_ids"]
+    b = ResponseBuilder(tokenizer, "cmpl-1", "m", False, Shape(logprobs=logprobs), [[1, 2]])
+    c = ChoiceState(0, 0, "r-0", StopTextStream(tokenizer, ["sliding"]))
+    events = [b.event(c, _delta([t], done=i == len(ids) - 1)) for i, t in enumerate(ids)]
+    assert all(e is not None for e in events), events
+    texts = [json.loads(e.removeprefix("data: "))["choices"][0]["text"] for e in events if e is not None]
+    assert texts[0] == "" and "".join(texts) == " sli"
