@@ -13,12 +13,11 @@ import json
 from pathlib import Path
 
 from worker.assembly.host import build_host
-from worker.assembly.parts import EngineParts, cache_geometry
+from worker.assembly.parts import EngineParts, configured_cache
 from worker.assembly.rank import build_rank, max_model_len
 from worker.assembly.rank_processes import ProcessLauncher
 from worker.assembly.ranks import RankLauncher, Ranks, TensorParallel
 from worker.assembly.standin import build_standin_parts
-from worker.cache import create_cache
 from worker.config import EngineConfig
 from worker.models.hf_config import load_spec
 from worker.models.model_dir import load_tokenizer, resolve_model_dir
@@ -56,14 +55,7 @@ def build_engine_parts(config: EngineConfig, launcher: RankLauncher | None = Non
     if ranks is None:  # NOTE: one rank only (the config refuses a tier under tensor parallelism)
         pool, model = built.runner.pool, built.runner.model
         host = build_host(config, built.spec, built.plan, pool, allocator, model)
-    cache = create_cache(
-        allocator,
-        cache_geometry(spec, allocator),
-        enable_radix_cache=config.enable_radix_cache,
-        eager_swa_free=config.eager_swa_free,
-        swa_eviction_policy=config.swa_eviction_policy,
-        tier=None if host is None else host.tier,
-    )
+    cache = configured_cache(config, spec, allocator, None if host is None else host.tier)
     return EngineParts(
         spec=spec,
         allocator=allocator,

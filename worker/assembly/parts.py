@@ -12,7 +12,10 @@ from core.geometry import Geometry
 from core.reuse import TierCosts
 from worker.assembly.host import HostParts
 from worker.assembly.ranks import TensorParallel
+from worker.cache import create_cache
 from worker.cache.base import PrefixCache
+from worker.cache.host_tier import HostTier
+from worker.config import EngineConfig
 from worker.kv.hybrid_allocator import HybridAllocator
 from worker.kv.memory_plan import PoolPlan
 from worker.models.model_dir import Tokenizer
@@ -55,3 +58,17 @@ def cache_geometry(spec: ModelSpec, allocator: HybridAllocator) -> Geometry:
     and the model's SWA layer count."""
     window = spec.window if allocator.hybrid else None
     return Geometry(allocator.page_size, window, len(spec.swa_layer_ids))
+
+
+def configured_cache(
+    config: EngineConfig, spec: ModelSpec, allocator: HybridAllocator, tier: HostTier | None = None
+) -> PrefixCache:
+    """The prefix cache `config` asks for over `allocator` (and the host tier, if any)."""
+    return create_cache(
+        allocator,
+        cache_geometry(spec, allocator),
+        enable_radix_cache=config.enable_radix_cache,
+        eager_swa_free=config.eager_swa_free,
+        swa_eviction_policy=config.swa_eviction_policy,
+        tier=tier,
+    )

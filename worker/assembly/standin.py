@@ -15,10 +15,9 @@ from pathlib import Path
 
 import torch
 
-from worker.assembly.parts import EngineParts, cache_geometry
+from worker.assembly.parts import EngineParts, configured_cache
 from worker.assembly.pools import allocator_sizes, plan_before_load
 from worker.assembly.rank import max_model_len, torch_dtype
-from worker.cache import create_cache
 from worker.config import EngineConfig
 from worker.errors import ConfigError
 from worker.kv.hybrid_allocator import HybridAllocator
@@ -40,13 +39,7 @@ def build_standin_parts(
         raise ConfigError("standin_tokens_per_s: set kv_cache_bytes or max_total_tokens")
     full, swa = allocator_sizes(plan)
     allocator = HybridAllocator(full, swa, config.page_size, hybrid=plan.hybrid)
-    cache = create_cache(
-        allocator,
-        cache_geometry(spec, allocator),
-        enable_radix_cache=config.enable_radix_cache,
-        eager_swa_free=config.eager_swa_free,
-        swa_eviction_policy=config.swa_eviction_policy,
-    )
+    cache = configured_cache(config, spec, allocator)
     tokenizer = load_tokenizer(model_dir)
     special = (*eos, *getattr(tokenizer, "all_special_ids", ()))
     runner = StandInRunner(plain_vocabulary(spec.vocab_size, special), rate)

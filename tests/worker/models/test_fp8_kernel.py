@@ -54,7 +54,7 @@ def test_which_linears_may_take_the_kernel() -> None:
     assert fk.shape_unavailable((128, 128), 768, 4096) is None  # MiMo's full-attention k_proj
     assert fk.shape_unavailable((128, 128), 100, 4096) == "in 4096 is not a multiple of 128 or out 100 of 64"
     assert fk.shape_unavailable(None, 128, 128) == "weight_block_size None is not [128, 128]"
-    assert fk.device_unavailable(torch.device("cpu"), torch.bfloat16) == "the blockwise FP8 GEMM is CUDA's (device cpu)"
+    assert fk.device_unavailable(torch.device("cpu"), torch.bfloat16) == "the SM90 blockwise FP8 GEMM is CUDA's (device cpu)"
     model = nn.Sequential(_fp8_linear(128, 128, False))
     assert fk.use_fp8_kernels(model, torch.device("cpu"), torch.bfloat16) is not None
     assert model[0].kernel is None

@@ -128,7 +128,7 @@ def test_fused_call_equals_the_per_expert_path_under_the_kernels_arithmetic(mine
 
 def test_the_kernel_is_declined_off_sm90_with_its_reason() -> None:
     moe = _moe()
-    assert mk.unavailable(torch.device("cpu"), torch.bfloat16) == "the fused MXFP4 MoE kernel is CUDA's (device cpu)"
+    assert mk.unavailable(torch.device("cpu"), torch.bfloat16) == "the W4A16 MXFP4 MoE kernel is CUDA's (device cpu)"
     assert mk.use_fused_kernels(moe, torch.device("cpu"), torch.bfloat16) is not None
     assert moe.experts.fused is None and moe.experts.gate_up_proj_blocks.numel() > 0
     assert mk.use_fused_kernels(torch.nn.Linear(2, 2), torch.device("cpu"), torch.bfloat16) is None  # nothing to do

@@ -97,3 +97,16 @@ def check_shape(name: str, got: Sequence[int], want: Sequence[int], what: str) -
             f"{name}: {what} {tuple(got)} != {tuple(want)} that the model's shape needs; "
             "the config.json does not describe these weights"
         )
+
+
+def sm90_unavailable(device: torch.device, dtype: torch.dtype, kernel: str) -> str | None:
+    """Why `kernel` (an SM90 kernel taking bfloat16 activations) cannot run on `device` in
+    `dtype`; None when the device can run it (whether the library imports is the caller's)."""
+    if device.type != "cuda":
+        return f"{kernel} is CUDA's (device {device.type})"
+    if dtype != torch.bfloat16:
+        return f"{kernel} takes bfloat16 activations here (dtype {dtype})"
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) != (9, 0):
+        return f"{kernel} is SM90's (this GPU is SM{major}{minor})"
+    return None

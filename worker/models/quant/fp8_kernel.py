@@ -24,6 +24,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from worker.models.quant.base import sm90_unavailable
+
 logger = logging.getLogger(__name__)
 
 BLOCK = (128, 128)
@@ -48,13 +50,9 @@ def call_kernel(
 
 def device_unavailable(device: torch.device, dtype: torch.dtype) -> str | None:
     """Why no linear can take the kernel on `device` in `dtype`; None when some can."""
-    if device.type != "cuda":
-        return f"the blockwise FP8 GEMM is CUDA's (device {device.type})"
-    if dtype != torch.bfloat16:
-        return f"the SM90 blockwise FP8 GEMM takes bfloat16 inputs here (dtype {dtype})"
-    major, minor = torch.cuda.get_device_capability(device)
-    if (major, minor) != (9, 0):
-        return f"fp8_blockscale_gemm_sm90 is SM90's (this GPU is SM{major}{minor})"
+    reason = sm90_unavailable(device, dtype, "the SM90 blockwise FP8 GEMM")
+    if reason is not None:
+        return reason
     try:
         from flashinfer.gemm import fp8_blockscale_gemm_sm90
     except ImportError as exc:

@@ -39,6 +39,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from worker.models.quant.base import sm90_unavailable
+
 logger = logging.getLogger(__name__)
 
 PAD = 128  # H and I are padded to multiples of this (MXFP4 alignment of the binding)
@@ -165,13 +167,9 @@ def binds(fn: Callable[..., Any]) -> str | None:
 
 def unavailable(device: torch.device, dtype: torch.dtype) -> str | None:
     """Why the fused kernel cannot run the experts here; None when it can."""
-    if device.type != "cuda":
-        return f"the fused MXFP4 MoE kernel is CUDA's (device {device.type})"
-    if dtype != torch.bfloat16:
-        return f"the SM90 W4A16 kernel takes bfloat16 activations only (dtype {dtype})"
-    major, minor = torch.cuda.get_device_capability(device)
-    if (major, minor) != (9, 0):
-        return f"the W4A16 MXFP4 MoE kernel is SM90's (this GPU is SM{major}{minor})"
+    reason = sm90_unavailable(device, dtype, "the W4A16 MXFP4 MoE kernel")
+    if reason is not None:
+        return reason
     try:
         from flashinfer.fused_moe import cutlass_fused_moe
     except ImportError as exc:
