@@ -1,6 +1,6 @@
 """`swaserve serve` as a child process for end-to-end tests: a free loopback port, loopback Ray
 without auth or usage stats, no API key unless given; ready when its startup line is logged
-(waited on with a deadline), stopped with Ctrl-C (then SIGKILL to its process group)."""
+(waited on with a deadline), stopped with SIGTERM (then SIGKILL to its process group)."""
 
 from __future__ import annotations
 
@@ -63,9 +63,13 @@ def serve(
 
 
 def stop(proc: subprocess.Popen) -> None:
-    """Ctrl-C (the server drains), then SIGKILL to its process group if it hangs."""
+    """SIGTERM (the server drains), then SIGKILL to its process group if it hangs.
+
+    NOTE: not Ctrl-C: a test run started in the background of a shell inherits SIGINT ignored,
+    which Python then leaves ignored, so the server never saw it and every e2e module waited out
+    the 90 s below before the SIGKILL."""
     if proc.poll() is None:
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(signal.SIGTERM)
         try:
             proc.wait(90)
         except subprocess.TimeoutExpired:
