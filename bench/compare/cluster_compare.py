@@ -1,6 +1,7 @@
 """`swaserve bench cluster-compare`: the two-replica cluster users would otherwise run, and ours.
 
-    swaserve bench cluster-compare [--rounds 2] [--ratio 0.1] [--workloads ...] [--peer-venv DIR]
+    swaserve bench cluster-compare [--rounds 2] [--ratio 0.1] [--workloads ...] [--stacks ...]
+                                   [--kv pressured roomy] [--peer-venv DIR]
 
 The peer is Ray Serve LLM 2.60 with two vLLM-CPU replicas behind its `PrefixCacheAffinityRouter`
 (`cluster_stacks.py`; its venv is built on the first run under the cache root,
@@ -18,7 +19,9 @@ layers (bytes / the model's KV bytes per token).
 
 Per run: prompt tokens computed (each server's own counters), TTFT p50/p99, output throughput,
 requests finished/failed, and the machine's foreign load (`foreign_load.py`). Writes
-`runs.jsonl` (one line per run as it ends), then `cluster_compare.json`, `summary.md` and
+`runs.jsonl` (one line per run as it ends), `requests.jsonl` (one line per request: the replica
+that served it, its cached and, for ours, predicted cached tokens, TTFT; what explains a run's
+computed count), then `cluster_compare.json`, `summary.md` and
 `cluster_compare.png`.
 """
 
@@ -58,7 +61,7 @@ from bench.compare.model import ensure_compare_model
 from bench.compare.parity import ParityResult, parity_prompts, server_texts, transformers_texts
 from bench.compare.peers import RAY_SERVE_LLM, PeerVenvError, use_peer
 from bench.compare.servers import RunningServer, ServerSpec, start_server, stop_server
-from bench.compare.stream_client import run_stream
+from bench.compare.stream_client import StreamRun, run_stream
 from bench.compare.streams import (
     STREAM_WORKLOADS,
     TextCodec,
@@ -86,6 +89,7 @@ class ClusterSettings:
     workloads: tuple[str, ...] = STREAM_WORKLOADS
     stacks: tuple[str, ...] = (PEER, OURS)
     ratio: float = 0.1  # ours' second swa_full_tokens_ratio (the first is 0.8)
+    kv_names: tuple[str, ...] = ("pressured", "roomy")  # which of the two KV sizes run
     pressured_kv_mib: float = 48.0  # per replica; at least one 4,096-token request at ratio 0.8
     roomy_kv_mib: float = 192.0
     fill: float = 2.5  # distinct prompt tokens ÷ both replicas' KV tokens at the pressured size
@@ -105,7 +109,8 @@ class ClusterSettings:
         return (*peer, *ours)
 
     def kv_sizes(self) -> tuple[tuple[str, int], ...]:
-        return (("pressured", int(self.pressured_kv_mib * MIB)), ("roomy", int(self.roomy_kv_mib * MIB)))
+        sizes = (("pressured", self.pressured_kv_mib), ("roomy", self.roomy_kv_mib))
+        return tuple((name, int(mib * MIB)) for name, mib in sizes if name in self.kv_names)
 
 
 @dataclass(frozen=True)
@@ -134,7 +139,7 @@ def run_cluster_compare(
     model_dir = model_dir or ensure_compare_model()
     codec = TextCodec.load(model_dir)
     per_token = kv_bytes_per_token(model_dir)
-    target = int(s.fill * s.replicas * s.kv_sizes()[0][1] / per_token)
+    target = int(s.fill * s.replicas * s.pressured_kv_mib * MIB / per_token)
     plans = tuple(_plan(w, target, s, codec) for w in s.workloads)
     # NOTE: text, not ids: Ray Serve LLM 2.60's PrefixCacheAffinityRouter divides by the prompt
     # text's length, which an id list does not have (ZeroDivisionError, ray-project/ray#64573),
@@ -145,6 +150,7 @@ def run_cluster_compare(
     records: list[ClusterRun] = []
     out.mkdir(parents=True, exist_ok=True)
     (out / "runs.jsonl").unlink(missing_ok=True)
+    (out / "requests.jsonl").unlink(missing_ok=True)
     for round_ in range(s.rounds):
         order = s.configs() if round_ % 2 == 0 else tuple(reversed(s.configs()))
         for kv, kv_bytes in s.kv_sizes():
@@ -212,6 +218,7 @@ def _measure(
     run = asyncio.run(run_stream(server.spec.url, MODEL_NAME, stream, s.concurrency,
                                  s.request_timeout_s))  # fmt: skip
     load = probe.stop()
+    _append_requests(out / "requests.jsonl", run, config, kv, round_, plan.workload)
     prompt_sum = sum(r.prompt_tokens for r in run.results if r.ok)
     counters, settled = _settled(config.stack, murl, before, prompt_sum, s.counters_timeout_s)
     distinct = distinct_tokens(codec.encode_all(list(run.prompts)))
@@ -230,6 +237,16 @@ def _append_record(path: Path, record: ClusterRun) -> None:
         f.write(json.dumps(to_jsonable(record)) + "\n")
 
 
+def _append_requests(
+    path: Path, run: StreamRun, config: StackConfig, kv: str, round_: int, workload: str
+) -> None:
+    """One line per request of a run, in request-id order (a session's turns are adjacent)."""
+    tag = {"stack": config.label, "kv": kv, "round": round_, "workload": workload}
+    with path.open("a") as f:
+        for r in run.results:
+            f.write(json.dumps({**tag, **to_jsonable(r)}) + "\n")
+
+
 def _settled(
     stack: str, url: str, before: Counters, prompt_sum: int, timeout_s: float
 ) -> tuple[Counters, bool]:
@@ -246,7 +263,7 @@ def _settled(
 
 
 def _commands(model_dir: Path, peer_venv: Path | None, s: ClusterSettings, out: Path) -> dict[str, str]:
-    kv = s.kv_sizes()[0][1]
+    kv = int(s.pressured_kv_mib * MIB)
     commands = {}
     for config in s.configs():
         commands[config.label] = _spec(config, kv, model_dir, peer_venv, s, out).shell_line()
@@ -266,6 +283,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stacks", nargs="+", choices=(PEER, OURS), default=list(d.stacks))
     parser.add_argument("--ratio", type=float, default=d.ratio,
                         help="ours' second swa_full_tokens_ratio, beside 0.8 (default %(default)s)")  # fmt: skip
+    parser.add_argument("--kv", nargs="+", choices=d.kv_names, default=list(d.kv_names),
+                        help="the KV sizes to run (default: both); streams are sized by the "
+                             "pressured one either way")  # fmt: skip
     parser.add_argument("--pressured-kv-mib", type=float, default=d.pressured_kv_mib,
                         help="KV MiB per replica, pressured (default %(default)s)")  # fmt: skip
     parser.add_argument("--roomy-kv-mib", type=float, default=d.roomy_kv_mib,
@@ -290,7 +310,8 @@ def settings_from_args(args: argparse.Namespace) -> ClusterSettings:
         raise ValueError("--pressured-kv-mib, --roomy-kv-mib and --fill must be > 0")
     return ClusterSettings(
         rounds=args.rounds, workloads=tuple(args.workloads), stacks=tuple(args.stacks),
-        ratio=args.ratio, pressured_kv_mib=args.pressured_kv_mib, roomy_kv_mib=args.roomy_kv_mib,
+        ratio=args.ratio, kv_names=tuple(dict.fromkeys(args.kv)),
+        pressured_kv_mib=args.pressured_kv_mib, roomy_kv_mib=args.roomy_kv_mib,
         fill=args.fill, concurrency=args.concurrency, seed=args.seed,
     )  # fmt: skip
 

@@ -9,7 +9,8 @@ order in which follow-ups join the queue depends on when their parents finish, s
 between runs, the requests themselves cannot (up to the answers' text).
 
 Per request: time to the first chunk with text, latency, usage (prompt, completion and, where the
-server reports it, cached tokens). A request that fails (HTTP error, an error chunk, a broken
+server reports it, cached tokens) and, from swaserve's response headers, the worker replica that
+served it and the router's predicted cached tokens (None from a server that does not send them). A request that fails (HTTP error, an error chunk, a broken
 stream) is counted and its session ends there.
 """
 
@@ -24,6 +25,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from bench.compare.streams import StreamRequest, TextStream
+from deploy.openai.headers import (
+    PREDICTED_CACHED_TOKENS_HEADER,
+    PREDICTED_REPAIRED_TOKENS_HEADER,
+    REPLICA_HEADER,
+)
 
 
 @dataclass(frozen=True)
@@ -37,6 +43,9 @@ class RequestResult:
     completion_tokens: int = 0
     ttft_s: float = 0.0
     latency_s: float = 0.0
+    replica: str | None = None  # swaserve's `x-swaserve-replica`
+    predicted_cached_tokens: int | None = None  # swaserve's router's prediction for the replica
+    predicted_repaired_tokens: int | None = None  # ... and of the tokens it recomputes to repair
 
 
 @dataclass(frozen=True)
@@ -99,8 +108,10 @@ async def _send(client: Any, model: str, req: StreamRequest) -> tuple[RequestRes
     first: float | None = None
     pieces: list[str] = []
     usage: dict[str, Any] | None = None
+    headers: dict[str, str] = {}
     try:
         async with client.stream("POST", "/v1/completions", json=body) as resp:
+            headers = dict(resp.headers)
             if resp.status_code != 200:
                 return _failed(req, f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"), ""
             async for line in resp.aiter_lines():
@@ -121,12 +132,20 @@ async def _send(client: Any, model: str, req: StreamRequest) -> tuple[RequestRes
         return _failed(req, "no usage chunk"), ""
     details = usage.get("prompt_tokens_details") or {}
     cached = details.get("cached_tokens")
+    predicted, repaired = (headers.get(h) for h in (PREDICTED_CACHED_TOKENS_HEADER,
+                                                    PREDICTED_REPAIRED_TOKENS_HEADER))  # fmt: skip
     result = RequestResult(
         req.rid, len(req.text), True, "", int(usage["prompt_tokens"]),
         None if cached is None else int(cached), int(usage["completion_tokens"]),
-        (first or end) - t0, end - t0,
+        (first or end) - t0, end - t0, headers.get(REPLICA_HEADER),
+        _int(predicted), _int(repaired),
     )  # fmt: skip
     return result, "".join(pieces)
+
+
+def _int(header: str | None) -> int | None:
+    """A one-choice request's header value (None when absent or empty)."""
+    return int(header) if header else None
 
 
 def _failed(req: StreamRequest, why: str) -> RequestResult:

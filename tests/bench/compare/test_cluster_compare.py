@@ -5,6 +5,7 @@ when asked (SWASERVE_BENCH_PEER=1 and the Ray Serve LLM venv built)."""
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 from collections.abc import Callable
@@ -168,6 +169,15 @@ def test_bad_arguments_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     assert cluster_compare.run(args) == 2 and "none/bin/serve" in capsys.readouterr().err
 
 
+def test_kv_selects_the_sizes_and_the_streams_keep_the_pressured_size() -> None:
+    parser = argparse.ArgumentParser()
+    cluster_compare.add_arguments(parser)
+    s = cluster_compare.settings_from_args(parser.parse_args(["--kv", "roomy", "roomy"]))
+    assert s.kv_sizes() == (("roomy", 192 * 2**20),)
+    both = cluster_compare.settings_from_args(parser.parse_args([]))
+    assert [name for name, _ in both.kv_sizes()] == ["pressured", "roomy"]
+
+
 def _smallest(stacks: tuple[str, ...]) -> cluster_compare.ClusterSettings:
     """One round, one small stream, ours at one ratio (0.8 twice): one start per stack and KV size."""
     return cluster_compare.ClusterSettings(
@@ -189,6 +199,11 @@ def test_smallest_configuration_on_two_swaserve_replicas(small_model: Path, tmp_
     assert len({x.prompts_digest for x in r.runs}) == 1
     assert len((tmp_path / "runs.jsonl").read_text().splitlines()) == 2  # one line per run, as it ends
     assert "| multi_tenant | roomy 16 MiB | swaserve r=0.8 |" in cluster_compare.summary_markdown(r)
+    # one line per request, naming the replica and the router's prediction (ours sends both)
+    lines = [json.loads(x) for x in (tmp_path / "requests.jsonl").read_text().splitlines()]
+    assert len(lines) == sum(x.requests for x in r.runs)
+    assert all(x["replica"] and x["predicted_cached_tokens"] is not None for x in lines)
+    assert {x["kv"] for x in lines} == {"pressured", "roomy"}
 
 
 PEER_VENV = peer_venv(RAY_SERVE_LLM)
