@@ -10,8 +10,8 @@ HTTP proxy process in between (one process hop and two messages fewer per stream
 docs/design.md §4.2). With `ingress_replicas` > 1 every one of them binds the one port
 (SO_REUSEPORT: the kernel spreads connections over them). Serve still starts its proxy on the
 head node, on another free port; `--serve-proxy` puts the proxy on `--host/--port` instead, as a
-Ray Serve deployment on a cluster (the Helm chart) has it. SIGTERM's drain reaches one ingress
-replica; the others stop with Serve.
+Ray Serve deployment on a cluster (the Helm chart) has it. SIGTERM's drain closes every ingress
+replica and waits for each one's requests in flight.
 
 SIGTERM (what Kubernetes, systemd and `docker stop` send) or Ctrl-C drains, then stops: the
 ingress stops admitting (503 + Retry-After, `/health` 503), the requests in flight get up to the
@@ -281,15 +281,21 @@ def _describe(app: Any) -> str:
         dep = app.deployments.get(name)
         if dep is None:
             continue
-        states = {str(k).rsplit(".", 1)[-1]: v for k, v in dep.replica_states.items()}
+        states = _replica_states(dep)
         parts.append(f"{name}: {states.get('RUNNING', 0)} running" + "".join(
             f", {v} {k.lower()}" for k, v in sorted(states.items()) if k != "RUNNING"))  # fmt: skip
     return "; ".join(parts) or "deploying ..."
 
 
 def _drain(progress: Progress) -> None:
-    """Close the ingress and wait for its requests in flight (the worker replicas' own grace,
-    `graceful_shutdown_timeout_s`, bounds the wait)."""
+    """Close every ingress replica and wait for their requests in flight (the worker replicas'
+    own grace, `graceful_shutdown_timeout_s`, bounds the wait).
+
+    NOTE: a handle call reaches one replica of Serve's choosing (no public API names one), so
+    `close` goes out in rounds of twice as many calls as there are ingress replicas, until every
+    replica Serve reports running has answered at least once and each one's latest count is 0:
+    while a call is queued on a replica Serve's router prefers the others, and a replica whose
+    gate is closed admits nothing, so its count only falls."""
     from ray import serve
 
     from deploy.app import WORKER_LIFECYCLE
@@ -299,11 +305,35 @@ def _drain(progress: Progress) -> None:
         ingress = serve.get_app_handle(APP_NAME)
     except Exception:  # noqa: BLE001 - not deployed yet: nothing is in flight
         return
-    left = ingress.drain.remote(grace_s).result(timeout_s=grace_s + 30)
-    if left:
-        progress.say(f"{left} request(s) still running after {grace_s:.0f}s; stopping anyway")
-    else:
-        progress.say("in-flight requests finished")
+    replicas = max(1, _running_ingress_replicas())
+    counts: dict[str, int] = {}
+    deadline = time.monotonic() + grace_s
+    while True:
+        calls = [ingress.close.remote() for _ in range(2 * replicas)]
+        counts.update(call.result(timeout_s=30) for call in calls)
+        if len(counts) >= replicas and not any(counts.values()):
+            progress.say("in-flight requests finished")
+            return
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.1)  # polls the replicas' in-flight counts
+    left, unseen = sum(counts.values()), replicas - len(counts)
+    progress.say(f"{left} request(s) still running after {grace_s:.0f}s"
+                 + (f", {unseen} ingress replica(s) never answered" if unseen > 0 else "")
+                 + "; stopping anyway")  # fmt: skip
+
+
+def _running_ingress_replicas() -> int:
+    from ray import serve
+
+    app = serve.status().applications.get(APP_NAME)
+    deployment = app.deployments.get(INGRESS_DEPLOYMENT) if app is not None else None
+    return 0 if deployment is None else int(_replica_states(deployment).get("RUNNING", 0))
+
+
+def _replica_states(deployment: Any) -> dict[str, int]:
+    """A deployment's replica counts by state name (Serve's keys are `ReplicaState` members)."""
+    return {str(k).rsplit(".", 1)[-1]: v for k, v in deployment.replica_states.items()}
 
 
 def _deployment_messages(app: Any) -> str:

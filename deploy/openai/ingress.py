@@ -12,7 +12,7 @@ a `ServeWorkerClient` around the worker handle) and hands Serve the app through
 | body size | `GuardMiddleware` (Content-Length) and `_read_body` (actual bytes) | 413, after reading the rest (`drain_body`) |
 | overload | `Admission` (sequences and tokens in flight) / worker backpressure | 429 / 503 + `Retry-After` |
 | deadline, slow reader | `request_timeout_s` (`OpenAIService`), `WriteTimeout` | 504 (a stream: an error event); the connection closed |
-| shutdown | `DrainGate`, closed by `IngressDeployment.drain` (SIGTERM) | 503 + `Retry-After`; `/health` 503 |
+| shutdown | `DrainGate`, closed by `IngressDeployment.close` (SIGTERM, every replica) | 503 + `Retry-After`; `/health` 503 |
 | any error | `APIError` handler, plus 404/405/500 mapped to the same shape, nothing internal (`errors.public`) | `{"error": {...}}` |
 | client gone before headers | `GuardMiddleware` | counted as 499 in `/metrics` |
 | schema | `deploy.openai.openapi` (`/openapi.json`, `/docs`); `/tokenize` etc. in `utility_routes` | |
@@ -342,11 +342,10 @@ class IngressDeployment:
     def __serve_build_asgi_app__(self) -> FastAPI:
         return self._app
 
-    async def drain(self, grace_s: float) -> int:
-        """Close the gate (`DrainGate`) and wait up to `grace_s` for the generation requests in
-        flight to finish; returns how many still run. `swaserve serve` calls it on SIGTERM."""
+    async def close(self) -> tuple[str, int]:
+        """Close the gate (`DrainGate`; idempotent) and say which replica this is and how many
+        generation requests it still has in flight. `swaserve serve` calls it on SIGTERM until
+        every ingress replica has answered with 0 (`deploy.serve_local._drain`): a closed gate
+        admits nothing, so a replica's count only falls from then on."""
         self._app.state.drain.closed = True
-        deadline = time.monotonic() + grace_s
-        while self._service.inflight and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)  # polls the in-flight count
-        return self._service.inflight
+        return serve.get_replica_context().replica_id.unique_id, self._service.inflight

@@ -103,3 +103,71 @@ def test_two_ingress_replicas_listen_on_the_port_and_both_answer(server: Server)
         assert time.monotonic() < deadline, f"only {seen} of {pids} answered"
         seen |= _answered_by(server, pids)
     assert "ingress replicas will listen" in server.text()
+
+
+
+def _server_owner(conn: http.client.HTTPConnection, port: int, pids: list[int]) -> int | None:
+    """The ingress process holding the server side of an open connection (None if it is not
+    found: not accepted yet, or closed)."""
+    local = conn.sock.getsockname()[1]
+    inodes = [i for lp, rp, state, i in _tcp_sockets() if lp == port and rp == local and state == ESTABLISHED]
+    return _owner(inodes[0], pids) if inodes else None
+
+
+class _Stream:
+    """A long streamed completion on its own connection, in flight once its first event came."""
+
+    def __init__(self, port: int) -> None:
+        self.conn = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
+        body = {"model": "tiny", "prompt": "Count:", "max_tokens": 4000, "ignore_eos": True, "stream": True}
+        self.conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+        self.resp = self.conn.getresponse()
+        assert self.resp.status == 200, self.resp.read()
+        assert self.resp.readline().startswith(b"data: ")  # the first token's event
+        self.last = b""
+
+    def read_to_end(self) -> None:
+        for line in self.resp:
+            if line.startswith(b"data: "):
+                self.last = line.strip()
+
+
+def test_sigterm_drains_every_ingress_replica(server: Server) -> None:
+    """With a long stream in flight on each ingress replica, SIGTERM closes both: /health on
+    fresh connections answers the drain's 503 from each replica, and both streams finish whole
+    before the server exits 0. (Runs last: it stops the module's server.)"""
+    import signal
+    import threading
+
+    pids = role_pids(server.proc.pid).get("ingress", [])
+    port, streams = _port(server), dict[int, _Stream]()
+    deadline = time.monotonic() + 180  # a bound on a hang, not a timing
+    while set(streams) != set(pids):
+        assert time.monotonic() < deadline, f"streams held by {set(streams)} of {pids}"
+        s = _Stream(port)
+        owner = _server_owner(s.conn, port, pids)
+        if owner is None or owner in streams:
+            s.conn.close()  # a second stream on that replica: cancelled
+        else:
+            streams[owner] = s
+    readers = [threading.Thread(target=s.read_to_end) for s in streams.values()]
+    for t in readers:
+        t.start()
+    server.proc.send_signal(signal.SIGTERM)
+    drained: set[int] = set()  # replicas that answered /health with the drain's 503
+    while drained != set(pids):
+        assert time.monotonic() < deadline, f"only {drained} of {pids} closed after SIGTERM"
+        assert all(t.is_alive() for t in readers), "a stream ended before every replica closed"
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        conn.request("GET", "/health")
+        resp = conn.getresponse()
+        owner = _server_owner(conn, port, pids)
+        if resp.status == 503 and b"shutting down" in resp.read() and owner is not None:
+            drained.add(owner)
+        conn.close()
+        time.sleep(0.05)  # waits on the close reaching every replica
+    for t, s in zip(readers, streams.values(), strict=True):
+        t.join(300)
+        assert s.last == b"data: [DONE]", s.last
+    assert server.proc.wait(120) == 0, server.text()[-3000:]
+    assert "in-flight requests finished" in server.text()
