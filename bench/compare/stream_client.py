@@ -10,8 +10,9 @@ between runs, the requests themselves cannot (up to the answers' text).
 
 Per request: time to the first chunk with text, latency, usage (prompt, completion and, where the
 server reports it, cached tokens) and, from swaserve's response headers, the worker replica that
-served it and the router's predicted cached tokens (None from a server that does not send them). A request that fails (HTTP error, an error chunk, a broken
-stream) is counted and its session ends there.
+served it and the router's predicted cached and repaired tokens (None from a server that does not
+send them). A request that fails (HTTP error, an error chunk, a broken stream) is counted and its
+session ends there.
 """
 
 from __future__ import annotations
