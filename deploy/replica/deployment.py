@@ -39,7 +39,7 @@ from core.outputs import StreamDelta
 from core.sampling_params import SamplingParams
 from deploy.metrics import flatten_stats
 from deploy.replica.channel import ChannelEnd, DeltaBatch, OnChannel, StreamKey, Subscribe
-from deploy.replica.outbox import Outbox
+from deploy.replica.outbox import IDLE_S, Outbox
 from worker.config import EngineConfig
 from worker.engine.protocols import EngineClient
 from worker.errors import EngineGoneError
@@ -62,6 +62,7 @@ class WorkerOptions:
     event_interval_s: float = 0.25  # background flush period of cache events
     engine_process: bool = True  # step the engine in a child process (one rank; docs §20)
     engine_niceness: int | None = None  # that process's niceness (None: the replica's)
+    channel_idle_s: float = IDLE_S  # an ingress's delta channel with no request here ends
 
 
 def _default_engine(
@@ -149,7 +150,8 @@ class WorkerDeployment:
                 + (" (shutting down)" if self._draining else "")
             )
         ingress = sub.ingress_id
-        outbox = Outbox(sub.subscription, lambda: not self._by_ingress.get(ingress))
+        idle_s = self._options.channel_idle_s
+        outbox = Outbox(sub.subscription, lambda: not self._by_ingress.get(ingress), idle_s)
         previous = self._outboxes.get(sub.ingress_id)
         if previous is not None:
             previous.close()  # the ingress gave it up: its requests fail there already
