@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import logging
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -38,6 +39,8 @@ from deploy.replica.channel import ChannelEnd, DeltaBatch, OnChannel, StreamKey,
 RequestItem = StreamStart | StreamDelta | OnChannel | ChannelEnd
 Call = Callable[[StreamKey], AsyncIterator[RequestItem]]
 Subscriber = Callable[[Subscribe], AsyncIterator[DeltaBatch]]
+
+log = logging.getLogger("swaserve.ingress")
 
 # What an attempt's queue carries: a channel delta, a request-stream item, the request stream's
 # end (None, or the exception it raised), or the channel lost (the exception to raise).
@@ -145,6 +148,7 @@ class Channels:
         ch = _Channel(replica_id, uuid.uuid4().hex)
         self._live[ch.subscription] = self._by_replica[replica_id] = ch
         ch.task = asyncio.get_running_loop().create_task(self._run(ch))
+        log.info("delta channel %s to worker %s opening", ch.subscription[:8], replica_id)
 
     async def _run(self, ch: _Channel) -> None:
         """Route the channel's batches into their attempts' queues, until it ends; then fail
@@ -169,6 +173,10 @@ class Channels:
             if self._by_replica.get(ch.replica_id) is ch:
                 del self._by_replica[ch.replica_id]
             lost = _as_lost(error, ch.replica_id)
+            if error is not None or ch.attempts:
+                log.warning("delta channel %s to worker %s ended (%s); %d requests on it lost",
+                            ch.subscription[:8], ch.replica_id, type(error).__name__ if error else "closed",
+                            len(ch.attempts))  # fmt: skip
             for att in ch.attempts:
                 att.queue.put_nowait((_LOST, lost))
 
