@@ -8,6 +8,9 @@ Opt the worker deployment in with (YAML `request_router_config` takes the same k
         request_routing_stats_period_s=1.0,
     )
 
+A call whose first argument is a `router.pinned.PinnedCall` (the ingress's delta channel to
+one worker replica) goes to that replica only, with no decision.
+
 Per request: read `pending_request.args[0]` (a `RoutedRequest`), turn the candidate replicas into
 `Candidate(worker_id=replica unique id, load=parsed routing_stats)`, rank them and return one
 replica per rank, so Serve tries them strictly in order (it skips a rank whose replica is at
@@ -43,6 +46,7 @@ from router import metrics as router_metrics
 from router import routing_record
 from router.core import Candidate, RouterCore, RoutingDecision
 from router.cost import CostWeights
+from router.pinned import PinnedCall
 from router.policies import DEFAULT_POLICY, make_policy
 
 logger = logging.getLogger(__name__)
@@ -122,6 +126,9 @@ class SwaPrefixRequestRouter(RequestRouter):
     ) -> list[list[RunningReplica]]:
         if not candidate_replicas:
             return []
+        pinned = _pinned(pending_request)
+        if pinned is not None:
+            return _pin(pinned, candidate_replicas)
         if self._actor_name is None:
             dep = candidate_replicas[0].replica_id.deployment_id
             self._actor_name = transport.index_actor_name(dep.app_name, dep.name)
@@ -339,6 +346,21 @@ def _routed_request(pending_request: PendingRequest | None) -> RoutedRequest | N
         return None
     first = pending_request.args[0]
     return first if isinstance(first, RoutedRequest) else None
+
+
+def _pinned(pending_request: PendingRequest | None) -> PinnedCall | None:
+    if pending_request is None or not pending_request.args:
+        return None
+    first = pending_request.args[0]
+    return first if isinstance(first, PinnedCall) else None
+
+
+def _pin(call: PinnedCall, candidates: list[RunningReplica]) -> list[list[RunningReplica]]:
+    """The named replica alone; when it is not a candidate, every candidate (the one that gets
+    the call refuses it: `router.pinned`). NOTE: returning no replica would make Serve retry,
+    backing off, until the replica came back, which a dead one never does."""
+    named = [r for r in candidates if r.replica_id.unique_id == call.replica_id]
+    return [named] if named else [candidates]
 
 
 def _root_hash(request: RoutedRequest | None) -> int:

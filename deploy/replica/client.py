@@ -9,6 +9,11 @@ its stats to the deployment's index actor (`cluster.replica_stats`: about every 
 a request starts and ends); the ingress reads all of them with one awaited actor call. Public
 Ray APIs only: a named actor of our own, found by name.
 
+A request's deltas come on the request's own call until the ingress has a delta channel open on
+the replica serving it, then on that channel, one item per engine step for every request of this
+ingress on the replica (`deploy/replica/channels.py`, docs/design.md §4.2); what follows holds
+either way.
+
 A request is idempotent until its first token: when the worker replica dies (or refuses it,
 shutting down) before that, `ServeWorkerClient.stream` sends it again, ranking that replica last
 (`RoutedRequest.avoid`), up to `RETRIES` times. The replica is the one its `StreamStart` named
@@ -30,10 +35,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, cast
 
 from cluster.messages import (
     EngineDiedError,
@@ -44,6 +50,8 @@ from cluster.messages import (
 )
 from cluster.replica_stats import ReplicaSnapshot
 from core.outputs import StreamDelta
+from deploy.replica.channel import DeltaBatch, StreamKey, Subscribe
+from deploy.replica.channels import Channels, RequestItem
 from router import routing_record
 
 if TYPE_CHECKING:
@@ -101,6 +109,8 @@ class ServeWorkerClient:
 
         self._handle = handle
         self._stream_handle: DeploymentHandle[WorkerDeployment] | None = None  # `_handles()`
+        self._channel_handle: DeploymentHandle[WorkerDeployment] | None = None  # `_subscribe`
+        self._channels = Channels(self._subscribe)
         self._stats_timeout_s = stats_timeout_s
         self._stale_after_s = stale_after_s
         self._forget_after_s = forget_after_s
@@ -159,25 +169,24 @@ class ServeWorkerClient:
                 if gone is not None and gone not in request.avoid:
                     request = dataclasses.replace(request, avoid=(*request.avoid, gone))
 
-    async def _attempt(self, request: RoutedRequest) -> AsyncGenerator[StreamStart | StreamDelta]:
-        from ray.serve.handle import DeploymentResponseGenerator
+    def _attempt(self, request: RoutedRequest) -> AsyncGenerator[StreamStart | StreamDelta]:
+        """One send of `request`: its own call, its deltas from the replica's delta channel
+        once one is open (`deploy/replica/channels.py`)."""
+        return self._channels.attempt(request, functools.partial(self._call, request))
 
-        from cluster.ray_private import own_request_id
-
+    async def _call(self, request: RoutedRequest, key: StreamKey) -> AsyncGenerator[RequestItem]:
         handle = self._handles()
-        with own_request_id():  # one HTTP request makes several worker calls at once
-            gen = handle.remote(request)
-        assert isinstance(gen, DeploymentResponseGenerator), "the stream handle streams"
-        try:
-            async for item in gen:
-                yield item
-                # NOTE: over gRPC, items already buffered come without a suspension, and the
-                # whole way to the SSE write does not suspend either: one stream that is ahead
-                # would hold the loop (other streams, /metrics, /health) until it drained.
-                await asyncio.sleep(0)
-        finally:
-            # Normal end: a no-op. Early exit (client gone, stop string): aborts on the worker.
-            gen.cancel()
+        async for item in _streamed(handle, request, key):
+            yield cast(RequestItem, item)
+
+    async def _subscribe(self, sub: Subscribe) -> AsyncGenerator[DeltaBatch]:
+        if self._channel_handle is None:
+            from cluster.ray_private import grpc_stream_handle
+
+            self._handles()  # on this loop, before the handle's first `.options()`
+            self._channel_handle = grpc_stream_handle(self._handle, "deltas")
+        async for batch in _streamed(self._channel_handle, sub):
+            yield cast(DeltaBatch, batch)
 
     async def info(self) -> WorkerInfo:
         if self._info is None:
@@ -206,6 +215,24 @@ class ServeWorkerClient:
             log.warning("replica stats from %s failed: %s", self._index_name, exc)
             self._index = None
             return {}
+
+
+async def _streamed(handle: DeploymentHandle[WorkerDeployment], *args: object) -> AsyncGenerator[object]:
+    """The items of one streaming call; leaving early cancels it (the worker aborts what it
+    runs for it)."""
+    from ray.serve.handle import DeploymentResponseGenerator
+
+    from cluster.ray_private import own_request_id
+
+    with own_request_id():  # one HTTP request makes several worker calls at once
+        gen = handle.remote(*args)
+    assert isinstance(gen, DeploymentResponseGenerator), "the stream handle streams"
+    try:
+        async for item in gen:
+            yield item
+    finally:
+        # Normal end: a no-op. Early exit (client gone, stop string): aborts on the worker.
+        gen.cancel()
 
 
 def replica_gone(e: BaseException) -> bool:

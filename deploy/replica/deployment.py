@@ -2,7 +2,8 @@
 process, docs/design.md §20; `AsyncEngine`, a thread of the replica, under tensor parallelism).
 
 The class is plain Python (no Serve decorator) so tests drive it in-process with a fake engine;
-`deploy.app` wraps it with `serve.deployment(...)`. Serve calls, besides `generate`:
+`deploy.app` wraps it with `serve.deployment(...)`. Serve calls, besides `generate` and `deltas` (an ingress's delta channel,
+`deploy/replica/channel.py`):
 
 - `record_routing_stats()` every `request_routing_stats_period_s` (the controller): queue sizes
   and both pools' numbers, for the routers; the same sample goes to the deployment's index actor,
@@ -17,6 +18,7 @@ The class is plain Python (no Serve decorator) so tests drive it in-process with
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import time
@@ -36,6 +38,8 @@ from cluster.messages import (
 from core.outputs import StreamDelta
 from core.sampling_params import SamplingParams
 from deploy.metrics import flatten_stats
+from deploy.replica.channel import ChannelEnd, DeltaBatch, OnChannel, StreamKey, Subscribe
+from deploy.replica.outbox import IDLE_S, Outbox
 from worker.config import EngineConfig
 from worker.engine.protocols import EngineClient
 from worker.errors import EngineGoneError
@@ -58,6 +62,7 @@ class WorkerOptions:
     event_interval_s: float = 0.25  # background flush period of cache events
     engine_process: bool = True  # step the engine in a child process (one rank; docs §20)
     engine_niceness: int | None = None  # that process's niceness (None: the replica's)
+    channel_idle_s: float = IDLE_S  # an ingress's delta channel with no request here ends
 
 
 def _default_engine(
@@ -113,6 +118,8 @@ class WorkerDeployment:
         )
         self._events = self._event_pump()
         self._inflight: set[str] = set()
+        self._outboxes: dict[str, Outbox] = {}  # ingress id -> its open delta channel
+        self._by_ingress: dict[str, int] = {}  # ingress id -> its requests in flight here
         self._draining = False
         self._stopped = False
         self._progress = (0, time.monotonic())  # (engine steps, when they last changed)
@@ -133,11 +140,39 @@ class WorkerDeployment:
 
     # -- requests --------------------------------------------------------------------------
 
+    async def deltas(self, sub: Subscribe) -> AsyncGenerator[DeltaBatch, None]:
+        """Ingress `sub.ingress_id`'s delta channel: one `DeltaBatch` per wake-up, until the
+        ingress closes it, opens another, or this replica shuts down. Refused (raises) on a
+        replica other than the one it names (the router could not pin it: `router.pinned`)."""
+        if sub.replica_id != self.replica_id or self._draining:
+            raise WorkerUnavailableError(
+                f"delta channel for worker {sub.replica_id} reached {self.replica_id}"
+                + (" (shutting down)" if self._draining else "")
+            )
+        ingress = sub.ingress_id
+        idle_s = self._options.channel_idle_s
+        outbox = Outbox(sub.subscription, lambda: not self._by_ingress.get(ingress), idle_s)
+        previous = self._outboxes.get(sub.ingress_id)
+        if previous is not None:
+            previous.close()  # the ingress gave it up: its requests fail there already
+        self._outboxes[sub.ingress_id] = outbox
+        try:
+            async for batch in outbox.batches():
+                yield batch
+        finally:
+            outbox.close()
+            if self._outboxes.get(sub.ingress_id) is outbox:
+                del self._outboxes[sub.ingress_id]
+
     async def generate(
-        self, request: RoutedRequest
-    ) -> AsyncGenerator[StreamStart | StreamDelta, None]:
+        self, request: RoutedRequest, key: StreamKey | None = None
+    ) -> AsyncGenerator[StreamStart | StreamDelta | OnChannel | ChannelEnd, None]:
         """Stream one prompt: a `StreamStart`, then coalesced `StreamDelta`s until every choice
         finished (each delta's `request_id` names its choice, `RoutedRequest.choice_ids`).
+
+        With a `key` whose ingress has a channel open here, the deltas go to that channel
+        instead, each under `key.nonce`: this stream sends `OnChannel` after the `StreamStart`
+        and `ChannelEnd` (how many deltas went there) last, before it ends or raises.
 
         The request's add is its validation (`EngineClient.generate`): the `StreamStart` goes
         out with the first deltas, or as the refusal when the engine refused the add. Cancelling
@@ -153,6 +188,31 @@ class WorkerDeployment:
             return
         if self._events is not None:
             await self._events.ensure_started()
+        if key is not None:  # counted before its outbox is looked up: none ends idle under it
+            self._by_ingress[key.ingress_id] = self._by_ingress.get(key.ingress_id, 0) + 1
+        try:
+            # aclosing: a cancelled caller must close the engine streams now (the abort)
+            async with contextlib.aclosing(self._generate(request, token_ids, choices, key)) as items:
+                async for item in items:
+                    yield item
+        finally:
+            if key is not None:
+                self._left(key.ingress_id)
+
+    def _left(self, ingress: str) -> None:
+        left = self._by_ingress.pop(ingress) - 1
+        if left:
+            self._by_ingress[ingress] = left
+        elif (outbox := self._outboxes.get(ingress)) is not None:
+            outbox.wake()  # idle now: it may end
+
+    async def _generate(
+        self,
+        request: RoutedRequest,
+        token_ids: list[int],
+        choices: list[tuple[str, SamplingParams]],
+        key: StreamKey | None,
+    ) -> AsyncGenerator[StreamStart | StreamDelta | OnChannel | ChannelEnd, None]:
         ids = [cid for cid, _ in choices]
         streams = _SingleChoice(self, token_ids, *choices[0]) if len(choices) == 1 else _Choices(
             self, token_ids, choices
@@ -175,25 +235,46 @@ class WorkerDeployment:
                 yield StreamStart(self.replica_id)
                 raise
             yield StreamStart(self.replica_id)
-            reported = False
-            while True:
-                for delta in batch:
-                    if delta.finished:
-                        open_ids.discard(delta.request_id)
-                    if not open_ids and self._events is not None:
-                        # The cache these requests leave behind reaches the index before the
-                        # client hears back, so a follow-up is routed with it.
-                        await self._events.flush()
-                    if not reported or not open_ids:
-                        self._report_stats(register=False)
-                        reported = True
+            outbox = self._outboxes.get(key.ingress_id) if key is not None else None
+            if outbox is None:
+                async for delta in self._deltas(streams, batch, open_ids):
                     yield delta
-                if not open_ids:
-                    return
-                batch = await streams.next()
+                return
+            assert key is not None
+            yield OnChannel(outbox.subscription)
+            sent = 0
+            try:
+                async for delta in self._deltas(streams, batch, open_ids):
+                    outbox.put(key.nonce, delta)
+                    sent += 1
+            except Exception:
+                yield ChannelEnd(sent)  # the ingress raises this after the deltas before it
+                raise
+            yield ChannelEnd(sent)
         finally:
             self._inflight.difference_update(ids)
             await streams.close()
+
+    async def _deltas(
+        self, streams: _SingleChoice | _Choices, batch: list[StreamDelta], open_ids: set[str]
+    ) -> AsyncGenerator[StreamDelta, None]:
+        """The request's deltas from its first `batch` on, until every choice finished."""
+        reported = False
+        while True:
+            for delta in batch:
+                if delta.finished:
+                    open_ids.discard(delta.request_id)
+                if not open_ids and self._events is not None:
+                    # The cache these requests leave behind reaches the index before the
+                    # client hears back, so a follow-up is routed with it.
+                    await self._events.flush()
+                if not reported or not open_ids:
+                    self._report_stats(register=False)
+                    reported = True
+                yield delta
+            if not open_ids:
+                return
+            batch = await streams.next()
 
     def _failure(self, rid: str, e: Exception) -> Exception:
         """What the ingress hears of the engine's stream of `rid` raising `e`."""
@@ -304,6 +385,8 @@ class WorkerDeployment:
         if self._stopped:
             return
         self._draining = self._stopped = True
+        for outbox in self._outboxes.values():
+            outbox.close()
         for rid in list(self._inflight):
             self._engine.abort(rid)
         log.info("worker %s shutting down (%d aborted)", self.replica_id, len(self._inflight))

@@ -12,6 +12,7 @@ from routing_builders import PAGE, index_with, prompt
 from cluster.messages import PoolHeadroom, RoutedRequest, make_routing_stats
 from router import routing_record
 from router.metrics import RoutingMetrics
+from router.pinned import PinnedCall
 from router.serve_router import SwaPrefixRequestRouter
 from tests import serve_internals
 
@@ -355,3 +356,23 @@ def test_the_replica_serve_routed_to_is_noted_for_the_ingress() -> None:
     placed = routing_record.placement_of("placed-1")
     assert placed is not None and placed.worker_id == "b"
     assert routing_record.placement_of("never-routed") is None
+
+
+def test_a_pinned_call_goes_to_its_replica_only_or_to_any_when_it_is_gone() -> None:
+    """A delta channel (`router.pinned.PinnedCall`) is routed with no decision: to the replica it
+    names alone; when that one is not a candidate, to every candidate (the one that gets it
+    refuses it, so the call fails instead of Serve waiting for a replica that is gone)."""
+
+    async def run() -> None:
+        router = _router()
+        replicas = [FakeReplica("a"), FakeReplica("b")]
+        meta = _SERVE.RequestMetadata(request_id="ch", internal_request_id="ch")
+        pinned = PendingRequest(args=[PinnedCall("b")], kwargs={}, metadata=meta)
+        assert [[r.name for r in rank] for rank in await router.choose_replicas(replicas, pinned)] == [["b"]]
+        gone = PendingRequest(args=[PinnedCall("c")], kwargs={}, metadata=meta)
+        ranks = await router.choose_replicas(replicas, gone)
+        assert [[r.name for r in rank] for rank in ranks] == [["a", "b"]]
+        router.on_request_routed(pinned, replicas[1].replica_id, None)  # no decision to record
+        assert routing_record.placement_of("ch") is None
+
+    asyncio.run(run())

@@ -2,7 +2,8 @@
 host that emits one list of every running request's deltas per step (as the engine process's
 step message does), routed into the streams by `StreamingHost._route`, merged by the relay and
 streamed by `WorkerDeployment.generate` (one-choice requests read in the call itself, n=2 ones
-through the choices' pumps). Every token of every stream must equal the engine's record, in
+through the choices' pumps), and, as an ingress receives them, on the delta channel
+(`deploy/replica/channels.py`). Every token of every stream must equal the engine's record, in
 order, each choice ending once with its finished delta: no delta lost, duplicated or
 reordered."""
 
@@ -10,11 +11,16 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import AsyncIterator, Callable
 from typing import Any
+
+import pytest
 
 from cluster.messages import RoutedRequest, StreamStart
 from core.outputs import StreamDelta
 from core.sampling_params import SamplingParams
+from deploy.replica.channel import OnChannel, StreamKey
+from deploy.replica.channels import Channels
 from deploy.replica.deployment import WorkerDeployment
 from tests.fakes.fake_engine import FakeEngine
 from worker.config import EngineConfig
@@ -85,22 +91,49 @@ def _request(i: int) -> RoutedRequest:
     return RoutedRequest([1 + i % 200, 2, 3], f"req-{i}", params=params, sibling_params=siblings)
 
 
-def test_1024_concurrent_streams_lose_and_reorder_no_delta() -> None:
+@pytest.mark.parametrize("channel", [True, False], ids=["channel", "inline"])
+def test_1024_concurrent_streams_lose_and_reorder_no_delta(channel: bool) -> None:
+    """`channel`: every stream's deltas travel on the ingress's delta channel to the replica
+    (`Channels`, `WorkerDeployment.deltas`: one batch per wake-up for all of them), ordered
+    with the request streams by the ingress; else on each request's own stream (a replica
+    the ingress has no channel to yet)."""
     host = StepHost(EngineConfig(page_size=4, max_model_len=4096))
     w = WorkerDeployment(EngineConfig(page_size=4, max_model_len=4096), engine_factory=lambda _: host,
                          replica_id="r1")  # fmt: skip
     requests = [_request(i) for i in range(REQUESTS)]
+    on_channel: list[str] = []  # request ids whose request stream said OnChannel
 
-    async def one(req: RoutedRequest) -> list[Any]:
-        return [item async for item in w.generate(req)]
+    def call(req: RoutedRequest) -> Callable[[StreamKey], AsyncIterator[Any]]:
+        async def items(key: StreamKey) -> AsyncIterator[Any]:
+            async for item in w.generate(req, key):
+                if isinstance(item, OnChannel):
+                    on_channel.append(req.request_id)
+                yield item
+
+        return items
+
+    async def one(channels: Channels, req: RoutedRequest) -> list[Any]:
+        if not channel:
+            return [item async for item in w.generate(req)]
+        return [item async for item in channels.attempt(req, call(req))]
 
     async def every() -> list[list[Any]]:
-        return await asyncio.wait_for(asyncio.gather(*(one(r) for r in requests)), 300)
+        channels = Channels(w.deltas)
+        if channel:  # a first request opens the channel; then wait until the replica has it
+            await one(channels, RoutedRequest([1, 2, 3], "warm", params=SamplingParams(max_tokens=1)))
+            for _ in range(10_000):
+                if channels.ingress_id in w._outboxes:
+                    break
+                await asyncio.sleep(0)
+        streams = await asyncio.wait_for(asyncio.gather(*(one(channels, r) for r in requests)), 300)
+        await channels.close()
+        return streams
 
     try:
         streams = asyncio.run(every())
     finally:
         w.shutdown()
+    assert sorted(on_channel) == (sorted(r.request_id for r in requests) if channel else [])
     for req, items in zip(requests, streams):
         assert items[0] == StreamStart("r1")
         got: dict[str, list[int]] = {cid: [] for cid in req.choice_ids}

@@ -1,0 +1,60 @@
+"""The messages of the delta channel between an ingress replica and a worker replica.
+
+A channel is one long-lived streaming call per (ingress replica, worker replica),
+`WorkerDeployment.deltas(Subscribe)`, pinned to the worker replica by the router
+(`router.pinned`). A request's own call (`WorkerDeployment.generate(request, key)`) still
+carries its placement, `StreamStart`, refusals, errors and cancellation; when its ingress has a
+channel open on the replica, its deltas travel on the channel instead, keyed by the attempt's
+`StreamKey.nonce`, and its own stream says so (`OnChannel`) and, at its end, how many deltas it
+put there (`ChannelEnd`), so the ingress can order the two (docs/design.md §4.2). All plain
+module-level dataclasses: Serve pickles the items with the standard library.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from core.outputs import StreamDelta
+from router.pinned import PinnedCall
+
+
+@dataclass(frozen=True)
+class StreamKey:
+    """Which ingress sent an attempt of a request, and the attempt's nonce (new per attempt:
+    a lost attempt's late deltas never reach the next)."""
+
+    ingress_id: str
+    nonce: str
+
+
+@dataclass(frozen=True)
+class Subscribe(PinnedCall):
+    """Open ingress `ingress_id`'s channel on replica `replica_id`; `subscription` names this
+    opening (an ingress opens a new one after a channel failed)."""
+
+    ingress_id: str = ""
+    subscription: str = ""
+
+
+@dataclass(frozen=True)
+class OnChannel:
+    """A request-stream item right after `StreamStart`: the attempt's deltas go to the channel
+    `subscription`, none on this stream."""
+
+    subscription: str
+
+
+@dataclass(frozen=True)
+class ChannelEnd:
+    """The last request-stream item of an attempt on a channel, before its stream ends or
+    raises: the attempt put `deltas` deltas on the channel before it."""
+
+    deltas: int
+
+
+@dataclass(frozen=True)
+class DeltaBatch:
+    """One channel item: every delta put on the channel since the last item, as (nonce, delta)
+    in the order they were put."""
+
+    items: list[tuple[str, StreamDelta]]

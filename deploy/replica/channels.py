@@ -1,0 +1,223 @@
+"""An ingress replica's delta channels: one per worker replica, and each attempt's two sources.
+
+`Channels.attempt` runs one attempt of a request: it registers the attempt's nonce, makes the
+request's own call (`call(StreamKey)`: placement, `StreamStart`, refusals, errors, cancellation
+by closing it) and yields what the caller of a plain request stream expects, `StreamStart` then
+`StreamDelta`s, whichever way the worker sent the deltas. The first `StreamStart` from a worker
+replica with no channel open opens one (`subscribe(Subscribe)`, pinned to that replica by the
+router); a worker with the channel open puts the attempt's deltas there (docs/design.md §4.2).
+
+The order between the two sources, per attempt:
+- channel deltas that arrive before the `StreamStart` wait for it (the two calls race);
+- the attempt ends when its request stream ended and the deltas its `ChannelEnd` counts have
+  come on the channel (the request stream ends right after the final deltas went out, so the
+  attempt is never closed under a finished request: no cancel travels for it); a
+  request-stream error is raised only then, after every delta put before it, and not at all
+  once every choice has its final delta;
+- a request stream that fails with no `ChannelEnd` (its replica died) raises at once: channel
+  deltas of that attempt still in flight are dropped with it, as a retry's must be;
+- the channel failing (its replica died, or the call ended under the attempt) raises at once, as
+  the replica lost (the channel's own error when it is Ray's, else `WorkerUnavailableError`);
+- deltas under a nonce no longer registered (a retried attempt's, a closed request's) are
+  dropped: a retry's new nonce never receives them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+from cluster.messages import RoutedRequest, StreamStart, WorkerUnavailableError
+from core.outputs import StreamDelta
+from deploy.replica.channel import ChannelEnd, DeltaBatch, OnChannel, StreamKey, Subscribe
+
+RequestItem = StreamStart | StreamDelta | OnChannel | ChannelEnd
+Call = Callable[[StreamKey], AsyncIterator[RequestItem]]
+Subscriber = Callable[[Subscribe], AsyncIterator[DeltaBatch]]
+
+log = logging.getLogger("swaserve.ingress")
+
+# What an attempt's queue carries: a channel delta, a request-stream item, the request stream's
+# end (None, or the exception it raised), or the channel lost (the exception to raise).
+_DELTA, _ITEM, _END, _LOST = range(4)
+_Event = tuple[int, object]
+
+
+@dataclass(eq=False)
+class _Attempt:
+    queue: asyncio.Queue[_Event] = field(default_factory=asyncio.Queue)
+
+
+@dataclass(eq=False)
+class _Channel:
+    replica_id: str
+    subscription: str
+    attempts: set[_Attempt] = field(default_factory=set)  # bound by their `OnChannel`
+    task: asyncio.Task[None] | None = None
+
+
+class Channels:
+    def __init__(self, subscribe: Subscriber, ingress_id: str | None = None) -> None:
+        self.ingress_id = ingress_id or uuid.uuid4().hex
+        self._subscribe = subscribe
+        self._nonces = itertools.count()
+        self._keys: dict[str, _Attempt] = {}  # nonce -> its attempt, while it runs
+        self._live: dict[str, _Channel] = {}  # subscription -> channel, while its call runs
+        self._by_replica: dict[str, _Channel] = {}
+
+    @property
+    def open_replicas(self) -> set[str]:
+        return set(self._by_replica)
+
+    async def attempt(
+        self, request: RoutedRequest, call: Call
+    ) -> AsyncGenerator[StreamStart | StreamDelta, None]:
+        """One attempt of `request` through `call` (the module docstring's order)."""
+        nonce = str(next(self._nonces))
+        att = _Attempt()
+        self._keys[nonce] = att
+        pump = asyncio.create_task(_read(call(StreamKey(self.ingress_id, nonce)), att.queue))
+        bound: _Channel | None = None
+        try:
+            start: StreamStart | None = None
+            early: list[StreamDelta] = []  # channel deltas that beat the StreamStart
+            unfinished = set(request.choice_ids)
+            counted: int | None = None  # the ChannelEnd's count
+            got = 0  # channel deltas received
+            ended, failure = False, None
+            while True:
+                kind, item = await _next(att.queue)
+                if kind == _DELTA:
+                    assert isinstance(item, StreamDelta)
+                    got += 1
+                    if start is None:
+                        early.append(item)
+                        continue
+                    yield item
+                    if item.finished:
+                        unfinished.discard(item.request_id)
+                elif kind == _ITEM:
+                    if isinstance(item, StreamStart):
+                        start = item
+                        if item.refusal is None:
+                            self._ensure_channel(item.replica_id)
+                        yield item
+                        for delta in early:
+                            yield delta
+                            if delta.finished:
+                                unfinished.discard(delta.request_id)
+                        early.clear()
+                    elif isinstance(item, OnChannel):
+                        bound = self._live.get(item.subscription)
+                        if bound is None:  # it ended before this attempt heard of it
+                            raise WorkerUnavailableError(_lost(start))
+                        bound.attempts.add(att)
+                    elif isinstance(item, ChannelEnd):
+                        counted = item.deltas
+                    else:
+                        assert isinstance(item, StreamDelta)
+                        yield item  # no channel on that replica yet: inline
+                        if item.finished:
+                            unfinished.discard(item.request_id)
+                elif kind == _END:
+                    ended, failure = True, item
+                else:
+                    assert isinstance(item, BaseException)
+                    raise item
+                if ended and (counted is None or got >= counted):
+                    if failure is not None and unfinished:
+                        assert isinstance(failure, BaseException)
+                        raise failure
+                    return
+        finally:
+            del self._keys[nonce]
+            if bound is not None:
+                bound.attempts.discard(att)
+            if not pump.done():
+                pump.cancel()
+            await asyncio.gather(pump, return_exceptions=True)
+
+    def _ensure_channel(self, replica_id: str) -> None:
+        if replica_id in self._by_replica:
+            return
+        ch = _Channel(replica_id, uuid.uuid4().hex)
+        self._live[ch.subscription] = self._by_replica[replica_id] = ch
+        ch.task = asyncio.get_running_loop().create_task(self._run(ch))
+        log.info("delta channel %s to worker %s opening", ch.subscription[:8], replica_id)
+
+    async def _run(self, ch: _Channel) -> None:
+        """Route the channel's batches into their attempts' queues, until it ends; then fail
+        the attempts still bound to it."""
+        error: BaseException | None = None
+        sub = Subscribe(ch.replica_id, self.ingress_id, ch.subscription)
+        try:
+            async with contextlib.aclosing(self._subscribe(sub)) as batches:  # type: ignore[type-var]
+                async for batch in batches:
+                    keys = self._keys
+                    for nonce, delta in batch.items:
+                        att = keys.get(nonce)
+                        if att is not None:  # else a lost or closed attempt's: dropped
+                            att.queue.put_nowait((_DELTA, delta))
+                    # NOTE: gRPC hands out buffered items without suspending; a channel that is
+                    # ahead would hold the loop (every stream's writes, /health) until it drained.
+                    await asyncio.sleep(0)
+        except Exception as e:  # noqa: BLE001 - given to the attempts bound to it
+            error = e
+        finally:
+            del self._live[ch.subscription]
+            if self._by_replica.get(ch.replica_id) is ch:
+                del self._by_replica[ch.replica_id]
+            lost = _as_lost(error, ch.replica_id)
+            if error is not None or ch.attempts:
+                log.warning("delta channel %s to worker %s ended (%s); %d requests on it lost",
+                            ch.subscription[:8], ch.replica_id, type(error).__name__ if error else "closed",
+                            len(ch.attempts))  # fmt: skip
+            for att in ch.attempts:
+                att.queue.put_nowait((_LOST, lost))
+
+    async def close(self) -> None:
+        """End every channel (their attempts fail as lost)."""
+        tasks = [ch.task for ch in self._live.values() if ch.task is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _next(queue: asyncio.Queue[_Event]) -> _Event:
+    if queue.empty():
+        return await queue.get()
+    # NOTE: a queue that is ahead hands out items without suspending, and nothing on the way
+    # to the SSE write suspends either: give the loop its turn once per item.
+    await asyncio.sleep(0)
+    return queue.get_nowait()
+
+
+async def _read(stream: AsyncIterator[RequestItem], queue: asyncio.Queue[_Event]) -> None:
+    """The request stream into the attempt's queue, then its end; closed here, in the task
+    that iterates it (never from another task while it runs)."""
+    try:
+        async for item in stream:
+            queue.put_nowait((_ITEM, item))
+        queue.put_nowait((_END, None))
+    except Exception as e:  # noqa: BLE001 - raised by the attempt, after the deltas before it
+        queue.put_nowait((_END, e))
+    finally:
+        await stream.aclose()  # type: ignore[attr-defined]
+
+
+def _as_lost(error: BaseException | None, replica_id: str) -> BaseException:
+    from deploy.replica.client import replica_gone  # imports Ray; only once a channel ended
+
+    if error is not None and replica_gone(error):
+        return error
+    return WorkerUnavailableError(f"worker {replica_id} lost: its delta channel ended")
+
+
+def _lost(start: StreamStart | None) -> str:
+    replica = start.replica_id if start is not None else "?"
+    return f"worker {replica} lost: its delta channel ended"

@@ -1,0 +1,352 @@
+"""The delta channel's own faults (docs/design.md §4.2), in-process and scripted: the test
+decides what each of the two sources (an attempt's request stream, the channel to its replica)
+delivers and when, and waits on conditions of the event loop, never on time."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import pytest
+from ray.exceptions import ActorDiedError
+
+from cluster.messages import EngineDiedError, RoutedRequest, StreamStart, WorkerUnavailableError
+from core.outputs import StreamDelta
+from core.sampling_params import SamplingParams
+from deploy.replica.channel import ChannelEnd, DeltaBatch, OnChannel, StreamKey, Subscribe
+from deploy.replica.channels import Channels
+from deploy.replica.client import ServeWorkerClient, replica_gone
+from deploy.replica.deployment import WorkerDeployment, WorkerOptions
+from tests.fakes.fake_engine import FakeEngine
+from worker.config import EngineConfig
+
+_END = object()
+
+
+class Wire:
+    """One scripted stream: what is pushed comes out in order; an exception pushed is raised."""
+
+    def __init__(self) -> None:
+        self._q: asyncio.Queue[Any] = asyncio.Queue()
+        self.closed = False
+
+    def push(self, *items: Any) -> None:
+        for item in items:
+            self._q.put_nowait(item)
+
+    async def items(self) -> AsyncIterator[Any]:
+        try:
+            while (item := await self._q.get()) is not _END:
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            self.closed = True
+
+
+class Script:
+    """Channels over scripted wires: one channel wire per subscription, one request wire per
+    attempt (in the order the attempts call)."""
+
+    def __init__(self) -> None:
+        self.channels = Channels(self._subscribe, ingress_id="ingress")
+        self.subs: list[tuple[Subscribe, Wire]] = []
+        self.calls: list[tuple[StreamKey, Wire]] = []
+        self.pending: list[Wire] = []  # request wires made ahead, taken by the next calls
+
+    def _subscribe(self, sub: Subscribe) -> AsyncIterator[DeltaBatch]:
+        wire = Wire()
+        self.subs.append((sub, wire))
+        return wire.items()
+
+    def call(self, key: StreamKey) -> AsyncIterator[Any]:
+        wire = self.pending.pop(0) if self.pending else Wire()
+        self.calls.append((key, wire))
+        return wire.items()
+
+    def channel(self, replica: str) -> tuple[str, Wire]:
+        """The newest subscription to `replica` and its wire."""
+        sub, wire = [(s, w) for s, w in self.subs if s.replica_id == replica][-1]
+        return sub.subscription, wire
+
+
+def _delta(rid: str, n: int, finished: bool = False) -> StreamDelta:
+    return StreamDelta(rid, [100 + n], finished, "length" if finished else None, 3, 0, n)
+
+
+async def until(cond: Callable[[], bool], rounds: int = 1000) -> None:
+    """Let the loop run until `cond()` holds (a bounded number of turns, no clock)."""
+    for _ in range(rounds):
+        if cond():
+            return
+        await asyncio.sleep(0)
+    raise AssertionError("condition not reached")
+
+
+async def settle() -> None:
+    for _ in range(50):
+        await asyncio.sleep(0)
+
+
+async def open_channel(s: Script, replica: str) -> str:
+    """A first request to `replica`, inline (no channel there yet): its StreamStart opens one."""
+    rid = f"warm-{replica}"
+    wire = Wire()
+    s.pending.append(wire)
+    wire.push(StreamStart(replica), _delta(rid, 1, True), _END)
+    got = [x async for x in s.channels.attempt(RoutedRequest([1], rid), s.call)]
+    assert got == [StreamStart(replica), _delta(rid, 1, True)]
+    await until(lambda: any(sub.replica_id == replica for sub, _ in s.subs))
+    return s.channel(replica)[0]
+
+
+async def started(s: Script, replica: str, rid: str) -> tuple[Any, StreamKey, Wire]:
+    """An attempt bound to `replica`'s channel, its StreamStart received."""
+    calls = len(s.calls)
+    gen = s.channels.attempt(RoutedRequest([1], rid), s.call)
+    first = asyncio.ensure_future(anext(gen))
+    await until(lambda: len(s.calls) == calls + 1)
+    key, wire = s.calls[-1]
+    wire.push(StreamStart(replica), OnChannel(s.channel(replica)[0]))
+    assert await first == StreamStart(replica)
+    return gen, key, wire
+
+
+def test_a_request_stream_error_comes_after_the_channel_deltas_before_it() -> None:
+    """The worker's request stream raised after putting two deltas on the channel, and its
+    error arrived first: both deltas are yielded, then the error."""
+
+    async def run() -> None:
+        s = Script()
+        await open_channel(s, "a")
+        gen, key, wire = await started(s, "a", "r")
+        wire.push(ChannelEnd(2), EngineDiedError("its engine died"))
+        nxt = asyncio.ensure_future(anext(gen))
+        await settle()
+        assert not nxt.done()  # waits for the two deltas the ChannelEnd counts
+        s.channel("a")[1].push(DeltaBatch([(key.nonce, _delta("r", 1)), (key.nonce, _delta("r", 2))]))
+        assert await nxt == _delta("r", 1)
+        assert await anext(gen) == _delta("r", 2)
+        with pytest.raises(EngineDiedError):
+            await anext(gen)
+        assert not s.channels._keys
+
+    asyncio.run(run())
+
+
+def test_channel_deltas_that_beat_the_stream_start_wait_for_it() -> None:
+    async def run() -> None:
+        s = Script()
+        await open_channel(s, "a")
+        gen = s.channels.attempt(RoutedRequest([1], "r"), s.call)
+        first = asyncio.ensure_future(anext(gen))
+        await until(lambda: len(s.calls) == 2)
+        key, wire = s.calls[-1]
+        s.channel("a")[1].push(DeltaBatch([(key.nonce, _delta("r", 1, True))]))
+        await settle()
+        assert not first.done()
+        wire.push(StreamStart("a"), OnChannel(s.channel("a")[0]), ChannelEnd(1), _END)
+        assert await first == StreamStart("a")
+        assert [x async for x in gen] == [_delta("r", 1, True)]
+
+    asyncio.run(run())
+
+
+def test_a_replica_killed_between_a_channel_delta_and_its_end() -> None:
+    """A delta came on the channel, then the replica died (both calls fail, no ChannelEnd):
+    the delta is yielded, then the replica's loss is raised, whichever call fails first."""
+
+    for channel_first in (True, False):
+
+        async def run(channel_first: bool = channel_first) -> None:
+            s = Script()
+            await open_channel(s, "a")
+            gen, key, wire = await started(s, "a", "r")
+            s.channel("a")[1].push(DeltaBatch([(key.nonce, _delta("r", 1))]))
+            assert await anext(gen) == _delta("r", 1)
+            fails = [s.channel("a")[1], wire] if channel_first else [wire, s.channel("a")[1]]
+            for w in fails:
+                w.push(ActorDiedError())
+            with pytest.raises(Exception) as raised:
+                await anext(gen)
+            assert replica_gone(raised.value)
+            await until(lambda: "a" not in s.channels.open_replicas)
+
+        asyncio.run(run())
+
+
+def test_a_retried_attempts_late_deltas_are_dropped_never_mixed() -> None:
+    """Attempt 1 lost its replica before its first token; its deltas still on a channel arrive
+    while the retry streams: the retry yields its own deltas only."""
+
+    async def run() -> list[Any]:
+        s = Script()
+        await open_channel(s, "a")
+        await open_channel(s, "b")
+        client = ServeWorkerClient(_Handle())  # type: ignore[arg-type]
+        client._channels = s.channels
+        first, second = Wire(), Wire()
+        s.pending += [first, second]
+        first.push(StreamStart("a"), OnChannel(s.channel("a")[0]), ChannelEnd(0),
+                   WorkerUnavailableError("aborted on worker a; retry"))  # fmt: skip
+
+        async def call(request: RoutedRequest, key: StreamKey) -> AsyncIterator[Any]:
+            async for item in s.call(key):
+                yield item
+
+        client._call = call  # type: ignore[method-assign]
+        out = client.stream(RoutedRequest([1], "r"))
+        nxt = asyncio.ensure_future(anext(out))
+        await until(lambda: len(s.calls) == 4)  # the two warm-ups, attempt 1, the retry
+        (k1, _), (k2, _) = s.calls[2], s.calls[3]
+        assert k1.nonce != k2.nonce
+        second.push(StreamStart("b"), OnChannel(s.channel("b")[0]))
+        s.channel("a")[1].push(DeltaBatch([(k1.nonce, _delta("r", 1))]))  # late: dropped
+        s.channel("b")[1].push(DeltaBatch([(k1.nonce, _delta("r", 9)), (k2.nonce, _delta("r", 1))]))
+        s.channel("b")[1].push(DeltaBatch([(k2.nonce, _delta("r", 2, True))]))
+        second.push(ChannelEnd(2), _END)
+        got = [await nxt] + [x async for x in out]
+        assert not s.channels._keys
+        return got
+
+    assert asyncio.run(run()) == [StreamStart("b"), _delta("r", 1), _delta("r", 2, True)]
+
+
+def test_a_closed_requests_deltas_are_dropped() -> None:
+    async def run() -> None:
+        s = Script()
+        await open_channel(s, "a")
+        gen, key, wire = await started(s, "a", "r")
+        channel = s.channel("a")[1]
+        channel.push(DeltaBatch([(key.nonce, _delta("r", 1))]))
+        assert await anext(gen) == _delta("r", 1)
+        await gen.aclose()  # the client went away: its request stream is closed (the abort)
+        assert wire.closed and not s.channels._keys
+        gen2, key2, wire2 = await started(s, "a", "r2")
+        channel.push(DeltaBatch([(key.nonce, _delta("r", 2)), (key2.nonce, _delta("r2", 1, True))]))
+        wire2.push(ChannelEnd(1), _END)
+        assert [x async for x in gen2] == [_delta("r2", 1, True)]
+
+    asyncio.run(run())
+
+
+def test_a_failing_channel_fails_only_the_requests_on_it_and_reopens() -> None:
+    async def run() -> None:
+        s = Script()
+        await open_channel(s, "a")
+        await open_channel(s, "b")
+        on_a, ka, _ = await started(s, "a", "x")
+        on_b, kb, wire_b = await started(s, "b", "y")
+        s.channel("a")[1].push(ActorDiedError())
+        with pytest.raises(Exception) as raised:
+            await anext(on_a)
+        assert replica_gone(raised.value)
+        s.channel("b")[1].push(DeltaBatch([(kb.nonce, _delta("y", 1, True))]))
+        wire_b.push(ChannelEnd(1), _END)
+        assert [x async for x in on_b] == [_delta("y", 1, True)]
+        assert s.channels.open_replicas == {"b"}
+        await open_channel(s, "a")  # the next StreamStart from a opens a new channel
+        assert len([sub for sub, _ in s.subs if sub.replica_id == "a"]) == 2
+
+    asyncio.run(run())
+
+
+class _Handle:
+    app_name, deployment_name = "app", "Worker"
+
+    def options(self, **_: Any) -> _Handle:
+        return self
+
+
+# -- the worker replica's side --------------------------------------------------------------
+
+
+def _worker(idle_s: float = 60.0) -> WorkerDeployment:
+    cfg = EngineConfig(page_size=4, max_model_len=512)
+    return WorkerDeployment(cfg, WorkerOptions(channel_idle_s=idle_s),
+                            engine_factory=lambda c: FakeEngine(c, step_s=0.0), replica_id="w")  # fmt: skip
+
+
+def test_the_worker_puts_a_subscribed_ingress_deltas_on_its_channel() -> None:
+    """The request stream says where its deltas went and how many; the channel carries all of
+    them, in order, each under the attempt's nonce. Another ingress's request stays inline."""
+
+    async def run() -> None:
+        w = _worker()
+        batches = w.deltas(Subscribe("w", "ing", "sub1"))
+        first = asyncio.ensure_future(anext(batches))
+        await until(lambda: "ing" in w._outboxes)
+        req = RoutedRequest([1, 2, 3], "r", params=SamplingParams(max_tokens=5, ignore_eos=True))
+        items = [x async for x in w.generate(req, StreamKey("ing", "n1"))]
+        assert items == [StreamStart("w"), OnChannel("sub1"), ChannelEnd(items[-1].deltas)]
+        got: list[tuple[str, StreamDelta]] = list((await first).items)
+        while sum(d.finished for _, d in got) == 0:
+            got += (await anext(batches)).items
+        assert {n for n, _ in got} == {"n1"} and len(got) == items[-1].deltas
+        assert [t for _, d in got for t in d.token_ids] == [t for _, d in got for t in d.token_ids][:5]
+        assert sum(len(d.token_ids) for _, d in got) == 5 and got[-1][1].finished
+        other = [x async for x in w.generate(RoutedRequest([1, 2], "o"), StreamKey("other", "n2"))]
+        assert other[0] == StreamStart("w") and isinstance(other[-1], StreamDelta) and other[-1].finished
+        await batches.aclose()
+        assert not w._outboxes
+        w.shutdown()
+
+    asyncio.run(run())
+
+
+def test_a_channel_for_another_replica_is_refused() -> None:
+    async def run() -> None:
+        w = _worker()
+        with pytest.raises(WorkerUnavailableError):
+            await anext(w.deltas(Subscribe("gone", "ing", "s")))
+        w.shutdown()
+
+    asyncio.run(run())
+
+
+def test_a_channel_ends_once_its_ingress_has_no_request_on_the_replica() -> None:
+    """Serve's drain waits for every ongoing call: an idle channel must end (here at once)."""
+
+    async def run() -> None:
+        w = _worker(idle_s=0.0)
+        batches = w.deltas(Subscribe("w", "ing", "s"))
+        assert [b async for b in batches] == []
+        assert not w._outboxes
+        w.shutdown()
+
+    asyncio.run(run())
+
+
+def test_a_request_whose_channel_closed_under_it_fails_after_its_count() -> None:
+    """The ingress gave the channel up (it opened another): the request's next put raises, its
+    stream ends with the count of what went out, then the error; the engine request aborts."""
+
+    async def run() -> None:
+        w = _worker()
+        old = w.deltas(Subscribe("w", "ing", "old"))
+        first = asyncio.ensure_future(anext(old))
+        await until(lambda: "ing" in w._outboxes)
+        req = RoutedRequest([1, 2, 3], "r", params=SamplingParams(max_tokens=400, ignore_eos=True))
+        items: list[Any] = []
+
+        async def serve() -> None:  # Serve drives the replica's stream on its own
+            async for item in w.generate(req, StreamKey("ing", "n1")):
+                items.append(item)
+
+        streaming = asyncio.ensure_future(serve())
+        await first  # some deltas are on the old channel
+        new = w.deltas(Subscribe("w", "ing", "new"))
+        second = asyncio.ensure_future(anext(new))
+        await until(lambda: w._outboxes["ing"].subscription == "new")
+        with pytest.raises(WorkerUnavailableError):
+            await streaming
+        assert items[:2] == [StreamStart("w"), OnChannel("old")] and len(items) == 3
+        assert isinstance(items[2], ChannelEnd) and items[2].deltas >= 1
+        second.cancel()
+        await asyncio.gather(second, return_exceptions=True)
+        await new.aclose()
+        await old.aclose()
+        w.shutdown()
+
+    asyncio.run(run())
