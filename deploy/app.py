@@ -37,6 +37,12 @@ class IngressSettings:
     num_cpus: float = 0.25  # tokenization and SSE only; a fraction keeps small hosts schedulable
 
 
+# The ingress runs our code on the replica's own event loop, where Serve's HTTP server (direct
+# ingress) and its gRPC client are: by default Serve gives user code a loop of its own on another
+# thread, and every SSE message and worker-stream item crossed between the two (docs/design.md
+# §4.2). Per deployment (the replica process's environment), so the workers keep Serve's default.
+INGRESS_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}
+
 ROUTER_CLASS = "router.serve_router:SwaPrefixRequestRouter"
 ROUTING_STATS_PERIOD_S = 1.0
 
@@ -77,7 +83,7 @@ def build_app_from_config(
         # than this was answered 503 while admission would have taken it (measured: 330 of
         # 1,024 streams started at once, `bench serving-ceiling`); never below what admits.
         max_queued_requests=max(ingress.max_queued, cfg.max_inflight_sequences),
-        ray_actor_options={"num_cpus": ingress.num_cpus},
+        ray_actor_options={"num_cpus": ingress.num_cpus, "runtime_env": {"env_vars": INGRESS_ENV}},
     )(IngressDeployment)
     options = WorkerOptions(engine_process=cfg.engine_process, engine_niceness=cfg.engine_niceness)
     workers = worker.bind(cfg.engine, options, engine_factory)

@@ -14,6 +14,7 @@ import asyncio
 import logging
 import threading
 import uuid
+from collections.abc import Callable
 
 from cluster.messages import CacheSnapshot, EventBatch, StatsDict, WorkerMeta
 from cluster.transport import EventPublisher, get_or_create_index_actor, index_actor_name
@@ -49,6 +50,8 @@ class CacheEventPump:
         self._publisher: EventPublisher | None = None
         self._task: asyncio.Task[None] | None = None
         self._reports: set[asyncio.Task[None]] = set()  # stats reports in flight
+        self._next_sample: Callable[[], StatsDict] | None = None  # `report_soon`'s, not yet sent
+        self._reporting = False  # `report_soon`'s sender is running
         self._closed = False
 
     def _meta(self) -> WorkerMeta:
@@ -127,6 +130,28 @@ class CacheEventPump:
         task = asyncio.get_running_loop().create_task(self._report(stats, register))
         self._reports.add(task)
         task.add_done_callback(self._reports.discard)
+
+    def report_soon(self, sample: Callable[[], StatsDict]) -> None:
+        """Send a fresh stats sample soon (`sample()` is taken when it is sent). Coalesced: one
+        such report is in flight at a time, and the calls made meanwhile send one sample after
+        it, so a step that ends many requests costs one actor call, not one per request."""
+        if self._publisher is None:
+            return
+        self._next_sample = sample
+        if self._reporting:
+            return
+        self._reporting = True
+        task = asyncio.get_running_loop().create_task(self._report_coalesced())
+        self._reports.add(task)
+        task.add_done_callback(self._reports.discard)
+
+    async def _report_coalesced(self) -> None:
+        try:
+            while (sample := self._next_sample) is not None:
+                self._next_sample = None
+                await self._report(sample(), False)
+        finally:
+            self._reporting = False
 
     async def _report(self, stats: StatsDict, register: bool) -> None:
         # NOTE: a report that starts after close() would register the replica again.

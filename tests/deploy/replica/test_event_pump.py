@@ -61,3 +61,40 @@ def test_flushes_during_a_flush_share_the_next_drain() -> None:
     assert engine.drains == 3  # not 11
     assert [b.seq for b in publisher.batches] == [1, 2, 3]
     assert [b.events[0].page_hashes for b in publisher.batches] == [(1,), (2,), (3,)]
+
+
+class _SlowReports:
+    """Each stats report waits for `release` (the index actor's answer)."""
+
+    def __init__(self) -> None:
+        self.release = asyncio.Event()
+        self.reports: list[tuple[float, bool]] = []
+
+    async def report_stats(self, stats: dict[str, float], *, register: bool) -> None:
+        self.reports.append((stats["n"], register))
+        await self.release.wait()
+
+
+def test_reports_during_a_report_share_the_next_with_the_newest_sample() -> None:
+    """Many requests ending in one step cost one stats report after the one in flight, sampled
+    when it is sent (not one actor call per request)."""
+    pump = CacheEventPump(cast(EngineClient, object()), "w1", "app", "Worker")
+    publisher = _SlowReports()
+    pump._publisher = publisher  # type: ignore[assignment]  # started, without an index actor
+    samples = iter(range(1, 100))
+
+    def sample() -> dict[str, float]:
+        return {"n": float(next(samples))}
+
+    async def main() -> None:
+        pump.report_soon(sample)
+        await _until(lambda: len(publisher.reports) == 1)  # in flight, unanswered
+        for _ in range(9):
+            pump.report_soon(sample)
+        publisher.release.set()
+        await _until(lambda: not pump._reporting)
+        pump.report_soon(sample)  # after all of them: a report of its own
+        await _until(lambda: not pump._reporting)
+
+    asyncio.run(main())
+    assert publisher.reports == [(1.0, False), (2.0, False), (3.0, False)]  # not 11 reports
