@@ -8,13 +8,15 @@ closed inside the pump, so no generator is ever closed while another task is ite
 With a `deadline` (the event loop's clock), each wait for the next delta ends there:
 `DeadlineExceeded`, and the caller closes the streams (which aborts the requests on the workers).
 The bound is on each await, never across a `yield`: the consumer's own time (writing to a slow
-client) is the write timeout's (`deploy/openai/write_timeout.py`).
+client) is the write timeout's (`deploy/openai/write_timeout.py`). One timer per stream of
+deltas, not one per wait (a wait per streamed token): when it fires it cancels the wait in
+progress, or the next wait raises at once (`_Deadline`).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -47,6 +49,52 @@ async def before_deadline(deadline: float | None, step: Awaitable[T]) -> T:
         raise DeadlineExceeded from None
 
 
+class _Deadline:
+    """`before_deadline` for many waits of one task in a row, with one timer for all of them."""
+
+    def __init__(self, deadline: float | None) -> None:
+        self.expired = False
+        self._waiting: asyncio.Task[object] | None = None  # the task in a wait, if any
+        self._cut = False  # the timer cancelled that wait
+        self._timer = (
+            None if deadline is None else asyncio.get_running_loop().call_at(deadline, self._expire)
+        )
+
+    def _expire(self) -> None:
+        self.expired = True
+        if self._waiting is not None:
+            self._cut = True
+            self._waiting.cancel()
+
+    async def wait(self, step: Callable[[], Awaitable[T]]) -> T:
+        """`step()`'s result; `DeadlineExceeded` once the deadline passed (before or during)."""
+        if self._timer is None:
+            return await step()
+        if self.expired:
+            raise DeadlineExceeded
+        task = asyncio.current_task()
+        assert task is not None
+        self._waiting = task
+        try:
+            return await step()
+        except asyncio.CancelledError:
+            if not self._cut:
+                raise
+            self._cut = False
+            if task.uncancel() > 0:
+                raise  # cancelled by someone else too (the client left): that wins
+            raise DeadlineExceeded from None
+        finally:
+            self._waiting = None
+            if self._cut:  # the step ended before the cut reached it
+                self._cut = False
+                task.uncancel()
+
+    def disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+
+
 @dataclass(eq=False)
 class PromptStream:
     """One prompt's worker stream and what its first item said."""
@@ -77,31 +125,36 @@ class Fanout:
 
     async def deltas(self) -> AsyncIterator[tuple[PromptStream, StreamDelta]]:
         """Every stream's deltas in arrival order, until each has ended or been closed."""
-        if len(self.streams) == 1:
-            s = self.streams[0]
-            assert s.stream is not None
-            try:
-                while (item := await before_deadline(self.deadline, anext(s.stream, None))) is not None:
-                    assert isinstance(item, StreamDelta), f"worker sent {type(item).__name__} mid-stream"
-                    yield s, item
-            except DeadlineExceeded:
-                raise
-            except Exception:
-                self.failed = s
-                raise
-            return
-        for s in self.streams:
-            s.task = asyncio.create_task(self._pump(s))
-        live = len(self.streams)
-        while live:
-            s, got = await before_deadline(self.deadline, self._queue.get())
-            if got is None:
-                live -= 1
-            elif isinstance(got, BaseException):
-                self.failed = s
-                raise got
-            elif not s.closed:
-                yield s, got
+        deadline = _Deadline(self.deadline)
+        try:
+            if len(self.streams) == 1:
+                s = self.streams[0]
+                stream = s.stream
+                assert stream is not None
+                try:
+                    while (item := await deadline.wait(lambda: anext(stream, None))) is not None:
+                        assert isinstance(item, StreamDelta), f"worker sent {type(item).__name__} mid-stream"
+                        yield s, item
+                except DeadlineExceeded:
+                    raise
+                except Exception:
+                    self.failed = s
+                    raise
+                return
+            for s in self.streams:
+                s.task = asyncio.create_task(self._pump(s))
+            live = len(self.streams)
+            while live:
+                s, got = await deadline.wait(self._queue.get)
+                if got is None:
+                    live -= 1
+                elif isinstance(got, BaseException):
+                    self.failed = s
+                    raise got
+                elif not s.closed:
+                    yield s, got
+        finally:
+            deadline.disarm()
 
     async def _pump(self, s: PromptStream) -> None:
         stream, s.stream = s.stream, None
