@@ -42,7 +42,7 @@ from deploy.metrics import flatten_stats
 from deploy.replica.channel import ChannelEnd, DeltaBatch, OnChannel, StreamKey, Subscribe
 from deploy.replica.outbox import IDLE_S, Outbox
 from worker.config import EngineConfig
-from worker.engine.protocols import EngineClient
+from worker.engine.protocols import Divertible, EngineClient
 from worker.errors import EngineGoneError
 from worker.hosts.streams import merge_deltas
 
@@ -244,10 +244,24 @@ class WorkerDeployment:
             assert key is not None
             yield OnChannel(outbox.subscription)
             sent = 0
+            nonce = key.nonce
+
+            def put(delta: StreamDelta) -> bool:  # the engine host's diverted deltas
+                nonlocal sent
+                if outbox.closed:
+                    return False  # queued for the relay instead, which raises at its put below
+                outbox.put(nonce, delta)
+                sent += 1
+                return True
+
+            single = streams if isinstance(streams, _SingleChoice) else None  # n > 1: pumps
             try:
                 async for delta in self._deltas(streams, batch, open_ids):
-                    outbox.put(key.nonce, delta)
+                    outbox.put(nonce, delta)
                     sent += 1
+                    if single is not None:  # after the first batch: those queued since follow it
+                        single.divert(put)
+                        single = None
             except Exception:
                 yield ChannelEnd(sent)  # the ingress raises this after the deltas before it
                 raise
@@ -423,6 +437,14 @@ class _SingleChoice:
             raise self._w._ended_early(self._rid)
         self._w._check_delta(delta)
         return [delta]
+
+    def divert(self, to: Callable[[StreamDelta], bool]) -> None:
+        """From now on the stream's unfinished deltas go to `to` as the engine host routes them
+        (no wake-up here per step: `next` returns the last delta, or raises the end); hosts
+        that cannot, and a stream whose end is already queued, go on as before."""
+        engine = self._w._engine
+        if isinstance(engine, Divertible):
+            engine.divert(self._rid, to)
 
     async def close(self) -> None:
         await self._gen.aclose()

@@ -11,9 +11,9 @@ the packages and on `tests/fakes`).
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from core.events import CacheEvent, PageState
 from core.outputs import EngineStats, StreamDelta
@@ -88,3 +88,12 @@ class EngineClient(Protocol):
     def drain_cache_events(self) -> list[CacheEvent]: ...
 
     def shutdown(self) -> None: ...
+
+
+@runtime_checkable
+class Divertible(Protocol):
+    """An engine host whose running streams can hand their unfinished deltas to a callback as
+    they arrive, instead of waking the stream's reader for each (`StreamingHost.divert`): the
+    worker replica's delta channel takes them straight to its outbox."""
+
+    def divert(self, request_id: str, to: Callable[[StreamDelta], bool]) -> bool: ...

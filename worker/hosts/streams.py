@@ -25,8 +25,47 @@ from collections.abc import AsyncGenerator, Awaitable, Callable
 from core.outputs import StreamDelta
 from worker.errors import EngineGoneError
 
-# One stream's deltas, or its end: the engine gone, or the add refused (a ValueError)
-DeltaQueue = asyncio.Queue[StreamDelta | EngineGoneError | ValueError]
+_Item = StreamDelta | EngineGoneError | ValueError
+
+
+class DeltaQueue(asyncio.Queue[_Item]):
+    """One stream's deltas, or its end: the engine gone, or the add refused (a ValueError).
+
+    Diverted (`divert`), its unfinished deltas go to a callback as they arrive instead, in
+    order, and the relay wakes only for the last delta or the end: a worker replica's request
+    whose deltas travel on a delta channel (`deploy/replica/outbox.py`) costs no wake-up of its
+    own per step. All on the stream's event loop.
+    """
+
+    _divert: Callable[[StreamDelta], bool] | None = None
+
+    def put_nowait(self, item: _Item) -> None:
+        divert = self._divert
+        if divert is not None:
+            if isinstance(item, StreamDelta) and not item.finished and divert(item):
+                return
+            self._divert = None  # the end, or refused: from here on the relay has them, in order
+        super().put_nowait(item)
+
+    def divert(self, to: Callable[[StreamDelta], bool]) -> bool:
+        """Send the unfinished deltas to `to` from now on, those already queued first; `to`
+        returns False to refuse one (that one and the rest stay queued). False when diverting
+        stopped before it started: a finished delta or the end was already queued, or `to`
+        refused."""
+        held: list[_Item] = []
+        while not self.empty():
+            held.append(self.get_nowait())
+        sent = 0
+        for item in held:
+            if not (isinstance(item, StreamDelta) and not item.finished and to(item)):
+                break
+            sent += 1
+        for item in held[sent:]:
+            super().put_nowait(item)
+        if sent < len(held):
+            return False
+        self._divert = to
+        return True
 
 
 async def relay(
@@ -111,8 +150,14 @@ class StreamingHost:
         for loop, items in per_loop.items():
             loop.call_soon_threadsafe(_put_all, items)
 
+    def divert(self, request_id: str, to: Callable[[StreamDelta], bool]) -> bool:
+        """`DeltaQueue.divert` for a running stream of this host, on its loop (False: none)."""
+        with self._lock:
+            stream = self._streams.get(request_id)
+        return stream is not None and stream[1].divert(to)
+
     def _open(self, request_id: str) -> DeltaQueue:
-        deltas: DeltaQueue = asyncio.Queue()
+        deltas = DeltaQueue()
         with self._lock:  # with the host's death: a stream is failed by it or never registered
             self._check_alive()
             self._streams[request_id] = (asyncio.get_running_loop(), deltas)

@@ -3,7 +3,8 @@ host that emits one list of every running request's deltas per step (as the engi
 step message does), routed into the streams by `StreamingHost._route`, merged by the relay and
 streamed by `WorkerDeployment.generate` (one-choice requests read in the call itself, n=2 ones
 through the choices' pumps), and, as an ingress receives them, on the delta channel
-(`deploy/replica/channels.py`). Every token of every stream must equal the engine's record, in
+(`deploy/replica/channels.py`), one-choice streams' deltas diverted by the host straight to
+the channel's outbox (`DeltaQueue.divert`). Every token of every stream must equal the engine's record, in
 order, each choice ending once with its finished delta: no delta lost, duplicated or
 reordered."""
 
@@ -38,6 +39,7 @@ class StepHost(FakeEngine, StreamingHost):
         self._streams = {}
         self._running: dict[str, tuple[int, int]] = {}  # request id -> (last token, tokens left)
         self.record: dict[str, list[int]] = {}
+        self.diverted = 0  # streams whose unfinished deltas went straight to a channel's outbox
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._steps, daemon=True)
         self._thread.start()
@@ -56,6 +58,11 @@ class StepHost(FakeEngine, StreamingHost):
     def abort(self, request_id: str) -> None:
         with self._lock:
             self._running.pop(request_id, None)
+
+    def divert(self, request_id: str, to: Callable[[StreamDelta], bool]) -> bool:
+        diverted = super().divert(request_id, to)
+        self.diverted += diverted
+        return diverted
 
     def _check_alive(self) -> None:
         pass
@@ -134,6 +141,9 @@ def test_1024_concurrent_streams_lose_and_reorder_no_delta(channel: bool) -> Non
     finally:
         w.shutdown()
     assert sorted(on_channel) == (sorted(r.request_id for r in requests) if channel else [])
+    # one-choice streams on the channel hand their deltas over from the host (those whose last
+    # delta was queued before the handover cannot); none does without a channel
+    assert (host.diverted > 0) == channel
     for req, items in zip(requests, streams):
         assert items[0] == StreamStart("r1")
         got: dict[str, list[int]] = {cid: [] for cid in req.choice_ids}
@@ -148,3 +158,45 @@ def test_1024_concurrent_streams_lose_and_reorder_no_delta(channel: bool) -> Non
             assert p is not None
             assert got[cid] == [*host.record[cid], None], cid
             assert len(host.record[cid]) == p.max_tokens
+
+
+def test_a_diverted_queue_hands_over_in_order_and_gives_back_the_end() -> None:
+    """Deltas queued before the handover go first; a refused one and everything after it, and
+    the last delta, stay queued for the relay, in order."""
+
+    def delta(n: int, finished: bool = False) -> StreamDelta:
+        return StreamDelta("r", [n], finished, "length" if finished else None, 3, 0, n)
+
+    async def main() -> None:
+        q = DeltaQueue()
+        q.put_nowait(delta(1))
+        q.put_nowait(delta(2))
+        taken: list[int] = []
+
+        def take(d: StreamDelta, offset: int = 0) -> bool:
+            if d.token_ids[0] == 5:
+                return False  # refused
+            taken.append(offset + d.token_ids[0])
+            return True
+
+        assert q.divert(take)
+        assert taken == [1, 2] and q.empty()
+        q.put_nowait(delta(3))
+        q.put_nowait(delta(4))
+        assert taken == [1, 2, 3, 4] and q.empty()
+        q.put_nowait(delta(5))  # refused (its channel closed): queued, and so is the rest
+        q.put_nowait(delta(6))
+        q.put_nowait(delta(7, finished=True))
+        assert taken == [1, 2, 3, 4]
+        assert [q.get_nowait().token_ids[0] for _ in range(3)] == [5, 6, 7]  # type: ignore[union-attr]
+
+        q2 = DeltaQueue()
+        q2.put_nowait(delta(1))
+        q2.put_nowait(delta(2, finished=True))  # the end is already queued: no handover
+        assert not q2.divert(lambda d: take(d, 100))
+        assert taken[-1] == 101  # the one before the end went over
+        assert q2.get_nowait().finished and q2.empty()  # type: ignore[union-attr]
+        q2.put_nowait(delta(3))  # not diverted: queued
+        assert q2.qsize() == 1
+
+    asyncio.run(main())
