@@ -21,6 +21,7 @@ class RequestTimer:
 
     def __init__(self, metrics: IngressMetrics, endpoint: str, t0: float) -> None:
         self._m, self._endpoint, self._t0 = metrics, endpoint, t0
+        self._itl = metrics.itl.labels(endpoint)  # looked up once: `tokens` runs per delta
         self._last: float | None = None
         self._closed = False
 
@@ -33,7 +34,7 @@ class RequestTimer:
         else:
             gap = (now - self._last) / n  # a coalesced delta carries n tokens
             for _ in range(n):
-                self._m.itl.labels(self._endpoint).observe(gap)
+                self._itl.observe(gap)
         self._last = now
 
     def done(self) -> None:
