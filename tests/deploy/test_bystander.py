@@ -182,8 +182,10 @@ def test_a_hostile_client_does_not_slow_a_bystander(url: str) -> None:
     """Alternating idle and attacked windows: the bystander's median and p90 latency under attack
     within 2x of idle, /health within 1 s in every window, every answer the expected one; then
     idle pools, the same replicas."""
+    # Each replica's stats reach the ingress on their own schedule (about every second, and
+    # stale after 3 s): wait until both have answered a scrape.
+    _wait(lambda: len(_replicas(url)) == 2, IDLE_TIMEOUT_S, "both worker replicas reporting")
     replicas = _replicas(url)
-    assert len(replicas) == 2
     bystander, probe, loop = Bystander(url), Probe(url, "/health"), Probe(url, "/v1/models")
     outcomes: list[Outcome] = []
     try:
@@ -199,6 +201,7 @@ def test_a_hostile_client_does_not_slow_a_bystander(url: str) -> None:
         loop.stop()
         bystander.close()
     _report(outcomes, bystander.samples, probe.samples, loop.samples)
+    _wait(lambda: len(_replicas(url)) == 2, IDLE_TIMEOUT_S, "both worker replicas reporting")
     assert _replicas(url) == replicas, "a worker replica restarted"
     assert [o for o in warm_up + outcomes if not o.expected] == []
     assert all(s.status == 200 for s in bystander.samples), "a bystander request failed"
