@@ -348,12 +348,14 @@ class WorkerDeployment:
                 await self._events.ensure_started()
             except Exception:  # noqa: BLE001 - the routers' stats must not depend on the index actor
                 log.exception("registering with the cache index failed; retrying next time")
-        return self._report_stats(register=True)
+        return self._report_stats()
 
-    def _report_stats(self, *, register: bool) -> StatsDict:
+    def _report_stats(self) -> StatsDict:
+        """A fresh sample, also sent to the index actor as a registering report (Serve's poll;
+        the per-request reports go through `CacheEventPump.report_soon`)."""
         sample = self._stats_sample()
         if self._events is not None:
-            self._events.report_stats(sample, register=register)
+            self._events.report_stats(sample, register=True)
         return sample
 
     def _stats_sample(self) -> StatsDict:

@@ -13,7 +13,7 @@ def test_a_wait_in_progress_at_the_deadline_raises_deadline_exceeded() -> None:
     async def main() -> None:
         loop = asyncio.get_running_loop()
         d = _Deadline(loop.time() + 0.01)
-        assert await d.wait(lambda: asyncio.sleep(0, "first")) == "first"
+        assert await d.wait(lambda: asyncio.sleep(0, "first")) == "first"  # a step, no timing
         with pytest.raises(DeadlineExceeded):
             await d.wait(asyncio.Event().wait)  # never set: only the deadline ends it
         assert asyncio.current_task().cancelling() == 0  # type: ignore[union-attr]
@@ -27,7 +27,7 @@ def test_a_deadline_passed_between_waits_fails_the_next_wait_at_once() -> None:
         loop = asyncio.get_running_loop()
         d = _Deadline(loop.time())
         while not d.expired:  # the timer runs on the loop; no wait is in progress meanwhile
-            await asyncio.sleep(0)
+            await asyncio.sleep(0)  # a yield to the loop, not a wait: the deadline is now
         calls: list[int] = []
         with pytest.raises(DeadlineExceeded):
             await d.wait(lambda: calls.append(1) or asyncio.sleep(0))  # type: ignore[func-returns-value]
@@ -56,7 +56,7 @@ def test_a_caller_cancelled_at_the_deadline_stays_cancelled() -> None:
 def test_no_deadline_waits_as_long_as_it_takes() -> None:
     async def main() -> None:
         d = _Deadline(None)
-        assert await d.wait(lambda: asyncio.sleep(0.01, "done")) == "done"
+        assert await d.wait(lambda: asyncio.sleep(0.01, "done")) == "done"  # the step itself
         d.disarm()
 
     asyncio.run(main())
