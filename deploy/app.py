@@ -37,11 +37,16 @@ class IngressSettings:
     num_cpus: float = 0.25  # tokenization and SSE only; a fraction keeps small hosts schedulable
 
 
-# The ingress runs our code on the replica's own event loop, where Serve's HTTP server (direct
-# ingress) and its gRPC client are: by default Serve gives user code a loop of its own on another
-# thread, and every SSE message and worker-stream item crossed between the two (docs/design.md
-# §4.2). Per deployment (the replica process's environment), so the workers keep Serve's default.
-INGRESS_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}
+# Both deployments run our code on the replica's own event loop, where Serve's HTTP server
+# (direct ingress), its gRPC server and client are: by default Serve gives user code a loop of
+# its own on another thread, and every SSE message, request and stream item crossed between the
+# two (docs/design.md §4.2). Set per deployment (the replica process's environment); a YAML
+# `deployments` entry that gives `ray_actor_options` replaces it, and the replica then runs with
+# Serve's default (correct, a little slower).
+REPLICA_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}
+# The worker's calls come from our ingress, which logs each HTTP request: Serve's access-log line
+# per worker call (a file write and a stderr write on the replica's loop) says nothing more.
+WORKER_LOGGING = {"enable_access_log": False}
 
 ROUTER_CLASS = "router.serve_router:SwaPrefixRequestRouter"
 ROUTING_STATS_PERIOD_S = 1.0
@@ -71,7 +76,11 @@ def build_app_from_config(
     it must be importable in the worker processes).
     """
     ingress = ingress or IngressSettings()
-    worker = serve.deployment(name=WORKER_DEPLOYMENT, **worker_options(cfg))(WorkerDeployment)
+    worker_opts = worker_options(cfg)
+    actor = worker_opts.setdefault("ray_actor_options", {})
+    actor["runtime_env"] = {"env_vars": REPLICA_ENV}
+    worker_opts.setdefault("logging_config", WORKER_LOGGING)
+    worker = serve.deployment(name=WORKER_DEPLOYMENT, **worker_opts)(WorkerDeployment)
     front = serve.deployment(
         name=INGRESS_DEPLOYMENT,
         num_replicas=cfg.ingress_replicas,
@@ -83,7 +92,7 @@ def build_app_from_config(
         # than this was answered 503 while admission would have taken it (measured: 330 of
         # 1,024 streams started at once, `bench serving-ceiling`); never below what admits.
         max_queued_requests=max(ingress.max_queued, cfg.max_inflight_sequences),
-        ray_actor_options={"num_cpus": ingress.num_cpus, "runtime_env": {"env_vars": INGRESS_ENV}},
+        ray_actor_options={"num_cpus": ingress.num_cpus, "runtime_env": {"env_vars": REPLICA_ENV}},
     )(IngressDeployment)
     options = WorkerOptions(engine_process=cfg.engine_process, engine_niceness=cfg.engine_niceness)
     workers = worker.bind(cfg.engine, options, engine_factory)

@@ -16,6 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from transformers import PreTrainedTokenizerFast
+
 _REPLACEMENT = "\ufffd"  # an incomplete UTF-8 sequence decodes to this
 
 # Tokens whose text ends in an incomplete character are held back, but not past this many: then
@@ -29,11 +31,33 @@ MAX_HELD = 16
 CONTEXT = 4
 
 
+def backend_decoder(tokenizer: Any) -> Any | None:
+    """The Rust tokenizer whose `decode(ids, skip_special_tokens=)` gives the same text as
+    `tokenizer.decode`, when there is one: a fast tokenizer whose class keeps transformers'
+    own `decode`/`_decode` and cleans up no spaces. That call skips transformers' Python layers
+    (argument conversion, the clean-up check): ~1 µs instead of ~3.3 per decode here, and a
+    push decodes twice. Else None (decode through the tokenizer)."""
+    cls = type(tokenizer)
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if (
+        backend is None
+        or not isinstance(tokenizer, PreTrainedTokenizerFast)
+        or cls.decode is not PreTrainedTokenizerFast.decode
+        or cls._decode is not PreTrainedTokenizerFast._decode
+        or getattr(tokenizer, "clean_up_tokenization_spaces", True)
+    ):
+        return None
+    return backend
+
+
 class IncrementalDetokenizer:
     def __init__(
         self, tokenizer: Any, context_ids: list[int] | None = None, skip_special_tokens: bool = True
     ) -> None:
         self._tok = tokenizer
+        backend = backend_decoder(tokenizer)
+        if backend is not None:
+            self._tok = backend
         self._skip = skip_special_tokens
         # A few prompt tokens as context so the first generated token gets its leading space.
         self._ids: list[int] = list((context_ids or [])[-CONTEXT:])

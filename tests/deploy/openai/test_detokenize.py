@@ -121,3 +121,33 @@ def test_stop_search_keeps_only_the_held_back_tail(tokenizer: Any) -> None:
         out += stream.feed([t], final=i == len(ids) - 1).text
         assert len(stream._buf) <= 2 * len("<never>") + 8
     assert out == stream.text == tokenizer.decode(ids) and not stream.stopped
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_the_rust_decoder_gives_the_tokenizers_text(tokenizer: Any, skip: bool) -> None:
+    """A fast tokenizer is decoded by its Rust backend (no transformers layers per push); every
+    piece equals what decoding through the tokenizer gives, special tokens skipped or not."""
+    from deploy.openai.detokenize import backend_decoder
+
+    assert backend_decoder(tokenizer) is tokenizer.backend_tokenizer
+    assert backend_decoder(CountingTokenizer(tokenizer)) is None
+    special = [tokenizer.all_special_ids[0]] if tokenizer.all_special_ids else []
+    ids = tokenizer(MIXED)["input_ids"] + special + tokenizer(" tail")["input_ids"]
+    fast = IncrementalDetokenizer(tokenizer, [5, 6], skip_special_tokens=skip)
+    slow = IncrementalDetokenizer(CountingTokenizer(tokenizer), [5, 6], skip_special_tokens=skip)
+    assert fast._tok is tokenizer.backend_tokenizer
+    for i in range(0, len(ids), 3):
+        chunk, final = ids[i : i + 3], i + 3 >= len(ids)
+        assert fast.push(chunk, final) == slow.push(chunk, final)
+
+
+def test_a_tokenizer_that_cleans_up_spaces_decodes_through_transformers(tokenizer: Any) -> None:
+    """`clean_up_tokenization_spaces` changes the text after the Rust decode: no fast path."""
+    from deploy.openai.detokenize import backend_decoder
+
+    before = tokenizer.clean_up_tokenization_spaces
+    tokenizer.clean_up_tokenization_spaces = True
+    try:
+        assert backend_decoder(tokenizer) is None
+    finally:
+        tokenizer.clean_up_tokenization_spaces = before
