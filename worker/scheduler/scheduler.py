@@ -52,6 +52,13 @@ from worker.scheduler.request import Req, ReqState
 # Decode tokens a running request is assumed to still need, at most (SGLang clips the same way):
 # beyond this, retraction handles the rare request that really runs that long.
 CLIP_MAX_NEW_TOKENS = 4096
+# A waiting request whose prompt shares at least this many tokens (and a page) beyond what the
+# tree holds with a request still prefilling them waits until that prefill is in the tree, then
+# reuses it, instead of computing the same rows again beside it (SGLang's in-batch prefix check
+# uses the same 32 tokens). Only while that prefill runs: a step or two.
+SHARED_PREFILL_MIN = 32
+# The most waiting requests one admission looks at for that check; past them it admits FIFO.
+SHARED_PREFILL_SCAN = 256
 
 
 class Scheduler:
@@ -220,16 +227,35 @@ class Scheduler:
 
     def _next_waiting(self) -> Req | None:
         """The first waiting request that may start: a sibling of a multi-choice request waits
-        until the first one's prompt is in the tree, then reuses it (one prefill for all)."""
+        until the first one's prompt is in the tree, then reuses it (one prefill for all), and
+        so does a request whose prompt's head a running request is still prefilling (§11.1)."""
         # NOTE: a first choice this scheduler does not know (finished, or not added yet because
         # its grammar compiled slower) holds nothing back: sharing is an optimisation only.
-        for req in self.waiting:
+        if not self.limits.radix:
+            return self.waiting[0] if self.waiting and not self.waiting[0].pending else None
+        prefilling = [r for r in self.running if r.computed < len(r.prompt)]
+        for looked, req in enumerate(self.waiting):
             if req.pending:  # retracted with a token in flight: it knows its tokens next step
                 return None
             first = self.reqs.get(req.follows) if req.follows else None
-            if first is None or first.computed >= len(first.prompt) or not self.limits.radix:
-                return req
+            if first is not None and first.computed < len(first.prompt):
+                continue
+            if looked < SHARED_PREFILL_SCAN and self._behind_a_prefill(req, prefilling):
+                continue
+            return req
         return None
+
+    def _behind_a_prefill(self, req: Req, prefilling: list[Req]) -> bool:
+        """`req` shares at least `SHARED_PREFILL_MIN` tokens (and a page) with the part of a
+        running request's prompt that request has yet to compute (under its cache salt)."""
+        least = max(SHARED_PREFILL_MIN, self.limits.geometry.page_size)
+        for r in prefilling:
+            limit = min(req.reusable, len(req.prompt), len(r.prompt))
+            if limit - r.computed < least or r.params.root_hash != req.params.root_hash:
+                continue
+            if shared_len(req.prompt, r.prompt, limit) - r.computed >= least:
+                return True
+        return False
 
     # ---- decode ---------------------------------------------------------------------------------
     def _schedule_decodes(self) -> list[StepWork]:
@@ -454,3 +480,18 @@ class Scheduler:
             self.counters.swa_evicted_tokens += freed.swa
         ok_full = a.full_available_size() >= full_tokens
         return ok_full and (not a.hybrid or a.swa_available_size() >= swa_tokens)
+
+
+def shared_len(a: list[int], b: list[int], limit: int, step: int = 64) -> int:
+    """Length of the common head of `a` and `b` (both at least `limit` long), at most `limit`:
+    `step` tokens at a time (list slices compare in C), then token by token in the first block
+    that differs."""
+    n = 0
+    while n < limit:
+        end = min(n + step, limit)
+        if a[n:end] != b[n:end]:
+            while n < end and a[n] == b[n]:
+                n += 1
+            return n
+        n = end
+    return limit
