@@ -21,7 +21,7 @@ from cluster.transport import EventPublisher, get_or_create_index_actor, index_a
 from core.events import CacheEvent, PageState
 from core.geometry import Geometry
 from worker.config import repairs_tombstones
-from worker.engine.protocols import EngineClient
+from worker.engine.protocols import DrainsAtOnce, EngineClient
 
 log = logging.getLogger("swaserve.worker.events")
 
@@ -36,6 +36,8 @@ class CacheEventPump:
         interval_s: float = 0.25,
     ) -> None:
         self._engine = engine
+        # An engine process's events are here already: drain them on the loop (no thread hop).
+        self._drain_now = engine.drain_cache_events_now if isinstance(engine, DrainsAtOnce) else None
         self._incarnation = uuid.uuid4().hex[:12]
         self._worker_id = worker_id
         self._actor_name = index_actor_name(app_name, deployment_name)
@@ -96,7 +98,7 @@ class CacheEventPump:
 
     def _drain_batch(self) -> EventBatch | None:
         with self._seq_lock:
-            events = self._engine.drain_cache_events()
+            events = self._drain_now() if self._drain_now is not None else self._engine.drain_cache_events()
             if not events:
                 return None
             self._seq += 1
@@ -118,7 +120,11 @@ class CacheEventPump:
             covers = self._flush_calls
             # NOTE: an in-process engine drains between two steps, so this waits for the step
             # in flight; off the event loop, so other requests' deltas keep flowing meanwhile.
-            batch = await asyncio.to_thread(self._drain_batch)
+            # An engine process's drain does not wait: on the loop.
+            if self._drain_now is not None:
+                batch = self._drain_batch()
+            else:
+                batch = await asyncio.to_thread(self._drain_batch)
             if batch is not None:
                 await self._publisher.publish(batch)
             self._flushed = covers

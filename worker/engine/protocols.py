@@ -97,3 +97,12 @@ class Divertible(Protocol):
     worker replica's delta channel takes them straight to its outbox."""
 
     def divert(self, request_id: str, to: Callable[[StreamDelta], bool]) -> bool: ...
+
+
+@runtime_checkable
+class DrainsAtOnce(Protocol):
+    """An engine host whose pending cache events are already in this process (each step message
+    carries its own): `drain_cache_events_now` returns them without waiting for the step in
+    flight, so the worker's event pump drains on its loop, with no thread hop per flush."""
+
+    def drain_cache_events_now(self) -> list[CacheEvent]: ...

@@ -260,6 +260,8 @@ class EngineProcess(StreamingHost):
             events, self._events = self._events, []
         return events
 
+    drain_cache_events_now = drain_cache_events  # `protocols.DrainsAtOnce`: never waits
+
     def cache_snapshot(self) -> dict[int, PageState]:
         return cast("dict[int, PageState]", self._call(_Call(0, "cache_snapshot")))
 

@@ -98,3 +98,34 @@ def test_reports_during_a_report_share_the_next_with_the_newest_sample() -> None
 
     asyncio.run(main())
     assert publisher.reports == [(1.0, False), (2.0, False), (3.0, False)]  # not 11 reports
+
+
+class _ProcessDrains:
+    """An engine process's host: its events are here already (`DrainsAtOnce`)."""
+
+    def __init__(self) -> None:
+        self.threads: list[int] = []
+
+    def drain_cache_events_now(self) -> list[CacheEvent]:
+        self.threads.append(threading.get_ident())
+        return [CacheEvent(EventKind.STORED, (len(self.threads),))]
+
+    def drain_cache_events(self) -> list[CacheEvent]:
+        raise AssertionError("an engine that drains at once is drained with drain_cache_events_now")
+
+
+def test_an_engine_process_is_drained_on_the_loop() -> None:
+    """No thread hop per flush when the drain cannot wait: the loop's own thread drains."""
+    engine = _ProcessDrains()
+    pump = CacheEventPump(cast(EngineClient, engine), "w1", "app", "Worker")
+    publisher = _Publisher()
+    pump._publisher = publisher  # type: ignore[assignment]  # started, without an index actor
+
+    async def main() -> int:
+        await pump.flush()
+        await pump.flush()
+        return threading.get_ident()
+
+    loop_thread = asyncio.run(main())
+    assert engine.threads == [loop_thread, loop_thread]
+    assert [b.seq for b in publisher.batches] == [1, 2]
