@@ -42,11 +42,17 @@ async def _until(cond: Any, deadline_s: float = 30.0) -> None:
         await asyncio.sleep(0.01)  # waits on the condition, polled until the deadline
 
 
-def test_flushes_during_a_flush_share_the_next_drain() -> None:
-    engine = _SlowDrains()
+def _started_pump(engine: object) -> tuple[CacheEventPump, _Publisher]:
+    """A pump on `engine`, started with a recording publisher instead of an index actor."""
     pump = CacheEventPump(cast(EngineClient, engine), "w1", "app", "Worker")
     publisher = _Publisher()
-    pump._publisher = publisher  # type: ignore[assignment]  # started, without an index actor
+    pump._publisher = publisher  # type: ignore[assignment]
+    return pump, publisher
+
+
+def test_flushes_during_a_flush_share_the_next_drain() -> None:
+    engine = _SlowDrains()
+    pump, publisher = _started_pump(engine)
 
     async def main() -> None:
         first = asyncio.create_task(pump.flush())  # drains, held by the step in flight
@@ -117,9 +123,7 @@ class _ProcessDrains:
 def test_an_engine_process_is_drained_on_the_loop() -> None:
     """No thread hop per flush when the drain cannot wait: the loop's own thread drains."""
     engine = _ProcessDrains()
-    pump = CacheEventPump(cast(EngineClient, engine), "w1", "app", "Worker")
-    publisher = _Publisher()
-    pump._publisher = publisher  # type: ignore[assignment]  # started, without an index actor
+    pump, publisher = _started_pump(engine)
 
     async def main() -> int:
         await pump.flush()
