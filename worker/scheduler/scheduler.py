@@ -57,8 +57,6 @@ CLIP_MAX_NEW_TOKENS = 4096
 # reuses it, instead of computing the same rows again beside it (SGLang's in-batch prefix check
 # uses the same 32 tokens). Only while that prefill runs: a step or two.
 SHARED_PREFILL_MIN = 32
-# The most waiting requests one admission looks at for that check; past them it admits FIFO.
-SHARED_PREFILL_SCAN = 256
 
 
 class Scheduler:
@@ -208,54 +206,51 @@ class Scheduler:
         # The step's token budget: decodes first (never stalled by a prefill), prefill chunks
         # fill what is left, at most `chunked_prefill_size` of it (docs/design.md §11.7).
         budget = min(self.limits.chunked_prefill_size, self.limits.max_num_batched_tokens - len(work))
-        for req in [r for r in self.running if not r.is_decoding]:
+        prefilling = [r for r in self.running if not r.is_decoding]
+        for req in prefilling:
             if budget <= 0:
                 break
             item = self._continue_chunk(req, budget)
             if item is not None:
                 work.append(item)
                 budget -= item.n
+        heads = None
+        if self.limits.radix:
+            heads = PrefillHeads(max(SHARED_PREFILL_MIN, self.limits.geometry.page_size), prefilling)
         while budget > 0 and len(self.running) < self.limits.max_running_requests:
-            ready = self._next_waiting()
+            ready = self._next_waiting(heads)
             item = self._admit(ready, budget) if ready is not None else None
             if ready is None or item is None:
                 break
             self.waiting.remove(ready)
             work.append(item)
             budget -= item.n
+            if heads is not None:
+                heads.add(ready)
         return work
 
-    def _next_waiting(self) -> Req | None:
+    def _next_waiting(self, heads: PrefillHeads | None) -> Req | None:
         """The first waiting request that may start: a sibling of a multi-choice request waits
         until the first one's prompt is in the tree, then reuses it (one prefill for all), and
-        so does a request whose prompt's head a running request is still prefilling (§11.1)."""
+        so does a request whose prompt's head a running request is still prefilling (§11.1).
+        `heads`: this step's prefills (None without the radix cache: plain FIFO)."""
         # NOTE: a first choice this scheduler does not know (finished, or not added yet because
         # its grammar compiled slower) holds nothing back: sharing is an optimisation only.
-        if not self.limits.radix:
+        if heads is None:
             return self.waiting[0] if self.waiting and not self.waiting[0].pending else None
-        prefilling = [r for r in self.running if r.computed < len(r.prompt)]
-        for looked, req in enumerate(self.waiting):
+        for req in self.waiting:
             if req.pending:  # retracted with a token in flight: it knows its tokens next step
                 return None
+            if req in heads.passed:
+                continue
             first = self.reqs.get(req.follows) if req.follows else None
             if first is not None and first.computed < len(first.prompt):
                 continue
-            if looked < SHARED_PREFILL_SCAN and self._behind_a_prefill(req, prefilling):
+            if heads.behind(req):
+                heads.passed.add(req)  # for the rest of this step: more prefills only add heads
                 continue
             return req
         return None
-
-    def _behind_a_prefill(self, req: Req, prefilling: list[Req]) -> bool:
-        """`req` shares at least `SHARED_PREFILL_MIN` tokens (and a page) with the part of a
-        running request's prompt that request has yet to compute (under its cache salt)."""
-        least = max(SHARED_PREFILL_MIN, self.limits.geometry.page_size)
-        for r in prefilling:
-            limit = min(req.reusable, len(req.prompt), len(r.prompt))
-            if limit - r.computed < least or r.params.root_hash != req.params.root_hash:
-                continue
-            if shared_len(req.prompt, r.prompt, limit) - r.computed >= least:
-                return True
-        return False
 
     # ---- decode ---------------------------------------------------------------------------------
     def _schedule_decodes(self) -> list[StepWork]:
@@ -480,6 +475,38 @@ class Scheduler:
             self.counters.swa_evicted_tokens += freed.swa
         ok_full = a.full_available_size() >= full_tokens
         return ok_full and (not a.hybrid or a.swa_available_size() >= swa_tokens)
+
+
+class PrefillHeads:
+    """One step's prefills in progress, by (cache salt's root, first `least` prompt tokens):
+    what a waiting request would compute again beside them (docs/design.md §11.1). A waiting
+    request costs one dict lookup; only a request with the same head is compared further."""
+
+    __slots__ = ("least", "_by_head", "passed")
+
+    def __init__(self, least: int, prefilling: list[Req]) -> None:
+        self.least = least
+        self._by_head: dict[tuple[int, tuple[int, ...]], list[Req]] = {}
+        self.passed: set[Req] = set()  # waiting requests passed over this step
+        for r in prefilling:
+            self.add(r)
+
+    def add(self, r: Req) -> None:
+        """`r` prefills this step (its `computed` is where the step's chunk starts)."""
+        if len(r.prompt) - r.computed >= self.least:
+            self._by_head.setdefault((r.params.root_hash, tuple(r.prompt[: self.least])), []).append(r)
+
+    def behind(self, req: Req) -> bool:
+        """`req` shares at least `least` tokens with the part of a prefilling request's prompt
+        that request has yet to compute (under the same salt)."""
+        if not self._by_head or len(req.prompt) < self.least:
+            return False
+        least = self.least
+        for r in self._by_head.get((req.params.root_hash, tuple(req.prompt[:least])), ()):
+            limit = min(req.reusable, len(req.prompt), len(r.prompt))
+            if limit - r.computed >= least and shared_len(req.prompt, r.prompt, limit) - r.computed >= least:
+                return True
+        return False
 
 
 def shared_len(a: list[int], b: list[int], limit: int, step: int = 64) -> int:

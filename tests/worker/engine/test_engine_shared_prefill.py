@@ -54,3 +54,33 @@ def test_other_salts_and_short_heads_do_not_wait(oracle: Oracle) -> None:
     assert all(engine.scheduler.reqs[rid].kv is not None for rid in rids)
     run_checked(engine)
     assert_all_free(engine)
+
+
+def test_a_burst_behind_one_head_waits_for_it_all(oracle: Oracle) -> None:
+    """Forty prompts behind one head, more than a step's budget could start: still only the
+    first starts in the first step; every other one reuses the whole head."""
+    engine = oracle.engine(chunked_prefill_size=512)
+    rids = _add(engine, [SYSTEM + tokens(8, seed=200 + i) for i in range(40)])
+    engine.step()
+    assert sum(engine.scheduler.reqs[rid].kv is not None for rid in rids) == 1
+    outs = {}
+
+    def collect(_: int) -> None:
+        outs.update({rid: engine.scheduler.reqs[rid] for rid in rids if rid in engine.scheduler.reqs})
+
+    run_checked(engine, collect)
+    assert [outs[r].cached_tokens for r in rids] == [0] + [96] * 39
+    assert_all_free(engine)
+
+
+def test_every_waiting_request_is_checked_however_long_the_queue(oracle: Oracle) -> None:
+    """300 prompts behind one head (a queue longer than any scan cap would look at): one step
+    starts only the first of them, or a later one would compute the head again beside it."""
+    engine = oracle.engine(chunked_prefill_size=512)
+    rids = _add(engine, [SYSTEM + tokens(8, seed=500 + i) for i in range(300)])
+    engine.step()
+    assert sum(engine.scheduler.reqs[rid].kv is not None for rid in rids) == 1
+    for rid in rids:
+        engine.abort(rid)
+    run_checked(engine)
+    assert_all_free(engine)
