@@ -131,7 +131,7 @@ def test_1024_concurrent_streams_lose_and_reorder_no_delta(channel: bool) -> Non
             for _ in range(10_000):
                 if channels.ingress_id in w._outboxes:
                     break
-                await asyncio.sleep(0)
+                await asyncio.sleep(0)  # a turn of the loop (bounded count), no clock
         streams = await asyncio.wait_for(asyncio.gather(*(one(channels, r) for r in requests)), 300)
         await channels.close()
         return streams

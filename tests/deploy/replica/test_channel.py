@@ -80,13 +80,13 @@ async def until(cond: Callable[[], bool], rounds: int = 1000) -> None:
     for _ in range(rounds):
         if cond():
             return
-        await asyncio.sleep(0)
+        await asyncio.sleep(0)  # a turn of the loop, not a wait on the clock
     raise AssertionError("condition not reached")
 
 
 async def settle() -> None:
     for _ in range(50):
-        await asyncio.sleep(0)
+        await asyncio.sleep(0)  # turns of the loop for queued callbacks, no clock
 
 
 async def open_channel(s: Script, replica: str) -> str:

@@ -85,7 +85,7 @@ def test_a_step_that_raises_ends_every_stream_and_call_at_once(
         await asyncio.to_thread(blocked.wait)
         b = asyncio.create_task(collect("b", tokens(9, seed=22)))
         while "b" not in engine._streams:  # added to the inbox (no await between the two)
-            await asyncio.sleep(0)
+            await asyncio.sleep(0)  # a turn of the loop until the add lands, no clock
         go.set()
         return await asyncio.gather(a, b, return_exceptions=True)
 
