@@ -54,10 +54,8 @@ class IncrementalDetokenizer:
     def __init__(
         self, tokenizer: Any, context_ids: list[int] | None = None, skip_special_tokens: bool = True
     ) -> None:
-        self._tok = tokenizer
         backend = backend_decoder(tokenizer)
-        if backend is not None:
-            self._tok = backend
+        self._tok = tokenizer if backend is None else backend
         self._skip = skip_special_tokens
         # A few prompt tokens as context so the first generated token gets its leading space.
         self._ids: list[int] = list((context_ids or [])[-CONTEXT:])

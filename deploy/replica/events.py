@@ -37,7 +37,7 @@ class CacheEventPump:
     ) -> None:
         self._engine = engine
         # An engine process's events are here already: drain them on the loop (no thread hop).
-        self._drain_now = engine.drain_cache_events_now if isinstance(engine, DrainsAtOnce) else None
+        self._drain_on_loop = isinstance(engine, DrainsAtOnce)
         self._incarnation = uuid.uuid4().hex[:12]
         self._worker_id = worker_id
         self._actor_name = index_actor_name(app_name, deployment_name)
@@ -98,7 +98,7 @@ class CacheEventPump:
 
     def _drain_batch(self) -> EventBatch | None:
         with self._seq_lock:
-            events = self._drain_now() if self._drain_now is not None else self._engine.drain_cache_events()
+            events = self._engine.drain_cache_events()
             if not events:
                 return None
             self._seq += 1
@@ -121,7 +121,7 @@ class CacheEventPump:
             # NOTE: an in-process engine drains between two steps, so this waits for the step
             # in flight; off the event loop, so other requests' deltas keep flowing meanwhile.
             # An engine process's drain does not wait: on the loop.
-            if self._drain_now is not None:
+            if self._drain_on_loop:
                 batch = self._drain_batch()
             else:
                 batch = await asyncio.to_thread(self._drain_batch)

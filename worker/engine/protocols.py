@@ -102,7 +102,8 @@ class Divertible(Protocol):
 @runtime_checkable
 class DrainsAtOnce(Protocol):
     """An engine host whose pending cache events are already in this process (each step message
-    carries its own): `drain_cache_events_now` returns them without waiting for the step in
-    flight, so the worker's event pump drains on its loop, with no thread hop per flush."""
+    carries its own): its `drain_cache_events` never waits for the step in flight (the marker:
+    `drain_cache_events_now`, the same method), so the worker's event pump drains on its loop,
+    with no thread hop per flush."""
 
     def drain_cache_events_now(self) -> list[CacheEvent]: ...
