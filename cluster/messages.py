@@ -322,6 +322,9 @@ class StreamStart:
     replica_id: str
     refusal: RefusalKind | None = None
     message: str | None = None  # why it was refused; says what to change
+    # The delta channel (subscription) this attempt's deltas go to instead of this stream
+    # (`deploy/replica/channel.py`); None: they follow on this stream.
+    channel: str | None = None
 
 
 @dataclass(frozen=True)

@@ -5,9 +5,11 @@ A channel is one long-lived streaming call per (ingress replica, worker replica)
 (`router.pinned`). A request's own call (`WorkerDeployment.generate(request, key)`) still
 carries its placement, `StreamStart`, refusals, errors and cancellation; when its ingress has a
 channel open on the replica, its deltas travel on the channel instead, keyed by the attempt's
-`StreamKey.nonce`, and its own stream says so (`OnChannel`) and, at its end, how many deltas it
-put there (`ChannelEnd`), so the ingress can order the two (docs/design.md §4.2). All plain
-module-level dataclasses: Serve pickles the items with the standard library.
+`StreamKey.nonce`: its `StreamStart` names the channel (`StreamStart.channel`), its stream ends
+on its own once every choice's final delta is on the channel, and a stream that fails says
+first how many deltas it put there (`ChannelEnd`), so the ingress can order the two
+(docs/design.md §4.2). All plain module-level dataclasses: Serve pickles the items with the
+standard library.
 """
 
 from __future__ import annotations
@@ -37,17 +39,10 @@ class Subscribe(PinnedCall):
 
 
 @dataclass(frozen=True)
-class OnChannel:
-    """A request-stream item right after `StreamStart`: the attempt's deltas go to the channel
-    `subscription`, none on this stream."""
-
-    subscription: str
-
-
-@dataclass(frozen=True)
 class ChannelEnd:
-    """The last request-stream item of an attempt on a channel, before its stream ends or
-    raises: the attempt put `deltas` deltas on the channel before it."""
+    """The last request-stream item of an attempt on a channel whose stream raises, before the
+    error: the attempt put `deltas` deltas on the channel before it. (A stream that ends
+    without an error sends none: every choice's final delta is on the channel by then.)"""
 
     deltas: int
 

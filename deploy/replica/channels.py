@@ -9,11 +9,11 @@ router); a worker with the channel open puts the attempt's deltas there (docs/de
 
 The order between the two sources, per attempt:
 - channel deltas that arrive before the `StreamStart` wait for it (the two calls race);
-- the attempt ends when its request stream ended and the deltas its `ChannelEnd` counts have
-  come on the channel (the request stream ends right after the final deltas went out, so the
-  attempt is never closed under a finished request: no cancel travels for it); a
-  request-stream error is raised only then, after every delta put before it, and not at all
-  once every choice has its final delta;
+- the attempt ends when its request stream ended and every choice's final delta has come on
+  the channel (the request stream ends right after the final deltas went out, so the attempt
+  is never closed under a finished request: no cancel travels for it); a request stream that
+  raises sends first how many deltas it put (`ChannelEnd`), and its error is raised once those
+  came, after every delta put before it, and not at all once every choice has its final delta;
 - a request stream that fails with no `ChannelEnd` (its replica died) raises at once: channel
   deltas of that attempt still in flight are dropped with it, as a retry's must be;
 - the channel failing (its replica died, or the call ended under the attempt) raises at once, as
@@ -34,9 +34,9 @@ from dataclasses import dataclass, field
 
 from cluster.messages import RoutedRequest, StreamStart, WorkerUnavailableError
 from core.outputs import StreamDelta
-from deploy.replica.channel import ChannelEnd, DeltaBatch, OnChannel, StreamKey, Subscribe
+from deploy.replica.channel import ChannelEnd, DeltaBatch, StreamKey, Subscribe
 
-RequestItem = StreamStart | StreamDelta | OnChannel | ChannelEnd
+RequestItem = StreamStart | StreamDelta | ChannelEnd
 Call = Callable[[StreamKey], AsyncIterator[RequestItem]]
 Subscriber = Callable[[Subscribe], AsyncIterator[DeltaBatch]]
 
@@ -57,7 +57,7 @@ class _Attempt:
 class _Channel:
     replica_id: str
     subscription: str
-    attempts: set[_Attempt] = field(default_factory=set)  # bound by their `OnChannel`
+    attempts: set[_Attempt] = field(default_factory=set)  # bound by their `StreamStart.channel`
     task: asyncio.Task[None] | None = None
 
 
@@ -104,7 +104,7 @@ class Channels:
                 elif kind == _ITEM:
                     if isinstance(item, StreamStart):
                         start = item
-                        if item.refusal is None:
+                        if item.channel is None and item.refusal is None:
                             self._ensure_channel(item.replica_id)
                         yield item
                         for delta in early:
@@ -112,11 +112,11 @@ class Channels:
                             if delta.finished:
                                 unfinished.discard(delta.request_id)
                         early.clear()
-                    elif isinstance(item, OnChannel):
-                        bound = self._live.get(item.subscription)
-                        if bound is None:  # it ended before this attempt heard of it
-                            raise WorkerUnavailableError(_lost(start))
-                        bound.attempts.add(att)
+                        if item.channel is not None:
+                            bound = self._live.get(item.channel)
+                            if bound is None:  # it ended before this attempt heard of it
+                                raise WorkerUnavailableError(_lost(start))
+                            bound.attempts.add(att)
                     elif isinstance(item, ChannelEnd):
                         counted = item.deltas
                     else:
@@ -129,7 +129,7 @@ class Channels:
                 else:
                     assert isinstance(item, BaseException)
                     raise item
-                if ended and (counted is None or got >= counted):
+                if ended and _complete(bound is not None and failure is None, counted, got, unfinished):
                     if failure is not None and unfinished:
                         assert isinstance(failure, BaseException)
                         raise failure
@@ -186,6 +186,15 @@ class Channels:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _complete(on_channel: bool, counted: int | None, got: int, unfinished: set[str]) -> bool:
+    """Whether an attempt whose request stream ended has every delta it will get: the count its
+    `ChannelEnd` gave; else, when its stream ended well with its deltas on a channel, a final
+    delta for every choice; else (inline deltas, or a stream that failed with no count) yes."""
+    if counted is not None:
+        return got >= counted
+    return not (on_channel and unfinished)
 
 
 async def _next(queue: asyncio.Queue[_Event]) -> _Event:

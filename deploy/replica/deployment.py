@@ -39,7 +39,7 @@ from cluster.messages import (
 from core.outputs import StreamDelta
 from core.sampling_params import SamplingParams
 from deploy.metrics import flatten_stats
-from deploy.replica.channel import ChannelEnd, DeltaBatch, OnChannel, StreamKey, Subscribe
+from deploy.replica.channel import ChannelEnd, DeltaBatch, StreamKey, Subscribe
 from deploy.replica.outbox import IDLE_S, Outbox
 from worker.config import EngineConfig
 from worker.engine.protocols import Divertible, EngineClient
@@ -167,13 +167,14 @@ class WorkerDeployment:
 
     async def generate(
         self, request: RoutedRequest, key: StreamKey | None = None
-    ) -> AsyncGenerator[StreamStart | StreamDelta | OnChannel | ChannelEnd, None]:
+    ) -> AsyncGenerator[StreamStart | StreamDelta | ChannelEnd, None]:
         """Stream one prompt: a `StreamStart`, then coalesced `StreamDelta`s until every choice
         finished (each delta's `request_id` names its choice, `RoutedRequest.choice_ids`).
 
         With a `key` whose ingress has a channel open here, the deltas go to that channel
-        instead, each under `key.nonce`: this stream sends `OnChannel` after the `StreamStart`
-        and `ChannelEnd` (how many deltas went there) last, before it ends or raises.
+        instead, each under `key.nonce`: the `StreamStart` names the channel, and this stream
+        sends nothing more unless it raises, when `ChannelEnd` (how many deltas went there)
+        goes first. One item per request on this stream: Ray reports each item on its own.
 
         The request's add is its validation (`EngineClient.generate`): the `StreamStart` goes
         out with the first deltas, or as the refusal when the engine refused the add. Cancelling
@@ -213,7 +214,7 @@ class WorkerDeployment:
         token_ids: list[int],
         choices: list[tuple[str, SamplingParams]],
         key: StreamKey | None,
-    ) -> AsyncGenerator[StreamStart | StreamDelta | OnChannel | ChannelEnd, None]:
+    ) -> AsyncGenerator[StreamStart | StreamDelta | ChannelEnd, None]:
         ids = [cid for cid, _ in choices]
         streams = _SingleChoice(self, token_ids, *choices[0]) if len(choices) == 1 else _Choices(
             self, token_ids, choices
@@ -235,14 +236,14 @@ class WorkerDeployment:
             except Exception:
                 yield StreamStart(self.replica_id)
                 raise
-            yield StreamStart(self.replica_id)
             outbox = self._outboxes.get(key.ingress_id) if key is not None else None
             if outbox is None:
+                yield StreamStart(self.replica_id)
                 async for delta in self._deltas(streams, batch, open_ids):
                     yield delta
                 return
             assert key is not None
-            yield OnChannel(outbox.subscription)
+            yield StreamStart(self.replica_id, channel=outbox.subscription)
             sent = 0
             nonce = key.nonce
 
@@ -265,7 +266,7 @@ class WorkerDeployment:
             except Exception:
                 yield ChannelEnd(sent)  # the ingress raises this after the deltas before it
                 raise
-            yield ChannelEnd(sent)
+            # Every choice's final delta is on the channel: the stream's end says the rest.
         finally:
             self._inflight.difference_update(ids)
             await streams.close()

@@ -20,7 +20,7 @@ import pytest
 from cluster.messages import RoutedRequest, StreamStart
 from core.outputs import StreamDelta
 from core.sampling_params import SamplingParams
-from deploy.replica.channel import OnChannel, StreamKey
+from deploy.replica.channel import StreamKey
 from deploy.replica.channels import Channels
 from deploy.replica.deployment import WorkerDeployment
 from tests.fakes.fake_engine import FakeEngine
@@ -108,12 +108,12 @@ def test_1024_concurrent_streams_lose_and_reorder_no_delta(channel: bool) -> Non
     w = WorkerDeployment(EngineConfig(page_size=4, max_model_len=4096), engine_factory=lambda _: host,
                          replica_id="r1")  # fmt: skip
     requests = [_request(i) for i in range(REQUESTS)]
-    on_channel: list[str] = []  # request ids whose request stream said OnChannel
+    on_channel: list[str] = []  # request ids whose StreamStart named a channel
 
     def call(req: RoutedRequest) -> Callable[[StreamKey], AsyncIterator[Any]]:
         async def items(key: StreamKey) -> AsyncIterator[Any]:
             async for item in w.generate(req, key):
-                if isinstance(item, OnChannel):
+                if isinstance(item, StreamStart) and item.channel is not None:
                     on_channel.append(req.request_id)
                 yield item
 
@@ -145,7 +145,7 @@ def test_1024_concurrent_streams_lose_and_reorder_no_delta(channel: bool) -> Non
     # delta was queued before the handover cannot); none does without a channel
     assert (host.diverted > 0) == channel
     for req, items in zip(requests, streams):
-        assert items[0] == StreamStart("r1")
+        assert isinstance(items[0], StreamStart) and items[0].replica_id == "r1" and items[0].refusal is None
         got: dict[str, list[int]] = {cid: [] for cid in req.choice_ids}
         for delta in items[1:]:
             assert isinstance(delta, StreamDelta) and not got[delta.request_id][-1:] == [None]

@@ -14,7 +14,7 @@ from ray.exceptions import ActorDiedError
 from cluster.messages import EngineDiedError, RoutedRequest, StreamStart, WorkerUnavailableError
 from core.outputs import StreamDelta
 from core.sampling_params import SamplingParams
-from deploy.replica.channel import ChannelEnd, DeltaBatch, OnChannel, StreamKey, Subscribe
+from deploy.replica.channel import ChannelEnd, DeltaBatch, StreamKey, Subscribe
 from deploy.replica.channels import Channels
 from deploy.replica.client import ServeWorkerClient, replica_gone
 from deploy.replica.deployment import WorkerDeployment, WorkerOptions
@@ -108,8 +108,9 @@ async def started(s: Script, replica: str, rid: str) -> tuple[Any, StreamKey, Wi
     first = asyncio.ensure_future(anext(gen))
     await until(lambda: len(s.calls) == calls + 1)
     key, wire = s.calls[-1]
-    wire.push(StreamStart(replica), OnChannel(s.channel(replica)[0]))
-    assert await first == StreamStart(replica)
+    start = StreamStart(replica, channel=s.channel(replica)[0])
+    wire.push(start)
+    assert await first == start
     return gen, key, wire
 
 
@@ -135,6 +136,38 @@ def test_a_request_stream_error_comes_after_the_channel_deltas_before_it() -> No
     asyncio.run(run())
 
 
+def test_a_stream_that_ended_well_waits_for_every_final_delta_on_the_channel() -> None:
+    """The request stream's end beat the channel's deltas (two choices): the attempt yields a
+    delta that is not final and goes on waiting; it ends once both choices' final deltas came."""
+
+    async def run() -> None:
+        s = Script()
+        await open_channel(s, "a")
+        gen = s.channels.attempt(RoutedRequest([1], "r", sibling_params=(SamplingParams(),)), s.call)
+        first = asyncio.ensure_future(anext(gen))
+        await until(lambda: len(s.calls) == 2)
+        key, wire = s.calls[-1]
+        wire.push(StreamStart("a", channel=s.channel("a")[0]), _END)
+        assert (await first).channel == s.channel("a")[0]
+        nxt = asyncio.ensure_future(anext(gen))
+        await settle()
+        assert not nxt.done()  # ended, but no delta yet
+        channel = s.channel("a")[1]
+        channel.push(DeltaBatch([(key.nonce, _delta("r", 1, True)), (key.nonce, _delta("r/1", 1))]))
+        assert await nxt == _delta("r", 1, True)
+        assert await anext(gen) == _delta("r/1", 1)
+        last = asyncio.ensure_future(anext(gen))
+        await settle()
+        assert not last.done()  # "r/1" has no final delta yet
+        channel.push(DeltaBatch([(key.nonce, _delta("r/1", 2, True))]))
+        assert await last == _delta("r/1", 2, True)
+        with pytest.raises(StopAsyncIteration):
+            await anext(gen)
+        assert not s.channels._keys
+
+    asyncio.run(run())
+
+
 def test_channel_deltas_that_beat_the_stream_start_wait_for_it() -> None:
     async def run() -> None:
         s = Script()
@@ -146,8 +179,8 @@ def test_channel_deltas_that_beat_the_stream_start_wait_for_it() -> None:
         s.channel("a")[1].push(DeltaBatch([(key.nonce, _delta("r", 1, True))]))
         await settle()
         assert not first.done()
-        wire.push(StreamStart("a"), OnChannel(s.channel("a")[0]), ChannelEnd(1), _END)
-        assert await first == StreamStart("a")
+        wire.push(StreamStart("a", channel=s.channel("a")[0]), _END)
+        assert await first == StreamStart("a", channel=s.channel("a")[0])
         assert [x async for x in gen] == [_delta("r", 1, True)]
 
     asyncio.run(run())
@@ -188,7 +221,7 @@ def test_a_retried_attempts_late_deltas_are_dropped_never_mixed() -> None:
         client._channels = s.channels
         first, second = Wire(), Wire()
         s.pending += [first, second]
-        first.push(StreamStart("a"), OnChannel(s.channel("a")[0]), ChannelEnd(0),
+        first.push(StreamStart("a", channel=s.channel("a")[0]), ChannelEnd(0),
                    WorkerUnavailableError("aborted on worker a; retry"))  # fmt: skip
 
         async def call(request: RoutedRequest, key: StreamKey) -> AsyncIterator[Any]:
@@ -201,16 +234,17 @@ def test_a_retried_attempts_late_deltas_are_dropped_never_mixed() -> None:
         await until(lambda: len(s.calls) == 4)  # the two warm-ups, attempt 1, the retry
         (k1, _), (k2, _) = s.calls[2], s.calls[3]
         assert k1.nonce != k2.nonce
-        second.push(StreamStart("b"), OnChannel(s.channel("b")[0]))
+        second.push(StreamStart("b", channel=s.channel("b")[0]))
         s.channel("a")[1].push(DeltaBatch([(k1.nonce, _delta("r", 1))]))  # late: dropped
         s.channel("b")[1].push(DeltaBatch([(k1.nonce, _delta("r", 9)), (k2.nonce, _delta("r", 1))]))
         s.channel("b")[1].push(DeltaBatch([(k2.nonce, _delta("r", 2, True))]))
-        second.push(ChannelEnd(2), _END)
+        second.push(_END)
         got = [await nxt] + [x async for x in out]
         assert not s.channels._keys
-        return got
+        assert got[0] == StreamStart("b", channel=s.channel("b")[0])
+        return got[1:]
 
-    assert asyncio.run(run()) == [StreamStart("b"), _delta("r", 1), _delta("r", 2, True)]
+    assert asyncio.run(run()) == [_delta("r", 1), _delta("r", 2, True)]
 
 
 def test_a_closed_requests_deltas_are_dropped() -> None:
@@ -225,7 +259,7 @@ def test_a_closed_requests_deltas_are_dropped() -> None:
         assert wire.closed and not s.channels._keys
         gen2, key2, wire2 = await started(s, "a", "r2")
         channel.push(DeltaBatch([(key.nonce, _delta("r", 2)), (key2.nonce, _delta("r2", 1, True))]))
-        wire2.push(ChannelEnd(1), _END)
+        wire2.push(_END)
         assert [x async for x in gen2] == [_delta("r2", 1, True)]
 
     asyncio.run(run())
@@ -243,7 +277,7 @@ def test_a_failing_channel_fails_only_the_requests_on_it_and_reopens() -> None:
             await anext(on_a)
         assert replica_gone(raised.value)
         s.channel("b")[1].push(DeltaBatch([(kb.nonce, _delta("y", 1, True))]))
-        wire_b.push(ChannelEnd(1), _END)
+        wire_b.push(_END)
         assert [x async for x in on_b] == [_delta("y", 1, True)]
         assert s.channels.open_replicas == {"b"}
         await open_channel(s, "a")  # the next StreamStart from a opens a new channel
@@ -279,11 +313,11 @@ def test_the_worker_puts_a_subscribed_ingress_deltas_on_its_channel() -> None:
         await until(lambda: "ing" in w._outboxes)
         req = RoutedRequest([1, 2, 3], "r", params=SamplingParams(max_tokens=5, ignore_eos=True))
         items = [x async for x in w.generate(req, StreamKey("ing", "n1"))]
-        assert items == [StreamStart("w"), OnChannel("sub1"), ChannelEnd(items[-1].deltas)]
+        assert items == [StreamStart("w", channel="sub1")]  # one item: the deltas are elsewhere
         got: list[tuple[str, StreamDelta]] = list((await first).items)
         while sum(d.finished for _, d in got) == 0:
             got += (await anext(batches)).items
-        assert {n for n, _ in got} == {"n1"} and len(got) == items[-1].deltas
+        assert {n for n, _ in got} == {"n1"}
         assert [t for _, d in got for t in d.token_ids] == [t for _, d in got for t in d.token_ids][:5]
         assert sum(len(d.token_ids) for _, d in got) == 5 and got[-1][1].finished
         other = [x async for x in w.generate(RoutedRequest([1, 2], "o"), StreamKey("other", "n2"))]
@@ -341,8 +375,8 @@ def test_a_request_whose_channel_closed_under_it_fails_after_its_count() -> None
         await until(lambda: w._outboxes["ing"].subscription == "new")
         with pytest.raises(WorkerUnavailableError):
             await streaming
-        assert items[:2] == [StreamStart("w"), OnChannel("old")] and len(items) == 3
-        assert isinstance(items[2], ChannelEnd) and items[2].deltas >= 1
+        assert items[0] == StreamStart("w", channel="old") and len(items) == 2
+        assert isinstance(items[1], ChannelEnd) and items[1].deltas >= 1
         second.cancel()
         await asyncio.gather(second, return_exceptions=True)
         await new.aclose()
