@@ -9,9 +9,11 @@ of them with one awaited actor call.
 When a replica reports:
 - every time Serve calls its `record_routing_stats()` (about once a second, RUNNING replicas
   only): this registers the replica (`register=True`);
-- when a request gets its first tokens and when it finishes, so a scrape right after shows it;
-  these only refresh a registered replica (`register=False`), so a replica that routers already
-  dropped (draining, gone) does not come back.
+- after a request's first tokens and its end, with the replica's next push of cache events (the
+  finished request's own flush, else the background flush within a quarter second), so a scrape
+  soon after shows it at no actor call of its own; these only refresh a registered replica
+  (`register=False`), so a replica that routers already dropped (draining, gone) does not come
+  back.
 
 A replica leaves the board on graceful shutdown and when a router sees it leave (both send
 `WorkerRemoved`), and after `forget_after_s` without a report (it died unseen). Between

@@ -71,9 +71,13 @@ class CacheIndexActor:
         self._stats = ReplicaStatsBoard()
         self._changed: asyncio.Event | None = None
 
-    async def push(self, batch: EventBatch) -> PushAck:
+    async def push(self, batch: EventBatch, stats: StatsDict | None = None) -> PushAck:
+        """Apply a batch of cache events, and keep the replica's stats sample sent with it (a
+        refresh, as `report_stats(register=False)`)."""
         ack = self._hub.push(batch)
         self._notify()
+        if stats is not None:
+            self._stats.report(batch.worker_id, batch.incarnation, stats, register=False)
         return ack
 
     async def resync(self, update: WorkerResync) -> PushAck:
@@ -219,8 +223,9 @@ class EventPublisher:
         async with self._lock:
             await self._resync()
 
-    async def publish(self, batch: EventBatch) -> None:
-        """Push one drained batch; returns once the index actor applied it.
+    async def publish(self, batch: EventBatch, stats: StatsDict | None = None) -> None:
+        """Push one drained batch (with a stats sample to refresh, when given); returns once the
+        index actor applied it.
 
         NOTE: await this for the batch holding a finished request's events *before* returning
         that request's response: then the next request's prediction sees them (routers hear of
@@ -234,9 +239,11 @@ class EventPublisher:
         async with self._lock:
             if self._needs_resync:
                 await self._resync()
+                if stats is not None:
+                    await self.report_stats(stats, register=False)
                 return  # the snapshot already holds this batch's state
             try:
-                ack: PushAck = await self._actor.push.remote(batch)
+                ack: PushAck = await self._actor.push.remote(batch, stats)
             except RayError as exc:
                 logger.warning("cache index push failed (%s); resyncing on the next batch", exc)
                 self._needs_resync = True

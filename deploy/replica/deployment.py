@@ -8,8 +8,9 @@ The class is plain Python (no Serve decorator) so tests drive it in-process with
 - `record_routing_stats()` every `request_routing_stats_period_s` (the controller): queue sizes
   and both pools' numbers, for the routers; the same sample goes to the deployment's index actor,
   where the ingress reads every replica's for `/metrics` and `/health` (`cluster.replica_stats`;
-  a request's first tokens and its end send one too, so a scrape right after sees them: one
-  actor call in flight at a time, the requests of a step sharing the next, `report_soon`);
+  a request's first tokens and its end mark a sample due, which rides on the next push of cache
+  events: the request's end flushes them, else the pump's background flush within 0.25 s,
+  `report_soon`);
 - `check_health()` every `health_check_period_s`: raises when the engine is stuck or shut down,
   or when a tensor-parallel rank is gone (`EngineClient.error`, docs/design.md §17.4);
 - `__del__` after Serve's graceful drain (no new requests are routed here and ongoing requests
@@ -280,13 +281,13 @@ class WorkerDeployment:
             for delta in batch:
                 if delta.finished:
                     open_ids.discard(delta.request_id)
+                if (not reported or not open_ids) and self._events is not None:
+                    self._events.report_soon(self._stats_sample)  # rides on the next flush
+                    reported = True
                 if not open_ids and self._events is not None:
                     # The cache these requests leave behind reaches the index before the
-                    # client hears back, so a follow-up is routed with it.
+                    # client hears back, so a follow-up is routed with it (and the stats).
                     await self._events.flush()
-                if (not reported or not open_ids) and self._events is not None:
-                    self._events.report_soon(self._stats_sample)  # coalesced across requests
-                    reported = True
                 yield delta
             if not open_ids:
                 return

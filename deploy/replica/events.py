@@ -5,7 +5,9 @@ non-empty drain with the next sequence number (1, 2, 3, … per incarnation) and
 It flushes after every finished request (before the final delta goes back, so the next routing
 decision sees the cache that request left) and every `interval_s` in the background (evictions
 and SWA frees happen between requests too). It also carries the replica's stats samples to the
-same actor, where the ingress reads them for `/metrics` and `/health` (`cluster.replica_stats`).
+same actor, where the ingress reads them for `/metrics` and `/health` (`cluster.replica_stats`):
+a sample marked due (`report_soon`) rides on the next flush's push, so a request's end costs
+one actor call, not two, and a step's first tokens none of their own.
 """
 
 from __future__ import annotations
@@ -52,8 +54,7 @@ class CacheEventPump:
         self._publisher: EventPublisher | None = None
         self._task: asyncio.Task[None] | None = None
         self._reports: set[asyncio.Task[None]] = set()  # stats reports in flight
-        self._next_sample: Callable[[], StatsDict] | None = None  # `report_soon`'s, not yet sent
-        self._reporting = False  # `report_soon`'s sender is running
+        self._due: Callable[[], StatsDict] | None = None  # `report_soon`'s sampler, not yet sent
         self._closed = False
 
     def _meta(self) -> WorkerMeta:
@@ -109,7 +110,8 @@ class CacheEventPump:
 
         Group commit: callers that arrive while a flush runs share the next one (a flush
         covers every call made before its drain), so many requests ending at once cost two
-        drains and publishes, not one each."""
+        drains and publishes, not one each. A stats sample due (`report_soon`) goes with the
+        push, sampled as it leaves; alone when there is no event to push."""
         if self._publisher is None:
             return
         self._flush_calls += 1
@@ -125,8 +127,11 @@ class CacheEventPump:
                 batch = self._drain_batch()
             else:
                 batch = await asyncio.to_thread(self._drain_batch)
+            stats = self._take_due()
             if batch is not None:
-                await self._publisher.publish(batch)
+                await self._publisher.publish(batch, stats)
+            elif stats is not None:
+                await self._report(stats, False)
             self._flushed = covers
 
     def report_stats(self, stats: StatsDict, *, register: bool) -> None:
@@ -138,26 +143,14 @@ class CacheEventPump:
         task.add_done_callback(self._reports.discard)
 
     def report_soon(self, sample: Callable[[], StatsDict]) -> None:
-        """Send a fresh stats sample soon (`sample()` is taken when it is sent). Coalesced: one
-        such report is in flight at a time, and the calls made meanwhile send one sample after
-        it, so a step that ends many requests costs one actor call, not one per request."""
-        if self._publisher is None:
-            return
-        self._next_sample = sample
-        if self._reporting:
-            return
-        self._reporting = True
-        task = asyncio.get_running_loop().create_task(self._report_coalesced())
-        self._reports.add(task)
-        task.add_done_callback(self._reports.discard)
+        """Mark a fresh stats sample due: `sample()` is taken and sent with the next flush (a
+        finished request's, or the background one within `interval_s`). Calls before that
+        flush share its one sample, so the requests of a step cost no actor call of their own."""
+        self._due = sample
 
-    async def _report_coalesced(self) -> None:
-        try:
-            while (sample := self._next_sample) is not None:
-                self._next_sample = None
-                await self._report(sample(), False)
-        finally:
-            self._reporting = False
+    def _take_due(self) -> StatsDict | None:
+        sample, self._due = self._due, None
+        return sample() if sample is not None else None
 
     async def _report(self, stats: StatsDict, register: bool) -> None:
         # NOTE: a report that starts after close() would register the replica again.

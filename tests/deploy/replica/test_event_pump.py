@@ -30,9 +30,15 @@ class _SlowDrains:
 class _Publisher:
     def __init__(self) -> None:
         self.batches: list[EventBatch] = []
+        self.with_stats: list[dict[str, float] | None] = []  # the sample sent with each batch
+        self.reports: list[tuple[dict[str, float], bool]] = []  # samples sent alone
 
-    async def publish(self, batch: EventBatch) -> None:
+    async def publish(self, batch: EventBatch, stats: dict[str, float] | None = None) -> None:
         self.batches.append(batch)
+        self.with_stats.append(stats)
+
+    async def report_stats(self, stats: dict[str, float], *, register: bool) -> None:
+        self.reports.append((stats, register))
 
 
 async def _until(cond: Any, deadline_s: float = 30.0) -> None:
@@ -69,41 +75,46 @@ def test_flushes_during_a_flush_share_the_next_drain() -> None:
     assert [b.events[0].page_hashes for b in publisher.batches] == [(1,), (2,), (3,)]
 
 
-class _SlowReports:
-    """Each stats report waits for `release` (the index actor's answer)."""
+class _Drains:
+    """An engine whose next drain returns `events` of them (then none)."""
 
     def __init__(self) -> None:
-        self.release = asyncio.Event()
-        self.reports: list[tuple[float, bool]] = []
+        self.events = 0
 
-    async def report_stats(self, stats: dict[str, float], *, register: bool) -> None:
-        self.reports.append((stats["n"], register))
-        await self.release.wait()
+    def drain_cache_events(self) -> list[CacheEvent]:
+        n, self.events = self.events, 0
+        return [CacheEvent(EventKind.STORED, (i,)) for i in range(n)]
+
+    drain_cache_events_now = drain_cache_events
 
 
-def test_reports_during_a_report_share_the_next_with_the_newest_sample() -> None:
-    """Many requests ending in one step cost one stats report after the one in flight, sampled
-    when it is sent (not one actor call per request)."""
-    pump = CacheEventPump(cast(EngineClient, object()), "w1", "app", "Worker")
-    publisher = _SlowReports()
-    pump._publisher = publisher  # type: ignore[assignment]  # started, without an index actor
-    samples = iter(range(1, 100))
+def test_due_stats_ride_on_the_next_push_one_sample_for_many_requests() -> None:
+    """The requests of a step mark a sample due many times: it is taken once, as the flush's
+    push leaves, and goes with the events; a flush with no events sends it alone; a flush
+    with nothing due sends no sample."""
+    engine = _Drains()
+    pump, publisher = _started_pump(engine)
+    taken = iter(range(1, 100))
 
     def sample() -> dict[str, float]:
-        return {"n": float(next(samples))}
+        return {"n": float(next(taken))}
 
     async def main() -> None:
-        pump.report_soon(sample)
-        await _until(lambda: len(publisher.reports) == 1)  # in flight, unanswered
-        for _ in range(9):
+        for _ in range(10):
             pump.report_soon(sample)
-        publisher.release.set()
-        await _until(lambda: not pump._reporting)
-        pump.report_soon(sample)  # after all of them: a report of its own
-        await _until(lambda: not pump._reporting)
+        assert publisher.with_stats == [] and publisher.reports == []  # no call of their own
+        engine.events = 3
+        await pump.flush()  # a request's end: the events and the sample, one push
+        await pump.flush()  # nothing queued, nothing due: no call at all
+        pump.report_soon(sample)
+        await pump.flush()  # the background flush: no events, the sample alone
+        engine.events = 1
+        await pump.flush()
 
     asyncio.run(main())
-    assert publisher.reports == [(1.0, False), (2.0, False), (3.0, False)]  # not 11 reports
+    assert [len(b.events) for b in publisher.batches] == [3, 1]
+    assert publisher.with_stats == [{"n": 1.0}, None]  # sampled once for the ten requests
+    assert publisher.reports == [({"n": 2.0}, False)]
 
 
 class _ProcessDrains:
