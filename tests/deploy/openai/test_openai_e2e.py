@@ -366,10 +366,10 @@ def test_sigterm_drains_then_exits_cleanly(server: Server) -> None:
 
     # NOTE: long requests (the tiny model's whole context), and in-flight seen without /metrics
     # while a stream runs (the ingress answers it late then): the plain request is seen in flight
-    # first, alone; then the stream's first token is seen by its own client. The tiny model can
-    # finish a whole request before the test looks again on a busy machine (the stream's tokens
-    # held up, then delivered at once): then the pair runs to its end and a new pair starts, a
-    # few times at most, until both are seen running.
+    # first, alone; then the stream's first token is seen by its own client. On a busy machine
+    # one of the two can run its 4,000 tokens to the end before the test looks again (seen both
+    # ways in CI while /metrics answered late): then the pair runs to its end and a new pair
+    # starts, a few times at most, until both are seen running.
     body = {"model": MODEL, "prompt": "Count:", "max_tokens": 4000, "ignore_eos": True}
     results: dict[str, Any] = {}
     first_token = threading.Event()
