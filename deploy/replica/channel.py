@@ -8,7 +8,8 @@ channel open on the replica, its deltas travel on the channel instead, keyed by 
 `StreamKey.nonce`: its `StreamStart` names the channel (`StreamStart.channel`), its stream ends
 on its own once every choice's final delta is on the channel, and a stream that fails says
 first how many deltas it put there (`ChannelEnd`), so the ingress can order the two
-(docs/design.md §4.2). All plain module-level dataclasses: Serve pickles the items with the
+(docs/design.md §4.2). The batches themselves travel on a TCP connection to the ingress when
+the worker can open one (`deploy/replica/delta_socket.py`), else on the call. All plain module-level dataclasses: Serve pickles the items with the
 standard library.
 """
 
@@ -36,6 +37,14 @@ class Subscribe(PinnedCall):
 
     ingress_id: str = ""
     subscription: str = ""
+    endpoint: tuple[str, int] | None = None  # the ingress's delta socket (`delta_socket.py`)
+    token: str = ""  # the first frame the worker sends on it: names this channel
+
+
+@dataclass(frozen=True)
+class OnSocket:
+    """The channel's first item when its batches travel on the ingress's delta socket: the
+    call sends nothing more and ends after the connection's last frame went out."""
 
 
 @dataclass(frozen=True)

@@ -34,11 +34,14 @@ from dataclasses import dataclass, field
 
 from cluster.messages import RoutedRequest, StreamStart, WorkerUnavailableError
 from core.outputs import StreamDelta
-from deploy.replica.channel import ChannelEnd, DeltaBatch, StreamKey, Subscribe
+from deploy.replica.channel import ChannelEnd, DeltaBatch, OnSocket, StreamKey, Subscribe
+from deploy.replica.delta_socket import DeltaListener, Receiver
 
 RequestItem = StreamStart | StreamDelta | ChannelEnd
 Call = Callable[[StreamKey], AsyncIterator[RequestItem]]
-Subscriber = Callable[[Subscribe], AsyncIterator[DeltaBatch]]
+Subscriber = Callable[[Subscribe], AsyncIterator[DeltaBatch | OnSocket]]
+
+SOCKET_END_S = 10.0  # after a channel's call ended well, how long its socket may take to close
 
 log = logging.getLogger("swaserve.ingress")
 
@@ -62,9 +65,12 @@ class _Channel:
 
 
 class Channels:
-    def __init__(self, subscribe: Subscriber, ingress_id: str | None = None) -> None:
+    def __init__(
+        self, subscribe: Subscriber, ingress_id: str | None = None, listener: DeltaListener | None = None
+    ) -> None:
         self.ingress_id = ingress_id or uuid.uuid4().hex
         self._subscribe = subscribe
+        self._listener = listener  # the delta socket the workers send batches on, when one
         self._nonces = itertools.count()
         self._keys: dict[str, _Attempt] = {}  # nonce -> its attempt, while it runs
         self._live: dict[str, _Channel] = {}  # subscription -> channel, while its call runs
@@ -154,21 +160,35 @@ class Channels:
         """Route the channel's batches into their attempts' queues, until it ends; then fail
         the attempts still bound to it."""
         error: BaseException | None = None
-        sub = Subscribe(ch.replica_id, self.ingress_id, ch.subscription)
+        endpoint = await self._listener.start() if self._listener is not None else None
+        receiver: Receiver | None = None
+        if endpoint is not None:
+            assert self._listener is not None
+            receiver = self._listener.expect(uuid.uuid4().hex, self._route)
+        sub = Subscribe(ch.replica_id, self.ingress_id, ch.subscription, endpoint,
+                        receiver.token if receiver is not None else "")  # fmt: skip
         try:
+            on_socket = False
             async with contextlib.aclosing(self._subscribe(sub)) as batches:  # type: ignore[type-var]
                 async for batch in batches:
-                    keys = self._keys
-                    for nonce, delta in batch.items:
-                        att = keys.get(nonce)
-                        if att is not None:  # else a lost or closed attempt's: dropped
-                            att.queue.put_nowait((_DELTA, delta))
+                    if isinstance(batch, OnSocket):
+                        on_socket = receiver is not None
+                        continue
+                    self._route(batch.items)
                     # NOTE: gRPC hands out buffered items without suspending; a channel that is
                     # ahead would hold the loop (every stream's writes, /health) until it drained.
                     await asyncio.sleep(0)
+            if on_socket:  # the worker closed the connection before the call ended
+                assert receiver is not None
+                if not await receiver.ended(SOCKET_END_S):
+                    raise WorkerUnavailableError("its delta socket did not close after its call ended")
+                if receiver.error is not None:
+                    raise receiver.error
         except Exception as e:  # noqa: BLE001 - given to the attempts bound to it
             error = e
         finally:
+            if receiver is not None:
+                receiver.close()
             del self._live[ch.subscription]
             if self._by_replica.get(ch.replica_id) is ch:
                 del self._by_replica[ch.replica_id]
@@ -180,12 +200,22 @@ class Channels:
             for att in ch.attempts:
                 att.queue.put_nowait((_LOST, lost))
 
+    def _route(self, items: list[tuple[str, StreamDelta]]) -> None:
+        """One batch of a channel (from its call or its socket) into its attempts' queues."""
+        keys = self._keys
+        for nonce, delta in items:
+            att = keys.get(nonce)
+            if att is not None:  # else a lost or closed attempt's: dropped
+                att.queue.put_nowait((_DELTA, delta))
+
     async def close(self) -> None:
         """End every channel (their attempts fail as lost)."""
         tasks = [ch.task for ch in self._live.values() if ch.task is not None]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        if self._listener is not None:
+            self._listener.close()
 
 
 def _complete(on_channel: bool, counted: int | None, got: int, unfinished: set[str]) -> bool:

@@ -50,8 +50,9 @@ from cluster.messages import (
 )
 from cluster.replica_stats import ReplicaSnapshot
 from core.outputs import StreamDelta
-from deploy.replica.channel import DeltaBatch, StreamKey, Subscribe
+from deploy.replica.channel import DeltaBatch, OnSocket, StreamKey, Subscribe
 from deploy.replica.channels import Channels, RequestItem
+from deploy.replica.delta_socket import DeltaListener
 from router import routing_record
 
 if TYPE_CHECKING:
@@ -110,7 +111,7 @@ class ServeWorkerClient:
         self._handle = handle
         self._stream_handle: DeploymentHandle[WorkerDeployment] | None = None  # `_handles()`
         self._channel_handle: DeploymentHandle[WorkerDeployment] | None = None  # `_subscribe`
-        self._channels = Channels(self._subscribe)
+        self._channels = Channels(self._subscribe, listener=DeltaListener(_node_address))
         self._stats_timeout_s = stats_timeout_s
         self._stale_after_s = stale_after_s
         self._forget_after_s = forget_after_s
@@ -179,14 +180,14 @@ class ServeWorkerClient:
         async for item in _streamed(handle, request, key):
             yield cast(RequestItem, item)
 
-    async def _subscribe(self, sub: Subscribe) -> AsyncGenerator[DeltaBatch]:
+    async def _subscribe(self, sub: Subscribe) -> AsyncGenerator[DeltaBatch | OnSocket]:
         if self._channel_handle is None:
             from cluster.ray_private import grpc_stream_handle
 
             self._handles()  # on this loop, before the handle's first `.options()`
             self._channel_handle = grpc_stream_handle(self._handle, "deltas")
         async for batch in _streamed(self._channel_handle, sub):
-            yield cast(DeltaBatch, batch)
+            yield cast(DeltaBatch | OnSocket, batch)
 
     async def info(self) -> WorkerInfo:
         if self._info is None:
@@ -233,6 +234,14 @@ async def _streamed(handle: DeploymentHandle[WorkerDeployment], *args: object) -
     finally:
         # Normal end: a no-op. Early exit (client gone, stop string): aborts on the worker.
         gen.cancel()
+
+
+def _node_address() -> str:
+    """Where this ingress's delta socket listens: its node's address in the Ray cluster (the
+    one the worker replicas reach it at; 127.0.0.1 on a local cluster)."""
+    import ray
+
+    return str(ray.util.get_node_ip_address())
 
 
 def replica_gone(e: BaseException) -> bool:

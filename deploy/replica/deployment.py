@@ -40,7 +40,8 @@ from cluster.messages import (
 from core.outputs import StreamDelta
 from core.sampling_params import SamplingParams
 from deploy.metrics import flatten_stats
-from deploy.replica.channel import ChannelEnd, DeltaBatch, StreamKey, Subscribe
+from deploy.replica.channel import ChannelEnd, DeltaBatch, OnSocket, StreamKey, Subscribe
+from deploy.replica.delta_socket import DeltaSender
 from deploy.replica.outbox import IDLE_S, Outbox
 from worker.config import EngineConfig
 from worker.engine.protocols import Divertible, EngineClient
@@ -142,10 +143,12 @@ class WorkerDeployment:
 
     # -- requests --------------------------------------------------------------------------
 
-    async def deltas(self, sub: Subscribe) -> AsyncGenerator[DeltaBatch, None]:
+    async def deltas(self, sub: Subscribe) -> AsyncGenerator[DeltaBatch | OnSocket, None]:
         """Ingress `sub.ingress_id`'s delta channel: one `DeltaBatch` per wake-up, until the
-        ingress closes it, opens another, or this replica shuts down. Refused (raises) on a
-        replica other than the one it names (the router could not pin it: `router.pinned`)."""
+        ingress closes it, opens another, or this replica shuts down; on the ingress's delta
+        socket when the subscription names one and it can be reached (then the call's one item
+        is `OnSocket`). Refused (raises) on a replica other than the one it names (the router
+        could not pin it: `router.pinned`)."""
         if sub.replica_id != self.replica_id or self._draining:
             raise WorkerUnavailableError(
                 f"delta channel for worker {sub.replica_id} reached {self.replica_id}"
@@ -158,13 +161,26 @@ class WorkerDeployment:
         if previous is not None:
             previous.close()  # the ingress gave it up: its requests fail there already
         self._outboxes[sub.ingress_id] = outbox
+        sender = await _connect(sub)
         try:
-            async for batch in outbox.batches():
-                yield batch
+            if sender is None:
+                async for batch in outbox.batches():
+                    yield batch
+            else:
+                yield OnSocket()
+                async for batch in outbox.batches():
+                    await sender.send(batch.items)
+                self._forget(sub.ingress_id, outbox)
+                await sender.close()  # its last frame reaches the ingress before the call ends
         finally:
-            outbox.close()
-            if self._outboxes.get(sub.ingress_id) is outbox:
-                del self._outboxes[sub.ingress_id]
+            self._forget(sub.ingress_id, outbox)
+            if sender is not None:
+                sender.abort()
+
+    def _forget(self, ingress: str, outbox: Outbox) -> None:
+        outbox.close()
+        if self._outboxes.get(ingress) is outbox:
+            del self._outboxes[ingress]
 
     async def generate(
         self, request: RoutedRequest, key: StreamKey | None = None
@@ -238,7 +254,7 @@ class WorkerDeployment:
                 yield StreamStart(self.replica_id)
                 raise
             outbox = self._outboxes.get(key.ingress_id) if key is not None else None
-            if outbox is None:
+            if outbox is None or outbox.closed:  # none, or ending (idle): inline
                 yield StreamStart(self.replica_id)
                 async for delta in self._deltas(streams, batch, open_ids):
                     yield delta
@@ -513,3 +529,16 @@ class _Choices:
         for p in live:
             p.cancel()
         await asyncio.gather(*live, return_exceptions=True)
+
+
+async def _connect(sub: Subscribe) -> DeltaSender | None:
+    """The subscription's delta socket; None when it names none or cannot be reached (the
+    batches then go on the call)."""
+    if sub.endpoint is None:
+        return None
+    try:
+        return await DeltaSender.connect(sub.endpoint, sub.token)
+    except (OSError, TimeoutError) as e:
+        log.warning("delta socket %s:%d of ingress %s not reached (%s): its channel's deltas go "
+                    "on the call", *sub.endpoint, sub.ingress_id[:8], e)  # fmt: skip
+        return None

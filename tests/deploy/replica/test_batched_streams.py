@@ -20,8 +20,9 @@ import pytest
 from cluster.messages import RoutedRequest, StreamStart
 from core.outputs import StreamDelta
 from core.sampling_params import SamplingParams
-from deploy.replica.channel import StreamKey
+from deploy.replica.channel import DeltaBatch, OnSocket, StreamKey, Subscribe
 from deploy.replica.channels import Channels
+from deploy.replica.delta_socket import DeltaListener
 from deploy.replica.deployment import WorkerDeployment
 from tests.fakes.fake_engine import FakeEngine
 from worker.config import EngineConfig
@@ -98,17 +99,25 @@ def _request(i: int) -> RoutedRequest:
     return RoutedRequest([1 + i % 200, 2, 3], f"req-{i}", params=params, sibling_params=siblings)
 
 
-@pytest.mark.parametrize("channel", [True, False], ids=["channel", "inline"])
-def test_1024_concurrent_streams_lose_and_reorder_no_delta(channel: bool) -> None:
+@pytest.mark.parametrize(("channel", "socket"), [(True, True), (True, False), (False, False)],
+                         ids=["socket", "channel", "inline"])  # fmt: skip
+def test_1024_concurrent_streams_lose_and_reorder_no_delta(channel: bool, socket: bool) -> None:
     """`channel`: every stream's deltas travel on the ingress's delta channel to the replica
     (`Channels`, `WorkerDeployment.deltas`: one batch per wake-up for all of them), ordered
-    with the request streams by the ingress; else on each request's own stream (a replica
-    the ingress has no channel to yet)."""
+    with the request streams by the ingress, the batches on a loopback delta socket with
+    `socket` (`deploy/replica/delta_socket.py`), else on the channel's call; else on each
+    request's own stream (a replica the ingress has no channel to yet)."""
     host = StepHost(EngineConfig(page_size=4, max_model_len=4096))
     w = WorkerDeployment(EngineConfig(page_size=4, max_model_len=4096), engine_factory=lambda _: host,
                          replica_id="r1")  # fmt: skip
     requests = [_request(i) for i in range(REQUESTS)]
     on_channel: list[str] = []  # request ids whose StreamStart named a channel
+    carried: list[object] = []  # what the channel's call itself carried
+
+    async def subscribe(sub: Subscribe) -> AsyncIterator[DeltaBatch | OnSocket]:
+        async for item in w.deltas(sub):
+            carried.append(item)
+            yield item
 
     def call(req: RoutedRequest) -> Callable[[StreamKey], AsyncIterator[Any]]:
         async def items(key: StreamKey) -> AsyncIterator[Any]:
@@ -125,7 +134,8 @@ def test_1024_concurrent_streams_lose_and_reorder_no_delta(channel: bool) -> Non
         return [item async for item in channels.attempt(req, call(req))]
 
     async def every() -> list[list[Any]]:
-        channels = Channels(w.deltas)
+        listener = DeltaListener(lambda: "127.0.0.1") if socket else None
+        channels = Channels(subscribe, listener=listener)
         if channel:  # a first request opens the channel; then wait until the replica has it
             await one(channels, RoutedRequest([1, 2, 3], "warm", params=SamplingParams(max_tokens=1)))
             for _ in range(10_000):
@@ -144,6 +154,8 @@ def test_1024_concurrent_streams_lose_and_reorder_no_delta(channel: bool) -> Non
     # one-choice streams on the channel hand their deltas over from the host (those whose last
     # delta was queued before the handover cannot); none does without a channel
     assert (host.diverted > 0) == channel
+    if channel:  # the batches came over the socket, or over the call
+        assert (carried == [OnSocket()]) if socket else all(isinstance(b, DeltaBatch) for b in carried)
     for req, items in zip(requests, streams):
         assert isinstance(items[0], StreamStart) and items[0].replica_id == "r1" and items[0].refusal is None
         got: dict[str, list[int]] = {cid: [] for cid in req.choice_ids}
