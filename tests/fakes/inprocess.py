@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator
 from cluster.messages import RoutedRequest, StreamStart, WorkerInfo, WorkerUnavailableError
 from cluster.replica_stats import ReplicaSnapshot
 from core.outputs import StreamDelta
-from deploy.replica.channel import DeltaBatch, Subscribe
+from deploy.replica.channel import DeltaBatch, OnSocket, Subscribe
 from deploy.replica.channels import Channels
 from deploy.replica.client import DeathRecord
 from deploy.replica.deployment import WorkerDeployment
@@ -36,7 +36,7 @@ class InProcessWorkerClient:
         finally:
             await gen.aclose()
 
-    async def _subscribe(self, sub: Subscribe) -> AsyncIterator[DeltaBatch]:
+    async def _subscribe(self, sub: Subscribe) -> AsyncIterator[DeltaBatch | OnSocket]:
         """The channel call, "routed" to the replica it names (`router.pinned`)."""
         named = [w for w in self.workers if w.replica_id == sub.replica_id]
         if not named:
