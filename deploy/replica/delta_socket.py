@@ -23,6 +23,7 @@ import asyncio
 import logging
 import pickle
 from collections.abc import Callable
+from typing import cast
 
 from core.outputs import StreamDelta
 
@@ -88,8 +89,8 @@ class _Inbound(asyncio.Protocol):
         self._transport: asyncio.Transport | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self._transport = transport
+        # NOTE: uvloop's transports (Serve's loop) are not `asyncio.Transport` subclasses.
+        self._transport = cast(asyncio.Transport, transport)
 
     def data_received(self, data: bytes) -> None:
         buf = self._buf
@@ -194,6 +195,8 @@ class DeltaSender:
     async def send(self, items: Items) -> None:
         """One frame; waits while the ingress is behind (the outbox gathers the next batch
         meanwhile). Raises `ConnectionError` once the ingress closed the connection."""
+        if self._writer.transport.is_closing():  # uvloop raises RuntimeError on a write
+            raise ConnectionResetError("the ingress closed the delta socket")
         payload = pickle.dumps(items, protocol=pickle.HIGHEST_PROTOCOL)
         self._writer.writelines((_header(payload), payload))
         await self._writer.drain()

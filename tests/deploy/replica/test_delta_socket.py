@@ -7,8 +7,11 @@ from __future__ import annotations
 import asyncio
 import pickle
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
+
+import pytest
+import uvloop
 
 from cluster.messages import RoutedRequest, StreamStart
 from core.outputs import StreamDelta
@@ -21,6 +24,20 @@ from tests.fakes.fake_engine import FakeEngine
 from worker.config import EngineConfig
 
 LOOPBACK = "127.0.0.1"
+Runner = Callable[[Coroutine[Any, Any, None]], None]
+
+
+@pytest.fixture(params=["asyncio", "uvloop"])
+def runner(request: pytest.FixtureRequest) -> Runner:
+    """Each test on asyncio's loop and on uvloop's (Serve's replicas run uvloop, whose
+    transports differ: not `asyncio.Transport` subclasses, a write after close raises)."""
+    factory = uvloop.new_event_loop if request.param == "uvloop" else asyncio.new_event_loop
+
+    def run(coro: Coroutine[Any, Any, None]) -> None:
+        with asyncio.Runner(loop_factory=factory) as r:
+            r.run(coro)
+
+    return run
 
 
 def _delta(rid: str, n: int, finished: bool = False) -> StreamDelta:
@@ -48,7 +65,7 @@ async def _raw(endpoint: tuple[str, int], data: bytes, chunk: int) -> tuple[asyn
     return reader, writer
 
 
-def test_frames_arrive_whole_and_in_order_however_the_bytes_are_cut() -> None:
+def test_frames_arrive_whole_and_in_order_however_the_bytes_are_cut(runner: Runner) -> None:
     async def run() -> None:
         listener, endpoint = await _listening()
         batches = [[(f"n{b}", _delta(f"r{b}", i, i == 2)) for i in range(3)] for b in range(5)]
@@ -63,10 +80,10 @@ def test_frames_arrive_whole_and_in_order_however_the_bytes_are_cut() -> None:
             receiver.close()
         listener.close()
 
-    asyncio.run(run())
+    runner(run())
 
 
-def test_a_connection_without_a_waited_for_token_is_closed_unread() -> None:
+def test_a_connection_without_a_waited_for_token_is_closed_unread(runner: Runner) -> None:
     """Nothing after an unknown token is unpickled (a frame that would run code if it were);
     a second connection for a channel that has one is refused the same way; an oversized
     token frame too."""
@@ -94,10 +111,10 @@ def test_a_connection_without_a_waited_for_token_is_closed_unread() -> None:
         assert got == [[("n", _delta("r", 1))]] and receiver.error is None
         listener.close()
 
-    asyncio.run(run())
+    runner(run())
 
 
-def test_an_oversized_or_cut_frame_ends_the_connection_with_an_error() -> None:
+def test_an_oversized_or_cut_frame_ends_the_connection_with_an_error(runner: Runner) -> None:
     async def run() -> None:
         listener, endpoint = await _listening()
         for tail in ((2**32 - 1).to_bytes(4, "little"), _frame(pickle.dumps([]))[:-2]):
@@ -110,10 +127,10 @@ def test_an_oversized_or_cut_frame_ends_the_connection_with_an_error() -> None:
             receiver.close()
         listener.close()
 
-    asyncio.run(run())
+    runner(run())
 
 
-def test_a_sender_to_a_closed_port_fails_to_connect() -> None:
+def test_a_sender_to_a_closed_port_fails_to_connect(runner: Runner) -> None:
     async def run() -> None:
         with socket.socket() as s:
             s.bind((LOOPBACK, 0))
@@ -124,7 +141,7 @@ def test_a_sender_to_a_closed_port_fails_to_connect() -> None:
                 return
             raise AssertionError("connected to a port nobody listens on")
 
-    asyncio.run(run())
+    runner(run())
 
 
 # -- a worker replica's channel over the socket, through Channels --------------------------------
@@ -167,7 +184,7 @@ def _check(items: list[Any], rid: str, tokens: int) -> None:
     assert deltas[-1].finished and not any(d.finished for d in deltas[:-1])
 
 
-def test_a_workers_deltas_come_over_the_socket_complete_and_in_order() -> None:
+def test_a_workers_deltas_come_over_the_socket_complete_and_in_order(runner: Runner) -> None:
     """The first request opens the channel (inline); the 64 concurrent ones after it get every
     token over the socket, the call carrying only `OnSocket`; the channel then ends idle and
     the ingress's side waits for the socket's end before it closes (no attempt is failed)."""
@@ -192,10 +209,10 @@ def test_a_workers_deltas_come_over_the_socket_complete_and_in_order() -> None:
         w.shutdown()
         listener.close()
 
-    asyncio.run(run())
+    runner(run())
 
 
-def test_a_channel_whose_socket_cannot_be_reached_carries_its_batches_on_the_call() -> None:
+def test_a_channel_whose_socket_cannot_be_reached_carries_its_batches_on_the_call(runner: Runner) -> None:
     async def run() -> None:
         listener, _ = await _listening()
         assert listener._server is not None
@@ -212,7 +229,7 @@ def test_a_channel_whose_socket_cannot_be_reached_carries_its_batches_on_the_cal
         await ing.channels.close()
         w.shutdown()
 
-    asyncio.run(run())
+    runner(run())
 
 
 async def _until(cond: Any, rounds: int = 100_000) -> None:
