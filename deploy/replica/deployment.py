@@ -56,6 +56,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("swaserve.worker")
 
 EngineFactory = Callable[[EngineConfig], EngineClient]
+REPLACE_WAIT_S = 10.0  # how long a resent request waits for its earlier attempt here to end
 
 
 @dataclass(frozen=True)
@@ -120,7 +121,8 @@ class WorkerDeployment:
             )
         )
         self._events = self._event_pump()
-        self._inflight: set[str] = set()
+        # request id -> set once its stream here ended and its engine request was closed
+        self._inflight: dict[str, asyncio.Event] = {}
         self._outboxes: dict[str, Outbox] = {}  # ingress id -> its open delta channel
         self._by_ingress: dict[str, int] = {}  # ingress id -> its requests in flight here
         self._draining = False
@@ -237,7 +239,9 @@ class WorkerDeployment:
             self, token_ids, choices
         )
         open_ids = set(ids)
-        self._inflight.update(ids)
+        await self._replace_earlier(ids)
+        done = asyncio.Event()
+        self._inflight.update(dict.fromkeys(ids, done))
         try:
             try:
                 batch = await streams.next()
@@ -285,8 +289,35 @@ class WorkerDeployment:
                 raise
             # Every choice's final delta is on the channel: the stream's end says the rest.
         finally:
-            self._inflight.difference_update(ids)
-            await streams.close()
+            try:
+                await streams.close()
+            finally:
+                for cid in ids:
+                    if self._inflight.get(cid) is done:
+                        del self._inflight[cid]
+                done.set()
+
+    async def _replace_earlier(self, ids: list[str]) -> None:
+        """A request sent again (before its first token, its replica lost to the ingress: a
+        failed channel) can reach this replica before the cancel of its earlier attempt here
+        does; the engine would refuse it as a duplicate (a 400 for the client). Request ids
+        are the ingress's, one per HTTP request, so the earlier attempt has no reader left:
+        abort it and wait for its stream to close (its abort reaches the engine before the new
+        add does)."""
+        earlier = {self._inflight[cid] for cid in ids if cid in self._inflight}
+        if not earlier:
+            return
+        for cid in ids:
+            if cid in self._inflight:
+                self._engine.abort(cid)
+        log.info("worker %s: %s sent again while its earlier attempt ran here; aborted it",
+                 self.replica_id, ids[0])  # fmt: skip
+        try:
+            async with asyncio.timeout(REPLACE_WAIT_S):
+                for event in earlier:
+                    await event.wait()
+        except TimeoutError:
+            pass  # the add below refuses it as a duplicate, as without the wait
 
     async def _deltas(
         self, streams: _SingleChoice | _Choices, batch: list[StreamDelta], open_ids: set[str]
@@ -422,7 +453,7 @@ class WorkerDeployment:
         self._draining = self._stopped = True
         for outbox in self._outboxes.values():
             outbox.close()
-        for rid in list(self._inflight):
+        for rid in list(self._inflight):  # (a copy: the aborts end streams)
             self._engine.abort(rid)
         log.info("worker %s shutting down (%d aborted)", self.replica_id, len(self._inflight))
         if self._events is not None:

@@ -78,6 +78,9 @@ class FakeEngine:
         follows: str | None = None,
     ) -> AsyncGenerator[StreamDelta, None]:
         self.validate(token_ids, params)
+        with self._lock:
+            if request_id in self._held:  # as the engine's add refuses one
+                raise ValueError(f"duplicate request id {request_id!r}: it is still running")
         self.seen.append((request_id, params, follows))
         cached = self._admit(request_id, token_ids, params.root_hash)
         rng = random.Random(params.seed if params.seed is not None else 0)

@@ -164,3 +164,38 @@ def test_a_refused_add_of_a_request_with_choices_is_one_refusal() -> None:
     items = asyncio.run(_collect(w, req))
     assert len(items) == 1 and items[0].refusal == "invalid" and "max_model_len" in items[0].message
     assert not w._inflight and engine.stats().full.used == 0
+
+
+def test_a_request_sent_again_before_its_earlier_attempt_ended_here_replaces_it() -> None:
+    """The ingress sent a request again (its channel failed before the first token) and the
+    new attempt reached this replica before the earlier one's cancel: the earlier attempt is
+    aborted and the new one streams whole, instead of the engine refusing a duplicate id (a
+    400 for the client)."""
+
+    async def run() -> None:
+        w, engine = _worker()
+        req = RoutedRequest([1, 2, 3], "x", params=SamplingParams(max_tokens=40, ignore_eos=True))
+        earlier: list[Any] = []
+
+        async def serve_earlier() -> None:  # Serve keeps pulling the items nobody reads now
+            try:
+                async for item in w.generate(req):
+                    earlier.append(item)
+            except WorkerUnavailableError:
+                earlier.append("aborted")
+
+        task = asyncio.ensure_future(serve_earlier())
+        for _ in range(10_000):  # turns of the loop (bounded count), no clock
+            if len(earlier) >= 3:
+                break
+            await asyncio.sleep(0)
+        assert len(earlier) >= 3 and earlier[0] == StreamStart("r1")
+        again = await _collect(w, req)
+        assert again[0] == StreamStart("r1")  # not a refusal
+        assert sum(len(d.token_ids) for d in again[1:]) == 40 and again[-1].finished
+        await task
+        assert earlier[-1] == "aborted" or not earlier[-1].finished
+        assert not w._inflight and engine.stats().full.used == 0
+        w.shutdown()
+
+    asyncio.run(run())
