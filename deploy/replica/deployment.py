@@ -56,6 +56,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("swaserve.worker")
 
 EngineFactory = Callable[[EngineConfig], EngineClient]
+UNREACHABLE_S = 300.0  # a delta socket not reached is not tried again for this long
 REPLACE_WAIT_S = 10.0  # how long a resent request waits for its earlier attempt here to end
 
 
@@ -124,6 +125,7 @@ class WorkerDeployment:
         # request id -> set once its stream here ended and its engine request was closed
         self._inflight: dict[str, asyncio.Event] = {}
         self._outboxes: dict[str, Outbox] = {}  # ingress id -> its open delta channel
+        self._unreachable: dict[tuple[str, int], float] = {}  # delta socket -> retry after
         self._by_ingress: dict[str, int] = {}  # ingress id -> its requests in flight here
         self._draining = False
         self._stopped = False
@@ -156,6 +158,7 @@ class WorkerDeployment:
                 f"delta channel for worker {sub.replica_id} reached {self.replica_id}"
                 + (" (shutting down)" if self._draining else "")
             )
+        sender = await self._connect(sub)  # first: no request's deltas wait on the connect
         ingress = sub.ingress_id
         idle_s = self._options.channel_idle_s
         outbox = Outbox(sub.subscription, lambda: not self._by_ingress.get(ingress), idle_s)
@@ -163,7 +166,6 @@ class WorkerDeployment:
         if previous is not None:
             previous.close()  # the ingress gave it up: its requests fail there already
         self._outboxes[sub.ingress_id] = outbox
-        sender = await _connect(sub)
         try:
             if sender is None:
                 async for batch in outbox.batches():
@@ -178,6 +180,25 @@ class WorkerDeployment:
             self._forget(sub.ingress_id, outbox)
             if sender is not None:
                 sender.abort()
+
+    async def _connect(self, sub: Subscribe) -> DeltaSender | None:
+        """The subscription's delta socket; None when it names none or cannot be reached (the
+        batches then go on the call). An endpoint that could not be reached is not tried
+        again for `UNREACHABLE_S`: behind a firewall that drops the connection, every channel
+        would otherwise wait out the connect timeout before its first batch."""
+        if sub.endpoint is None:
+            return None
+        now = time.monotonic()
+        if self._unreachable.get(sub.endpoint, now) > now:
+            return None
+        try:
+            return await DeltaSender.connect(sub.endpoint, sub.token)
+        except (OSError, TimeoutError) as e:
+            self._unreachable[sub.endpoint] = now + UNREACHABLE_S
+            log.warning("delta socket %s:%d of ingress %s not reached (%s): its channels' deltas "
+                        "go on their calls for %.0f s", *sub.endpoint, sub.ingress_id[:8], e,
+                        UNREACHABLE_S)  # fmt: skip
+            return None
 
     def _forget(self, ingress: str, outbox: Outbox) -> None:
         outbox.close()
@@ -561,15 +582,3 @@ class _Choices:
             p.cancel()
         await asyncio.gather(*live, return_exceptions=True)
 
-
-async def _connect(sub: Subscribe) -> DeltaSender | None:
-    """The subscription's delta socket; None when it names none or cannot be reached (the
-    batches then go on the call)."""
-    if sub.endpoint is None:
-        return None
-    try:
-        return await DeltaSender.connect(sub.endpoint, sub.token)
-    except (OSError, TimeoutError) as e:
-        log.warning("delta socket %s:%d of ingress %s not reached (%s): its channel's deltas go "
-                    "on the call", *sub.endpoint, sub.ingress_id[:8], e)  # fmt: skip
-        return None

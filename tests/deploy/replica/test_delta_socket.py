@@ -226,6 +226,18 @@ def test_a_channel_whose_socket_cannot_be_reached_carries_its_batches_on_the_cal
         for i, items in enumerate(outs):
             _check(items, f"r{i}", 10)
         assert ing.items and all(isinstance(b, DeltaBatch) for b in ing.items)
+        assert listener.endpoint in w._unreachable  # not tried again by the next channel
+        tried: list[object] = []
+
+        async def connect(*args: object) -> None:
+            tried.append(args)
+            raise AssertionError("tried an endpoint known to be unreachable")
+
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(DeltaSender, "connect", connect)
+            assert listener.endpoint is not None
+            assert await w._connect(Subscribe("w", "ing", "s2", listener.endpoint, "t")) is None
+        assert tried == []
         await ing.channels.close()
         w.shutdown()
 
