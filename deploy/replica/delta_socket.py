@@ -104,7 +104,7 @@ class _Inbound(asyncio.Protocol):
                     raise ValueError(f"a frame of {n} bytes (at most {limit})")
                 if len(buf) - at - HEADER < n:
                     break
-                payload = bytes(buf[at + HEADER : at + HEADER + n])
+                payload = buf[at + HEADER : at + HEADER + n]  # one copy: pickle reads a bytearray
                 at += HEADER + n
                 if self._receiver is None:
                     self._hello(payload)
@@ -115,7 +115,7 @@ class _Inbound(asyncio.Protocol):
             return
         del buf[:at]
 
-    def _hello(self, token: bytes) -> None:
+    def _hello(self, token: bytearray) -> None:
         receiver = self._listener._receivers.get(token.decode("ascii", "replace"))
         assert self._transport is not None
         if receiver is None or not receiver._attach(self._transport):

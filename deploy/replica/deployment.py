@@ -325,17 +325,16 @@ class WorkerDeployment:
         are the ingress's, one per HTTP request, so the earlier attempt has no reader left:
         abort it and wait for its stream to close (its abort reaches the engine before the new
         add does)."""
-        earlier = {self._inflight[cid] for cid in ids if cid in self._inflight}
+        earlier = {cid: self._inflight[cid] for cid in ids if cid in self._inflight}
         if not earlier:
             return
-        for cid in ids:
-            if cid in self._inflight:
-                self._engine.abort(cid)
+        for cid in earlier:
+            self._engine.abort(cid)
         log.info("worker %s: %s sent again while its earlier attempt ran here; aborted it",
                  self.replica_id, ids[0])  # fmt: skip
         try:
             async with asyncio.timeout(REPLACE_WAIT_S):
-                for event in earlier:
+                for event in set(earlier.values()):
                     await event.wait()
         except TimeoutError:
             pass  # the add below refuses it as a duplicate, as without the wait
