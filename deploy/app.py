@@ -43,7 +43,13 @@ class IngressSettings:
 # two (docs/design.md §4.2). Set per deployment (the replica process's environment); a YAML
 # `deployments` entry that gives `ray_actor_options` replaces it, and the replica then runs with
 # Serve's default (correct, a little slower).
-REPLICA_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}
+REPLICA_ENV = {
+    "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
+    # Serve exports a replica's cached request metrics (and its handles') every 100 ms by
+    # default: ten wake-ups a second of each replica's loop, idle or not. Prometheus scrapes
+    # every few seconds and Ray's metrics agent exports every 10 s: once a second loses nothing.
+    "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": "1000",
+}
 # The worker's calls come from our ingress, which logs each HTTP request: Serve's access-log line
 # per worker call (a file write and a stderr write on the replica's loop) says nothing more.
 WORKER_LOGGING = {"enable_access_log": False}

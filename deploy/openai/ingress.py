@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import gc
 import hmac
 import logging
 import time
@@ -45,6 +44,7 @@ from deploy.openai.schema import APIError, ChatCompletionRequest, CompletionRequ
 from deploy.openai.service import OpenAIService, Reply, ServiceOptions
 from deploy.openai.utility_routes import add_utility_routes
 from deploy.openai.write_timeout import WriteTimeout
+from deploy.replica.heap import settle_heap
 
 log = logging.getLogger("swaserve.ingress")
 CLIENT_CLOSED = 499  # nginx's status for a client that hung up before the response
@@ -331,13 +331,10 @@ class IngressDeployment:
         chat = chat_format_for(tokenizer, str(model_dir))
         self._service = OpenAIService(tokenizer, ServeWorkerClient(worker), options.service, chat_format=chat)
         self._app = create_app(self._service, options)
-        # What start-up built (the tokenizer, the chat template, Ray's and FastAPI's modules)
-        # lives as long as the replica: out of the collector's reach, a collection scans only
-        # what requests allocate, so one landing inside a routing decision or an SSE write is
-        # short (the routing decision's p99 is set by collections: BENCHMARKS "Routing at
-        # GPU-cluster rates").
-        gc.collect()
-        gc.freeze()
+        # Start-up's objects frozen, so a collection landing inside a routing decision or an
+        # SSE write scans only what requests allocated (the routing decision's p99 is set by
+        # collections: BENCHMARKS "Routing at GPU-cluster rates"), and collections rarer.
+        settle_heap()
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         return self._app

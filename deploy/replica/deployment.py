@@ -42,6 +42,7 @@ from core.sampling_params import SamplingParams
 from deploy.metrics import flatten_stats
 from deploy.replica.channel import ChannelEnd, DeltaBatch, OnSocket, StreamKey, Subscribe
 from deploy.replica.delta_socket import DeltaSender
+from deploy.replica.heap import settle_heap
 from deploy.replica.outbox import IDLE_S, Outbox
 from worker.config import EngineConfig
 from worker.engine.protocols import Divertible, EngineClient
@@ -130,6 +131,8 @@ class WorkerDeployment:
         self._draining = False
         self._stopped = False
         self._progress = (0, time.monotonic())  # (engine steps, when they last changed)
+        if _replica_context() is not None:  # the process is this replica's (not a test's)
+            settle_heap()
 
     def _event_pump(self) -> CacheEventPump | None:
         ctx = _replica_context()

@@ -292,6 +292,18 @@ def test_the_ingress_fields_reach_the_ingress() -> None:
     assert ServeConfig(model="tiny").request_timeout_s == 1800 and ServeConfig(request_timeout_s=None).request_timeout_s is None
 
 
+def test_both_deployments_run_with_the_replica_environment() -> None:
+    """Our code on Serve's own loop and Serve's metrics exported once a second, in the ingress
+    and the worker replicas alike (docs/design.md §4.2)."""
+    from deploy.app import REPLICA_ENV, build_app_from_config
+    from tests import serve_internals
+
+    assert REPLICA_ENV["RAY_SERVE_METRICS_EXPORT_INTERVAL_MS"] == "1000"
+    app = serve_internals.build_app(build_app_from_config(ServeConfig(model="tiny")), name="swaserve")
+    envs = {d.name: d.ray_actor_options["runtime_env"]["env_vars"] for d in app.deployments}
+    assert envs == {"Ingress": REPLICA_ENV, "Worker": REPLICA_ENV}
+
+
 def test_tensor_parallel_reserves_one_bundle_per_rank() -> None:
     """TP = N: N bundles (replica first, rank actors after), STRICT_PACK, a GPU each on CUDA."""
     gpu = ServeConfig(device="cuda", worker_num_gpus=1, worker_num_cpus=4, rank_num_cpus=2,
