@@ -3,12 +3,12 @@
 A channel is one long-lived streaming call per (ingress replica, worker replica),
 `WorkerDeployment.deltas(Subscribe)`, pinned to the worker replica by the router
 (`router.pinned`). A request's own call (`WorkerDeployment.generate(request, key)`) still
-carries its placement, `StreamStart`, refusals, errors and cancellation; when its ingress has a
-channel open on the replica, its deltas travel on the channel instead, keyed by the attempt's
-`StreamKey.nonce`: its `StreamStart` names the channel (`StreamStart.channel`), its stream ends
-on its own once every choice's final delta is on the channel, and a stream that fails says
-first how many deltas it put there (`ChannelEnd`), so the ingress can order the two
-(docs/design.md §4.2). The batches themselves travel on a TCP connection to the ingress when
+carries its placement, refusals, errors and cancellation; when its ingress has a channel open on
+the replica, its `StreamStart` (naming the channel, `StreamStart.channel`) and its deltas travel
+on the channel instead, keyed by the attempt's `StreamKey.nonce`: its stream then yields nothing
+and ends on its own once every choice's final delta is on the channel, and a stream that fails
+says first how many deltas it put there and on which channel (`ChannelEnd`), so the ingress can
+order the two (docs/design.md §4.2). The batches themselves travel on a TCP connection to the ingress when
 the worker can open one (`deploy/replica/delta_socket.py`), else on the call. All plain module-level dataclasses: Serve pickles the items with the
 standard library.
 """
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from cluster.messages import StreamStart
 from core.outputs import StreamDelta
 from router.pinned import PinnedCall
 
@@ -50,15 +51,17 @@ class OnSocket:
 @dataclass(frozen=True)
 class ChannelEnd:
     """The last request-stream item of an attempt on a channel whose stream raises, before the
-    error: the attempt put `deltas` deltas on the channel before it. (A stream that ends
-    without an error sends none: every choice's final delta is on the channel by then.)"""
+    error: the attempt put `deltas` deltas on channel `channel` (a subscription) before it. (A
+    stream that ends without an error sends none: every choice's final delta is on the channel
+    by then.)"""
 
     deltas: int
+    channel: str = ""
 
 
 @dataclass(frozen=True)
 class DeltaBatch:
-    """One channel item: every delta put on the channel since the last item, as (nonce, delta)
-    in the order they were put."""
+    """One channel item: everything put on the channel since the last item, as (nonce, item)
+    in the order it was put; an attempt's `StreamStart` comes before its deltas."""
 
-    items: list[tuple[str, StreamDelta]]
+    items: list[tuple[str, StreamDelta | StreamStart]]

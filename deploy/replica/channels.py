@@ -1,19 +1,25 @@
 """An ingress replica's delta channels: one per worker replica, and each attempt's two sources.
 
 `Channels.attempt` runs one attempt of a request: it registers the attempt's nonce, makes the
-request's own call (`call(StreamKey)`: placement, `StreamStart`, refusals, errors, cancellation
-by closing it) and yields what the caller of a plain request stream expects, `StreamStart` then
-`StreamDelta`s, whichever way the worker sent the deltas. The first `StreamStart` from a worker
-replica with no channel open opens one (`subscribe(Subscribe)`, pinned to that replica by the
-router); a worker with the channel open puts the attempt's deltas there (docs/design.md §4.2).
+request's own call (`call(StreamKey)`: placement, refusals, errors, cancellation by closing it)
+and yields what the caller of a plain request stream expects, `StreamStart` then `StreamDelta`s,
+whichever way the worker sent them. The first `StreamStart` from a worker replica with no
+channel open opens one (`subscribe(Subscribe)`, pinned to that replica by the router); a worker
+with the channel open puts the attempt's `StreamStart` and deltas there, and its call yields
+nothing while it runs well (docs/design.md §4.2).
 
 The order between the two sources, per attempt:
-- channel deltas that arrive before the `StreamStart` wait for it (the two calls race);
+- channel deltas that arrive before the `StreamStart` wait for it (a `StreamStart` on the
+  call races the channel);
+- a request stream that ended well with no item at all put everything on a channel not heard
+  from yet: the attempt waits for that channel's `StreamStart`, and fails as lost when any
+  channel of this ingress ends first (it has sent no token: the caller sends it again);
 - the attempt ends when its request stream ended and every choice's final delta has come on
   the channel (the request stream ends right after the final deltas went out, so the attempt
   is never closed under a finished request: no cancel travels for it); a request stream that
-  raises sends first how many deltas it put (`ChannelEnd`), and its error is raised once those
-  came, after every delta put before it, and not at all once every choice has its final delta;
+  raises sends first how many deltas it put and where (`ChannelEnd`), and its error is raised
+  once those came, after every delta put before it, and not at all once every choice has its
+  final delta;
 - a request stream that fails with no `ChannelEnd` (its replica died) raises at once: channel
   deltas of that attempt still in flight are dropped with it, as a retry's must be;
 - the channel failing (its replica died, or the call ended under the attempt) raises at once, as
@@ -75,6 +81,7 @@ class Channels:
         self._keys: dict[str, _Attempt] = {}  # nonce -> its attempt, while it runs
         self._live: dict[str, _Channel] = {}  # subscription -> channel, while its call runs
         self._by_replica: dict[str, _Channel] = {}
+        self._unheard: set[_Attempt] = set()  # ended well, their channel's StreamStart not yet come
 
     @property
     def open_replicas(self) -> set[str]:
@@ -125,6 +132,11 @@ class Channels:
                             bound.attempts.add(att)
                     elif isinstance(item, ChannelEnd):
                         counted = item.deltas
+                        if bound is None and item.channel:  # its StreamStart not come yet
+                            bound = self._live.get(item.channel)
+                            if bound is None:  # that channel ended without it
+                                raise WorkerUnavailableError(_lost(start))
+                            bound.attempts.add(att)
                     else:
                         assert isinstance(item, StreamDelta)
                         yield item  # no channel on that replica yet: inline
@@ -135,6 +147,10 @@ class Channels:
                 else:
                     assert isinstance(item, BaseException)
                     raise item
+                if ended and start is None and failure is None and counted is None:
+                    self._unheard.add(att)  # it all went on a channel: wait for its StreamStart
+                    continue
+                self._unheard.discard(att)
                 if ended and _complete(bound is not None and failure is None, counted, got, unfinished):
                     if failure is not None and unfinished:
                         assert isinstance(failure, BaseException)
@@ -142,6 +158,7 @@ class Channels:
                     return
         finally:
             del self._keys[nonce]
+            self._unheard.discard(att)
             if bound is not None:
                 bound.attempts.discard(att)
             if not pump.done():
@@ -199,14 +216,18 @@ class Channels:
                             len(ch.attempts))  # fmt: skip
             for att in ch.attempts:
                 att.queue.put_nowait((_LOST, lost))
+            # Attempts waiting for a channel's StreamStart may have waited for this one: they
+            # fail too (no token of theirs went out: their caller sends them again).
+            for att in self._unheard:
+                att.queue.put_nowait((_LOST, lost))
 
-    def _route(self, items: list[tuple[str, StreamDelta]]) -> None:
+    def _route(self, items: list[tuple[str, StreamDelta | StreamStart]]) -> None:
         """One batch of a channel (from its call or its socket) into its attempts' queues."""
         keys = self._keys
-        for nonce, delta in items:
+        for nonce, item in items:
             att = keys.get(nonce)
             if att is not None:  # else a lost or closed attempt's: dropped
-                att.queue.put_nowait((_DELTA, delta))
+                att.queue.put_nowait((_ITEM if type(item) is StreamStart else _DELTA, item))
 
     async def close(self) -> None:
         """End every channel (their attempts fail as lost)."""

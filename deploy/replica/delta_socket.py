@@ -10,7 +10,7 @@ Serve gives it (pinning, the lifetime, the drain, failures), and its batches tra
 The ingress replica listens on its node's address (`DeltaListener`, one port per replica,
 chosen by the kernel); each channel's `Subscribe` carries that endpoint and a token new per
 channel. The worker replica connects (`DeltaSender`), sends the token as its first frame, then
-one frame per outbox batch: a 4-byte little-endian length and the pickled (nonce, delta) list.
+one frame per outbox batch: a 4-byte little-endian length and the pickled (nonce, item) list.
 The ingress unpickles a connection's frames only after its token matched a channel it is
 waiting for (the token travelled over Ray's own authenticated call); anything else is closed
 unread. When the worker cannot connect (a network that blocks the port), the channel's batches
@@ -25,11 +25,12 @@ import pickle
 from collections.abc import Callable
 from typing import cast
 
+from cluster.messages import StreamStart
 from core.outputs import StreamDelta
 
 log = logging.getLogger("swaserve.ingress")
 
-Items = list[tuple[str, StreamDelta]]
+Items = list[tuple[str, StreamDelta | StreamStart]]
 HEADER = 4  # bytes of a frame's length
 MAX_TOKEN = 64  # bytes of the first frame
 MAX_FRAME = 256 * 1024 * 1024  # a step of 1,024 streams with top-20 logprobs is a few MiB

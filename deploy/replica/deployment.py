@@ -214,10 +214,10 @@ class WorkerDeployment:
         """Stream one prompt: a `StreamStart`, then coalesced `StreamDelta`s until every choice
         finished (each delta's `request_id` names its choice, `RoutedRequest.choice_ids`).
 
-        With a `key` whose ingress has a channel open here, the deltas go to that channel
-        instead, each under `key.nonce`: the `StreamStart` names the channel, and this stream
-        sends nothing more unless it raises, when `ChannelEnd` (how many deltas went there)
-        goes first. One item per request on this stream: Ray reports each item on its own.
+        With a `key` whose ingress has a channel open here, the `StreamStart` (naming the
+        channel) and the deltas go to that channel instead, each under `key.nonce`, and this
+        stream sends nothing unless it raises, when `ChannelEnd` (how many deltas went there,
+        and where) goes first: Ray reports each item on its own, at ~1 ms of CPU a side.
 
         The request's add is its validation (`EngineClient.generate`): the `StreamStart` goes
         out with the first deltas, or as the refusal when the engine refused the add. Cancelling
@@ -288,9 +288,11 @@ class WorkerDeployment:
                     yield delta
                 return
             assert key is not None
-            yield StreamStart(self.replica_id, channel=outbox.subscription)
-            sent = 0
             nonce = key.nonce
+            # The StreamStart goes first on the channel, ahead of the deltas: while it runs well
+            # this call yields nothing (a Serve stream item costs each side ~1 ms of CPU).
+            outbox.put(nonce, StreamStart(self.replica_id, channel=outbox.subscription))
+            sent = 0
 
             def put(delta: StreamDelta) -> bool:  # the engine host's diverted deltas
                 nonlocal sent
@@ -309,7 +311,7 @@ class WorkerDeployment:
                         single.divert(put)
                         single = None
             except Exception:
-                yield ChannelEnd(sent)  # the ingress raises this after the deltas before it
+                yield ChannelEnd(sent, outbox.subscription)  # raised there after the deltas before it
                 raise
             # Every choice's final delta is on the channel: the stream's end says the rest.
         finally:

@@ -1,6 +1,6 @@
 """A worker replica's side of an ingress's delta channel (`deploy/replica/channel.py`).
 
-The requests of a subscribed ingress put their deltas here (`put`, on the replica's loop, in
+The requests of a subscribed ingress put their `StreamStart`s and deltas here (`put`, on the replica's loop, in
 the order they leave their engine streams); the subscription's call takes everything put since
 its last item as one `DeltaBatch` per wake-up. Nothing is held back: a batch leaves as soon as
 the subscription's call runs again, so a batch is one engine step's deltas of that ingress, or
@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncGenerator, Callable
 
-from cluster.messages import WorkerUnavailableError
+from cluster.messages import StreamStart, WorkerUnavailableError
 from core.outputs import StreamDelta
 from deploy.replica.channel import DeltaBatch
 
@@ -28,16 +28,16 @@ class Outbox:
     def __init__(self, subscription: str, idle: Callable[[], bool], idle_s: float = IDLE_S) -> None:
         self.subscription = subscription
         self._idle, self._idle_s = idle, idle_s
-        self._items: list[tuple[str, StreamDelta]] = []
+        self._items: list[tuple[str, StreamDelta | StreamStart]] = []
         self._wake = asyncio.Event()
         self.closed = False
 
-    def put(self, nonce: str, delta: StreamDelta) -> None:
-        """Queue one delta; raises once the channel is closed (its requests are lost to their
+    def put(self, nonce: str, item: StreamDelta | StreamStart) -> None:
+        """Queue one item; raises once the channel is closed (its requests are lost to their
         ingress, which fails them: the caller's request aborts)."""
         if self.closed:
             raise WorkerUnavailableError(f"the delta channel {self.subscription} was closed")
-        self._items.append((nonce, delta))
+        self._items.append((nonce, item))
         self._wake.set()
 
     def close(self) -> None:

@@ -113,6 +113,7 @@ def test_1024_concurrent_streams_lose_and_reorder_no_delta(channel: bool, socket
     requests = [_request(i) for i in range(REQUESTS)]
     on_channel: list[str] = []  # request ids whose StreamStart named a channel
     carried: list[object] = []  # what the channel's call itself carried
+    call_items: list[object] = []  # what the requests' own calls carried
 
     async def subscribe(sub: Subscribe) -> AsyncIterator[DeltaBatch | OnSocket]:
         async for item in w.deltas(sub):
@@ -122,8 +123,7 @@ def test_1024_concurrent_streams_lose_and_reorder_no_delta(channel: bool, socket
     def call(req: RoutedRequest) -> Callable[[StreamKey], AsyncIterator[Any]]:
         async def items(key: StreamKey) -> AsyncIterator[Any]:
             async for item in w.generate(req, key):
-                if isinstance(item, StreamStart) and item.channel is not None:
-                    on_channel.append(req.request_id)
+                call_items.append(item)
                 yield item
 
         return items
@@ -131,7 +131,10 @@ def test_1024_concurrent_streams_lose_and_reorder_no_delta(channel: bool, socket
     async def one(channels: Channels, req: RoutedRequest) -> list[Any]:
         if not channel:
             return [item async for item in w.generate(req)]
-        return [item async for item in channels.attempt(req, call(req))]
+        items = [item async for item in channels.attempt(req, call(req))]
+        if isinstance(items[0], StreamStart) and items[0].channel is not None:
+            on_channel.append(req.request_id)
+        return items
 
     async def every() -> list[list[Any]]:
         listener = DeltaListener(lambda: "127.0.0.1") if socket else None
@@ -151,6 +154,9 @@ def test_1024_concurrent_streams_lose_and_reorder_no_delta(channel: bool, socket
     finally:
         w.shutdown()
     assert sorted(on_channel) == (sorted(r.request_id for r in requests) if channel else [])
+    # on a channel, a request's call carries nothing (its StreamStart leads its deltas there)
+    # but the warm-up's inline items: StreamStart and one delta
+    assert len(call_items) == 2 if channel else not call_items
     # one-choice streams on the channel hand their deltas over from the host (those whose last
     # delta was queued before the handover cannot); none does without a channel
     assert (host.diverted > 0) == channel

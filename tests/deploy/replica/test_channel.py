@@ -186,6 +186,89 @@ def test_channel_deltas_that_beat_the_stream_start_wait_for_it() -> None:
     asyncio.run(run())
 
 
+def test_a_stream_start_on_the_channel_after_the_streams_end() -> None:
+    """The worker put the StreamStart on the channel ahead of the deltas, and the request
+    stream ended with no item before any of them came: the attempt waits, then yields the
+    channel's StreamStart and deltas in order."""
+
+    async def run() -> None:
+        s = Script()
+        sub = await open_channel(s, "a")
+        gen = s.channels.attempt(RoutedRequest([1], "r"), s.call)
+        first = asyncio.ensure_future(anext(gen))
+        await until(lambda: len(s.calls) == 2)
+        key, wire = s.calls[-1]
+        wire.push(_END)
+        await settle()
+        assert not first.done() and s.channels._unheard  # ended well, nothing heard yet
+        s.channel("a")[1].push(DeltaBatch([(key.nonce, StreamStart("a", channel=sub)),
+                                           (key.nonce, _delta("r", 1))]))  # fmt: skip
+        assert await first == StreamStart("a", channel=sub)
+        assert await anext(gen) == _delta("r", 1)
+        nxt = asyncio.ensure_future(anext(gen))
+        await settle()
+        assert not nxt.done()  # no final delta yet
+        s.channel("a")[1].push(DeltaBatch([(key.nonce, _delta("r", 2, True))]))
+        assert await nxt == _delta("r", 2, True)
+        with pytest.raises(StopAsyncIteration):
+            await anext(gen)
+        assert not s.channels._keys and not s.channels._unheard
+
+    asyncio.run(run())
+
+
+def test_an_attempt_not_heard_from_fails_when_a_channel_ends() -> None:
+    """Its request stream ended well with no item (everything on a channel), then a channel
+    ended before its StreamStart came: lost (no token went out; the caller sends it again)."""
+
+    async def run() -> None:
+        s = Script()
+        await open_channel(s, "a")
+        gen = s.channels.attempt(RoutedRequest([1], "r"), s.call)
+        first = asyncio.ensure_future(anext(gen))
+        await until(lambda: len(s.calls) == 2)
+        s.calls[-1][1].push(_END)
+        await until(lambda: bool(s.channels._unheard))
+        s.channel("a")[1].push(ActorDiedError())
+        with pytest.raises(Exception) as raised:
+            await first
+        assert replica_gone(raised.value) and not s.channels._unheard
+
+    asyncio.run(run())
+
+
+def test_a_channel_end_names_the_channel_its_stream_start_went_to() -> None:
+    """The request stream failed before the StreamStart it put on the channel came: its
+    `ChannelEnd` binds the attempt there (its counted deltas, then the error), or, when that
+    channel has ended already, the attempt is lost at once."""
+
+    async def run() -> None:
+        s = Script()
+        sub = await open_channel(s, "a")
+        gen = s.channels.attempt(RoutedRequest([1], "r"), s.call)
+        first = asyncio.ensure_future(anext(gen))
+        await until(lambda: len(s.calls) == 2)
+        key, wire = s.calls[-1]
+        wire.push(ChannelEnd(1, sub), EngineDiedError("its engine died"))
+        await settle()
+        assert not first.done()  # waits for the counted delta (and the StreamStart ahead of it)
+        s.channel("a")[1].push(DeltaBatch([(key.nonce, StreamStart("a", channel=sub)),
+                                           (key.nonce, _delta("r", 1))]))  # fmt: skip
+        assert await first == StreamStart("a", channel=sub)
+        assert await anext(gen) == _delta("r", 1)
+        with pytest.raises(EngineDiedError):
+            await anext(gen)
+
+        gone = s.channels.attempt(RoutedRequest([1], "q"), s.call)
+        nxt = asyncio.ensure_future(anext(gone))
+        await until(lambda: len(s.calls) == 3)
+        s.calls[-1][1].push(ChannelEnd(2, "ended-long-ago"), EngineDiedError("its engine died"))
+        with pytest.raises(WorkerUnavailableError):
+            await nxt
+
+    asyncio.run(run())
+
+
 def test_a_replica_killed_between_a_channel_delta_and_its_end() -> None:
     """A delta came on the channel, then the replica died (both calls fail, no ChannelEnd):
     the delta is yielded, then the replica's loss is raised, whichever call fails first."""
@@ -303,8 +386,9 @@ def _worker(idle_s: float = 60.0) -> WorkerDeployment:
 
 
 def test_the_worker_puts_a_subscribed_ingress_deltas_on_its_channel() -> None:
-    """The request stream says where its deltas went and how many; the channel carries all of
-    them, in order, each under the attempt's nonce. Another ingress's request stays inline."""
+    """The request stream carries nothing; the channel carries the attempt's `StreamStart`
+    (naming it) and then all of its deltas, in order, each under the attempt's nonce. Another
+    ingress's request stays inline."""
 
     async def run() -> None:
         w = _worker()
@@ -313,11 +397,12 @@ def test_the_worker_puts_a_subscribed_ingress_deltas_on_its_channel() -> None:
         await until(lambda: "ing" in w._outboxes)
         req = RoutedRequest([1, 2, 3], "r", params=SamplingParams(max_tokens=5, ignore_eos=True))
         items = [x async for x in w.generate(req, StreamKey("ing", "n1"))]
-        assert items == [StreamStart("w", channel="sub1")]  # one item: the deltas are elsewhere
-        got: list[tuple[str, StreamDelta]] = list((await first).items)
-        while sum(d.finished for _, d in got) == 0:
+        assert items == []  # everything is on the channel
+        got: list[tuple[str, Any]] = list((await first).items)
+        while sum(getattr(d, "finished", False) for _, d in got) == 0:
             got += (await anext(batches)).items
         assert {n for n, _ in got} == {"n1"}
+        assert got.pop(0)[1] == StreamStart("w", channel="sub1")  # ahead of every delta
         assert [t for _, d in got for t in d.token_ids] == [t for _, d in got for t in d.token_ids][:5]
         assert sum(len(d.token_ids) for _, d in got) == 5 and got[-1][1].finished
         other = [x async for x in w.generate(RoutedRequest([1, 2], "o"), StreamKey("other", "n2"))]
@@ -375,8 +460,8 @@ def test_a_request_whose_channel_closed_under_it_fails_after_its_count() -> None
         await until(lambda: w._outboxes["ing"].subscription == "new")
         with pytest.raises(WorkerUnavailableError):
             await streaming
-        assert items[0] == StreamStart("w", channel="old") and len(items) == 2
-        assert isinstance(items[1], ChannelEnd) and items[1].deltas >= 1
+        assert len(items) == 1 and isinstance(items[0], ChannelEnd)  # the StreamStart went on "old"
+        assert items[0].deltas >= 1 and items[0].channel == "old"
         second.cancel()
         await asyncio.gather(second, return_exceptions=True)
         await new.aclose()
