@@ -7,6 +7,10 @@ by the engines' own cache events, pending pages and load corrections as deployed
 fleet size: wall-clock p50 / p99, the same in this thread's CPU time (what other processes' time
 slices on a shared machine do not inflate), and the wall-clock p99 of the decisions no garbage
 collection ran inside (a collection walks the whole process's heap, here the engines').
+
+The collector runs as in an ingress replica, where the router decides (`deploy/replica/heap.py`:
+what was built before the run frozen, first-generation collections every 20,000 allocations);
+`--default-gc` keeps CPython's defaults instead.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from bench.machine import load_average
 from bench.routing.runs import LATENCY_WORKLOAD, RoutingSettings, cluster_for
 from bench.routing.sim import Simulation
 from bench.routing.workloads import WorkloadSize, make_workload
+from deploy.replica.heap import settle_heap
 from router.core import RouterCore
 from router.policies import POLICY_NAMES
 
@@ -38,8 +43,11 @@ class PolicyLatency:
     no_gc_p99_us: float  # wall-clock p99 of the others
 
 
-def measure_policies(policies: Sequence[str], workers: int, requests_per_worker: int = 5) -> list[PolicyLatency]:
-    """The simulated latency run of `swaserve bench routing`, every decision timed."""
+def measure_policies(
+    policies: Sequence[str], workers: int, requests_per_worker: int = 5, settled: bool = True
+) -> list[PolicyLatency]:
+    """The simulated latency run of `swaserve bench routing`, every decision timed; with
+    `settled`, under an ingress replica's collector settings."""
     import torch
 
     torch.set_num_threads(1)  # as `bench.routing.runs.run_job`
@@ -48,7 +56,7 @@ def measure_policies(policies: Sequence[str], workers: int, requests_per_worker:
     for policy in policies:
         size = WorkloadSize(workers, requests_per_worker, s.load, s.seed)
         sim = Simulation(cluster_for(s, "swa_pressure", workers), policy, make_workload(LATENCY_WORKLOAD, size))
-        samples = _time_decisions(sim.core, sim.run)
+        samples = _time_decisions(sim.core, sim.run, settled)
         wall = sorted(w for w, _, _ in samples)
         cpu = sorted(c for _, c, _ in samples)
         quiet = sorted(w for w, _, gc_ran in samples if not gc_ran) or [0.0]
@@ -57,8 +65,12 @@ def measure_policies(policies: Sequence[str], workers: int, requests_per_worker:
     return out
 
 
-def _time_decisions(core: RouterCore, run: Callable[[], object]) -> list[tuple[float, float, bool]]:
-    """Run with `core.decide` timed: (wall µs, CPU µs, a collection ran inside) per decision."""
+def _time_decisions(
+    core: RouterCore, run: Callable[[], object], settled: bool = False
+) -> list[tuple[float, float, bool]]:
+    """Run with `core.decide` timed: (wall µs, CPU µs, a collection ran inside) per decision;
+    with `settled`, what exists before the run is frozen and the thresholds are an ingress
+    replica's (both undone after)."""
     collections = [0]
 
     def count(phase: str, _: dict[str, int]) -> None:
@@ -74,12 +86,18 @@ def _time_decisions(core: RouterCore, run: Callable[[], object]) -> list[tuple[f
         return decision
 
     core.decide = timed  # type: ignore[method-assign]
+    thresholds = gc.get_threshold()
+    if settled:
+        settle_heap()
     gc.callbacks.append(count)
     try:
         run()
     finally:
         gc.callbacks.remove(count)
         del core.decide
+        if settled:
+            gc.unfreeze()
+            gc.set_threshold(*thresholds)
     return samples
 
 
@@ -102,9 +120,11 @@ def main() -> None:
     ap.add_argument("--workers", type=int, nargs="+", default=[8, 32, 64])
     ap.add_argument("--policies", nargs="+", default=list(POLICY_NAMES))
     ap.add_argument("--requests-per-worker", type=int, default=5)
+    ap.add_argument("--default-gc", action="store_true", help="CPython's collector settings, not an ingress replica's")
     args = ap.parse_args()
     load = load_average()
-    rows = [r for w in args.workers for r in measure_policies(args.policies, w, args.requests_per_worker)]
+    rows = [r for w in args.workers
+            for r in measure_policies(args.policies, w, args.requests_per_worker, not args.default_gc)]  # fmt: skip
     print(policy_table(rows))
     print(f"1-minute load average {load:.2f} before, {load_average():.2f} after")
 
