@@ -114,6 +114,17 @@ async def started(s: Script, replica: str, rid: str) -> tuple[Any, StreamKey, Wi
     return gen, key, wire
 
 
+async def calling(s: Script, rid: str) -> tuple[Any, asyncio.Future[Any], StreamKey, Wire]:
+    """An attempt whose request call was made, nothing received yet: the generator, its first
+    item (pending), the call's key and wire."""
+    calls = len(s.calls)
+    gen = s.channels.attempt(RoutedRequest([1], rid), s.call)
+    first = asyncio.ensure_future(anext(gen))
+    await until(lambda: len(s.calls) == calls + 1)
+    key, wire = s.calls[-1]
+    return gen, first, key, wire
+
+
 def test_a_request_stream_error_comes_after_the_channel_deltas_before_it() -> None:
     """The worker's request stream raised after putting two deltas on the channel, and its
     error arrived first: both deltas are yielded, then the error."""
@@ -194,10 +205,7 @@ def test_a_stream_start_on_the_channel_after_the_streams_end() -> None:
     async def run() -> None:
         s = Script()
         sub = await open_channel(s, "a")
-        gen = s.channels.attempt(RoutedRequest([1], "r"), s.call)
-        first = asyncio.ensure_future(anext(gen))
-        await until(lambda: len(s.calls) == 2)
-        key, wire = s.calls[-1]
+        gen, first, key, wire = await calling(s, "r")
         wire.push(_END)
         await settle()
         assert not first.done() and s.channels._unheard  # ended well, nothing heard yet
@@ -224,10 +232,8 @@ def test_an_attempt_not_heard_from_fails_when_a_channel_ends() -> None:
     async def run() -> None:
         s = Script()
         await open_channel(s, "a")
-        gen = s.channels.attempt(RoutedRequest([1], "r"), s.call)
-        first = asyncio.ensure_future(anext(gen))
-        await until(lambda: len(s.calls) == 2)
-        s.calls[-1][1].push(_END)
+        _, first, _, wire = await calling(s, "r")
+        wire.push(_END)
         await until(lambda: bool(s.channels._unheard))
         s.channel("a")[1].push(ActorDiedError())
         with pytest.raises(Exception) as raised:
@@ -245,10 +251,7 @@ def test_a_channel_end_names_the_channel_its_stream_start_went_to() -> None:
     async def run() -> None:
         s = Script()
         sub = await open_channel(s, "a")
-        gen = s.channels.attempt(RoutedRequest([1], "r"), s.call)
-        first = asyncio.ensure_future(anext(gen))
-        await until(lambda: len(s.calls) == 2)
-        key, wire = s.calls[-1]
+        gen, first, key, wire = await calling(s, "r")
         wire.push(ChannelEnd(1, sub), EngineDiedError("its engine died"))
         await settle()
         assert not first.done()  # waits for the counted delta (and the StreamStart ahead of it)
@@ -259,10 +262,8 @@ def test_a_channel_end_names_the_channel_its_stream_start_went_to() -> None:
         with pytest.raises(EngineDiedError):
             await anext(gen)
 
-        gone = s.channels.attempt(RoutedRequest([1], "q"), s.call)
-        nxt = asyncio.ensure_future(anext(gone))
-        await until(lambda: len(s.calls) == 3)
-        s.calls[-1][1].push(ChannelEnd(2, "ended-long-ago"), EngineDiedError("its engine died"))
+        _, nxt, _, wire = await calling(s, "q")
+        wire.push(ChannelEnd(2, "ended-long-ago"), EngineDiedError("its engine died"))
         with pytest.raises(WorkerUnavailableError):
             await nxt
 
