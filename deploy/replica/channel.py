@@ -8,9 +8,9 @@ the replica, its `StreamStart` (naming the channel, `StreamStart.channel`) and i
 on the channel instead, keyed by the attempt's `StreamKey.nonce`: its stream then yields nothing
 and ends on its own once every choice's final delta is on the channel, and a stream that fails
 says first how many deltas it put there and on which channel (`ChannelEnd`), so the ingress can
-order the two (docs/design.md §4.2). The batches themselves travel on a TCP connection to the ingress when
-the worker can open one (`deploy/replica/delta_socket.py`), else on the call. All plain module-level dataclasses: Serve pickles the items with the
-standard library.
+order the two (docs/design.md §4.2). The batches themselves travel on a TCP connection to the
+ingress when the worker can open one (`deploy/replica/delta_socket.py`), else on the call. All
+plain module-level dataclasses: Serve pickles the items with the standard library.
 """
 
 from __future__ import annotations

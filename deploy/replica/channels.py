@@ -12,8 +12,9 @@ The order between the two sources, per attempt:
 - channel deltas that arrive before the `StreamStart` wait for it (a `StreamStart` on the
   call races the channel);
 - a request stream that ended well with no item at all put everything on a channel not heard
-  from yet: the attempt waits for that channel's `StreamStart`, and fails as lost when any
-  channel of this ingress ends first (it has sent no token: the caller sends it again);
+  from yet: the attempt waits for that channel's `StreamStart`, and fails as lost when a
+  channel of this ingress fails first (it has sent no token: the caller sends it again; a
+  channel that ends well routed everything it carried before its end);
 - the attempt ends when its request stream ended and every choice's final delta has come on
   the channel (the request stream ends right after the final deltas went out, so the attempt
   is never closed under a finished request: no cancel travels for it); a request stream that
@@ -126,17 +127,11 @@ class Channels:
                                 unfinished.discard(delta.request_id)
                         early.clear()
                         if item.channel is not None:
-                            bound = self._live.get(item.channel)
-                            if bound is None:  # it ended before this attempt heard of it
-                                raise WorkerUnavailableError(_lost(start))
-                            bound.attempts.add(att)
+                            bound = self._bind(att, item.channel, start)
                     elif isinstance(item, ChannelEnd):
                         counted = item.deltas
                         if bound is None and item.channel:  # its StreamStart not come yet
-                            bound = self._live.get(item.channel)
-                            if bound is None:  # that channel ended without it
-                                raise WorkerUnavailableError(_lost(start))
-                            bound.attempts.add(att)
+                            bound = self._bind(att, item.channel, start)
                     else:
                         assert isinstance(item, StreamDelta)
                         yield item  # no channel on that replica yet: inline
@@ -165,6 +160,14 @@ class Channels:
                 pump.cancel()
             await asyncio.gather(pump, return_exceptions=True)
 
+    def _bind(self, att: _Attempt, subscription: str, start: StreamStart | None) -> _Channel:
+        """The attempt's channel, which it now hears of; lost when that channel has ended."""
+        ch = self._live.get(subscription)
+        if ch is None:
+            raise WorkerUnavailableError(_lost(start))
+        ch.attempts.add(att)
+        return ch
+
     def _ensure_channel(self, replica_id: str) -> None:
         if replica_id in self._by_replica:
             return
@@ -184,6 +187,7 @@ class Channels:
             receiver = self._listener.expect(uuid.uuid4().hex, self._route)
         sub = Subscribe(ch.replica_id, self.ingress_id, ch.subscription, endpoint,
                         receiver.token if receiver is not None else "")  # fmt: skip
+        ended_well = False  # every item of the channel routed: nothing of it still to come
         try:
             on_socket = False
             async with contextlib.aclosing(self._subscribe(sub)) as batches:  # type: ignore[type-var]
@@ -201,6 +205,7 @@ class Channels:
                     raise WorkerUnavailableError("its delta socket did not close after its call ended")
                 if receiver.error is not None:
                     raise receiver.error
+            ended_well = True
         except Exception as e:  # noqa: BLE001 - given to the attempts bound to it
             error = e
         finally:
@@ -216,10 +221,12 @@ class Channels:
                             len(ch.attempts))  # fmt: skip
             for att in ch.attempts:
                 att.queue.put_nowait((_LOST, lost))
-            # Attempts waiting for a channel's StreamStart may have waited for this one: they
-            # fail too (no token of theirs went out: their caller sends them again).
-            for att in self._unheard:
-                att.queue.put_nowait((_LOST, lost))
+            # Attempts still waiting for their channel's StreamStart may have waited for this
+            # one, unless it ended well (it routed everything first): they fail too (no token
+            # of theirs went out, so their caller sends them again).
+            if not ended_well:
+                for att in self._unheard:
+                    att.queue.put_nowait((_LOST, lost))
 
     def _route(self, items: list[tuple[str, StreamDelta | StreamStart]]) -> None:
         """One batch of a channel (from its call or its socket) into its attempts' queues."""

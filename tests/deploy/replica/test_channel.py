@@ -225,16 +225,22 @@ def test_a_stream_start_on_the_channel_after_the_streams_end() -> None:
     asyncio.run(run())
 
 
-def test_an_attempt_not_heard_from_fails_when_a_channel_ends() -> None:
+def test_an_attempt_not_heard_from_fails_when_a_channel_fails() -> None:
     """Its request stream ended well with no item (everything on a channel), then a channel
-    ended before its StreamStart came: lost (no token went out; the caller sends it again)."""
+    failed before its StreamStart came: lost (no token went out; the caller sends it again).
+    Another channel ending well (idle) before that fails nothing."""
 
     async def run() -> None:
         s = Script()
         await open_channel(s, "a")
+        await open_channel(s, "b")
         _, first, _, wire = await calling(s, "r")
         wire.push(_END)
         await until(lambda: bool(s.channels._unheard))
+        s.channel("b")[1].push(_END)  # b's channel ends idle
+        await until(lambda: "b" not in s.channels.open_replicas)
+        await settle()
+        assert not first.done() and s.channels._unheard
         s.channel("a")[1].push(ActorDiedError())
         with pytest.raises(Exception) as raised:
             await first
