@@ -62,10 +62,29 @@ class Load:
     def __post_init__(self) -> None:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=lambda: asyncio.run(self._main()), daemon=True)
+        self._ready = threading.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._http: httpx.AsyncClient | None = None
+        self._extra: list[asyncio.Task[None]] = []  # send_long_stream's requests
 
     def start(self) -> Load:
         self._thread.start()
+        assert self._ready.wait(30), "the load's client did not start"
         return self
+
+    def send_long_stream(self, max_tokens: int) -> Record:
+        """One streaming request of `max_tokens` beside the loops, recorded with them: a fault
+        test waits for its first token and then kills what serves it, knowing that the stream
+        still had most of its tokens to go (a loop's short stream may already be whole on the
+        server while its client reads it)."""
+        assert self._loop is not None and self._http is not None
+        rec = Record("stream", -1, time.monotonic())
+        self.records.append(rec)
+        prompt = [random.Random(-1).randrange(5, 1000) for _ in range(160)]
+        body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True}
+        http, loop = self._http, self._loop
+        loop.call_soon_threadsafe(lambda: self._extra.append(loop.create_task(self._tracked(http, body, True, rec))))
+        return rec
 
     def stop(self) -> list[Record]:
         self._stop.set()
@@ -76,16 +95,15 @@ class Load:
     def since(self, t: float) -> list[Record]:
         return [r for r in list(self.records) if r.sent >= t]
 
-    def streaming_on(self) -> set[str]:
-        """Replicas with a stream of this load in progress (past its first token) right now."""
-        return {r.replica for r in list(self.records) if r.kind == "stream" and r.first_token and not r.ended}
-
     async def _main(self) -> None:
         end = time.monotonic() + self.max_s
         limits = httpx.Limits(max_connections=self.streams + self.plains + 4)
         async with httpx.AsyncClient(base_url=self.url, timeout=self.request_timeout_s, limits=limits) as http:
+            self._loop, self._http = asyncio.get_running_loop(), http
+            self._ready.set()
             loops = [self._client(http, i, i < self.streams, end) for i in range(self.streams + self.plains)]
             await asyncio.gather(*loops)
+            await asyncio.gather(*self._extra)
 
     async def _client(self, http: httpx.AsyncClient, i: int, stream: bool, end: float) -> None:
         rng = random.Random(i)
@@ -99,15 +117,18 @@ class Load:
             rec = Record("stream" if stream else "plain", i, time.monotonic())
             self.records.append(rec)
             body = {"model": self.model, "prompt": prompt, "max_tokens": self.max_tokens, "ignore_eos": True}
-            try:
-                await asyncio.wait_for(self._one(http, body, stream, rec), self.request_timeout_s)
-            except (asyncio.TimeoutError, httpx.TimeoutException):
-                rec.outcome = "hung"
-            except httpx.HTTPError as e:
-                rec.outcome, rec.error = "unclean", repr(e)[:200]
-            rec.ended = time.monotonic()
+            await self._tracked(http, body, stream, rec)
             if rec.outcome != "completed":
                 await asyncio.sleep(0.2)  # a client backs off after a failure (Retry-After: 1)
+
+    async def _tracked(self, http: httpx.AsyncClient, body: dict, stream: bool, rec: Record) -> None:
+        try:
+            await asyncio.wait_for(self._one(http, body, stream, rec), self.request_timeout_s)
+        except (asyncio.TimeoutError, httpx.TimeoutException):
+            rec.outcome = "hung"
+        except httpx.HTTPError as e:
+            rec.outcome, rec.error = "unclean", repr(e)[:200]
+        rec.ended = time.monotonic()
 
     async def _one(self, http: httpx.AsyncClient, body: dict, stream: bool, rec: Record) -> None:
         if not stream:
@@ -117,7 +138,7 @@ class Load:
             if r.status_code == 200:
                 usage = r.json()["usage"]
                 rec.cached = usage["prompt_tokens_details"]["cached_tokens"]
-                done = usage["completion_tokens"] == self.max_tokens
+                done = usage["completion_tokens"] == body["max_tokens"]
                 rec.outcome = "completed" if done else "unclean"
             else:
                 rec.error = r.text[:200]

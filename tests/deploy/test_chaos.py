@@ -25,7 +25,7 @@ from ray import serve
 from cluster.transport import INDEX_NAMESPACE, index_actor_name
 from deploy.app import build_app_from_config
 from deploy.config import WORKER_DEPLOYMENT, ServeConfig
-from tests.deploy.chaos_load import Load, counts, exact_again_after
+from tests.deploy.chaos_load import Load, Record, counts, exact_again_after
 from tests.multinode import LocalCluster, local_cluster, sigkill
 
 pytestmark = [pytest.mark.ray, pytest.mark.loaded, pytest.mark.slow, pytest.mark.timeout(900)]
@@ -183,15 +183,21 @@ class _IndexWatch:
 def test_sigkill_a_worker_replica_mid_stream(app: App) -> None:
     """A worker replica's process dies while it streams tokens to a client."""
 
+    cut: list[Record] = []
+
     def inject(load: Load) -> str:
         pids = app.replica_pids()
-        _wait(lambda: bool(load.streaming_on() & set(pids)), 30, "a stream in progress")
-        victim = sorted(load.streaming_on() & set(pids))[0]
-        sigkill(pids[victim])
-        return victim
+        # A stream far from its end: the loops' 24-token streams may be whole on the server
+        # while their clients still read them (then killing the replica cuts nothing).
+        cut.append(load.send_long_stream(max_tokens=1024))
+        _wait(lambda: bool(cut[0].first_token or cut[0].outcome), 60, "the long stream's first token")
+        assert not cut[0].outcome and cut[0].replica in pids, (cut[0], pids)
+        sigkill(pids[cut[0].replica])
+        return cut[0].replica
 
     row = _phase(app, "SIGKILL a worker replica mid-stream", inject, dead_worker=True)
-    assert row.dropped_after_s is not None and row.counts["clean"] >= 1  # the stream it cut
+    assert row.dropped_after_s is not None
+    assert cut[0].outcome == "clean" and "error" in cut[0].error, cut[0]  # an SSE error event
 
 
 def test_remove_a_worker_node(app: App) -> None:
