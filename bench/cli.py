@@ -24,6 +24,7 @@ BENCHMARKS = {
     "cache": "bench.cache",
     "routing": "bench.routing.main",
     "index-ingest": "bench.index_ingest",
+    "index-actor": "bench.index_actor",
     "vllm-compare": "bench.compare.vllm_compare",
     "cluster-compare": "bench.compare.cluster_compare",
     "replica-profile": "bench.compare.replica_profile",

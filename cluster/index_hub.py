@@ -56,7 +56,10 @@ class IndexHub:
             return Delta(self.epoch, cursor, self.end, reset=True, updates=updates)
         if cursor == self.end:
             return None
-        updates = tuple(itertools.islice(self._log, cursor - self._base, None))
+        # NOTE: from the log's newest end: a router pulls the last few updates of a log of
+        # thousands, and a deque slice from the front walks every entry before the cursor.
+        newest_first = list(itertools.islice(reversed(self._log), self.end - cursor))
+        updates = tuple(reversed(newest_first))
         return Delta(self.epoch, cursor, self.end, reset=False, updates=updates)
 
     def _append(self, update: IndexUpdate) -> None:

@@ -21,6 +21,7 @@ from ray import cloudpickle, serve
 from ray.serve.config import RequestRouterConfig
 
 from cluster.index import ClusterIndex
+from cluster.index_hub import apply_delta
 from cluster.messages import (
     CacheSnapshot,
     EventBatch,
@@ -169,6 +170,27 @@ def test_long_poll_delivers_quickly(actor_name: str) -> None:
         return time.perf_counter() - t0
 
     assert asyncio.run(run()) < 1.0
+
+
+def test_waiting_long_polls_hold_up_no_push(actor_name: str) -> None:
+    """The actor is threaded: pulls block in a group of their own, so routers in their long
+    polls (here waiting up to 600 s) neither delay a push nor miss it."""
+    actor = get_or_create_index_actor(actor_name)
+    cache = FakeCache("w0", "i0")
+    asyncio.run(_started(actor, cache))
+    current = ray.get(actor.pull.remote(None, 0), timeout=60)
+    assert current is not None
+    waiting = [actor.pull.remote(current.epoch, current.cursor, 600.0) for _ in range(8)]
+    cache.store(5, 6)
+    ack = ray.get(actor.push.remote(cache.drain()), timeout=60)  # not behind the long polls
+    assert not ack.resync_needed
+    for delta in ray.get(waiting, timeout=60):  # woken by the push, not by their 600 s
+        assert delta is not None and not delta.reset and delta.since == current.cursor
+        index = ClusterIndex()
+        apply_delta(index, current)
+        apply_delta(index, delta)
+        assert _pages(index, "w0") == {5, 6}
+    assert ray.get(actor.describe.remote(), timeout=60)["workers"]["w0"][1] == 1  # seq
 
 
 def test_gap_triggers_snapshot_resync(actor_name: str) -> None:

@@ -1,0 +1,323 @@
+"""`swaserve bench index-actor`: the index actor over real Ray, what each push and pull costs.
+
+`swaserve bench index-ingest` measures the index's own work (apply, log, pull, replay) on one
+core, without Ray. This plays the same synthetic fleet (`bench.event_streams`) through the real
+`CacheIndexActor` on a local Ray cluster, as the deployment does:
+
+- *workers*: `--fleets` Ray actors each play their share of the workers in real time, one
+  `push` actor call per worker per step, each worker's pushes awaited in order (what
+  `cluster.transport.EventPublisher` does); a worker that finds the previous push still
+  unanswered at its next step falls behind, and the run counts how late its pushes went out;
+- *routers*: `--routers` Ray actors each follow the index with the deployment's
+  `IndexSubscriber` (a long poll, woken by every push that changes the index), noting when each
+  batch reached its local index.
+
+Reported per fleet size: pushes offered and made per second, the index actor's share of a core
+and its CPU per actor call (pushes and pulls; Ray's deserialisation, the call, the apply and the
+answer all counted), so the push rate one core sustains at this mix; the push round trip and
+the lag from a push's send to every router holding it (p50 / p99 / max); pulls per second per
+router; the CPU per push of the processes playing the workers (a worker replica's cost per push
+on top of its engine). Consistent: every router's index equals a replay of the streams.
+
+The workers' steps are `--step-ms` apart: a worker replica pushes once per finished request
+(group-committed) and every 250 ms in the background, so a 20 ms step stands for a replica
+finishing about 50 requests a second. On a machine with few cores the players and routers
+share the actor's cores; the actor's CPU per call is what extrapolates.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import os
+import statistics
+import time
+from dataclasses import dataclass, replace
+from typing import Any
+
+from bench.event_streams import FleetStream, Stream, make_stream
+from bench.harness import (
+    add_output_arguments,
+    markdown_table,
+    prepare_output_dir,
+    write_json,
+    write_text,
+)
+from bench.machine import load_average
+from cluster.index import ClusterIndex
+from cluster.messages import Delta, EventBatch
+from core.events import PageState, replay
+
+ACTOR_NAME = "swaserve-cache-index:bench:index-actor"
+
+
+@dataclass(frozen=True)
+class ActorSettings:
+    fleet: FleetStream = FleetStream()
+    duration_s: float = 5.0  # of stream time, played in real time
+    fleets: int = 2  # actors playing the workers
+    routers: int = 1  # actors following the index
+    settle_s: float = 30.0  # how long the routers may take to catch up after the last push
+
+
+@dataclass(frozen=True)
+class ActorFigures:
+    workers: int
+    routers: int
+    offered_pushes_per_s: float
+    pushes_per_s: float  # made, over the played time
+    page_events_per_s: float
+    late_ms: tuple[float, float]  # p50, p99 of how late a push went out (its worker was behind)
+    actor_core: float  # the index actor's CPU over the played time, in cores
+    pulls_per_s: float  # every router's together
+    actor_us_per_call: float  # actor CPU / (pushes + pulls)
+    one_core_pushes_per_s: float  # pushes/s at which the actor's core would be full, at this mix
+    push_rtt_ms: tuple[float, float, float]  # p50, p99, max of send → answered
+    lag_ms: tuple[float, float, float]  # p50, p99, max of send → in every router's index
+    players_us_per_push: float  # the players' CPU per push (a worker replica's side)
+    routers_us_per_pull: float  # the routers' CPU per pull, apply included
+    consistent: bool
+
+
+def _digest(pages: dict[int, PageState]) -> str:
+    h = hashlib.blake2b(digest_size=16)
+    for page, state in sorted(pages.items()):
+        h.update(f"{page}:{state.value};".encode())
+    return h.hexdigest()
+
+
+def _cpu_s(pid: int) -> float:
+    """utime + stime of process `pid` (all its threads), in seconds."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _quantiles(values: list[float]) -> tuple[float, float, float]:
+    if not values:
+        return (0.0, 0.0, 0.0)
+    ordered = sorted(values)
+    return (statistics.median(ordered), ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))], ordered[-1])
+
+
+class Player:
+    """Plays some workers' batches into the index actor in real time (a Ray actor)."""
+
+    def __init__(self, actor_name: str, namespace: str) -> None:
+        import ray
+
+        self._actor = ray.get_actor(actor_name, namespace=namespace)
+
+    async def play(
+        self, batches: list[tuple[float, EventBatch]], start: float
+    ) -> list[tuple[str, int, float, float, float]]:
+        """(worker, seq, due, sent, answered) per push, `time.monotonic()` (one clock for every
+        process of the machine); each worker's pushes in order, the next one after the answer."""
+        by_worker: dict[str, list[tuple[float, EventBatch]]] = {}
+        for t, batch in batches:
+            by_worker.setdefault(batch.worker_id, []).append((t, batch))
+        out: list[tuple[str, int, float, float, float]] = []
+
+        async def worker(steps: list[tuple[float, EventBatch]]) -> None:
+            for t, batch in steps:
+                due = start + t
+                pause = due - time.monotonic()
+                if pause > 0:
+                    await asyncio.sleep(pause)  # NOTE: pacing a benchmark's stream
+                sent = time.monotonic()
+                await self._actor.push.remote(batch, None)
+                out.append((batch.worker_id, batch.seq, due, sent, time.monotonic()))
+
+        await asyncio.gather(*(worker(steps) for steps in by_worker.values()))
+        return out
+
+
+class Router:
+    """Follows the index actor as a router does (`IndexSubscriber`), noting when each batch
+    arrived (a Ray actor)."""
+
+    def __init__(self, actor_name: str, namespace: str) -> None:
+        import ray
+
+        from cluster.transport import IndexSubscriber
+
+        seen: dict[tuple[str, int], float] = {}  # (worker, seq) → when it was in the local index
+        pulls = [0]
+        self.seen, self.pulls = seen, pulls
+
+        class Timed(IndexSubscriber):
+            async def sync(self, wait_s: float = 0.0) -> bool:
+                pulls[0] += 1
+                return await super().sync(wait_s)
+
+            def _apply(self, delta: Delta) -> bool:
+                applied = super()._apply(delta)
+                if applied:
+                    now = time.monotonic()
+                    for u in delta.updates:
+                        if isinstance(u, EventBatch):
+                            seen.setdefault((u.worker_id, u.seq), now)
+                return applied
+
+        self.index = ClusterIndex()
+        self._sub = Timed(ray.get_actor(actor_name, namespace=namespace), self.index)
+
+    async def start(self, workers: int, timeout_s: float) -> bool:
+        """Follow from now on; True once the index holds `workers` workers."""
+        self._sub.start()
+        deadline = time.monotonic() + timeout_s
+        while len(list(self.index.workers())) < workers:
+            if time.monotonic() > deadline:
+                return False
+            await asyncio.sleep(0.05)  # waits on the resyncs reaching this router
+        return True
+
+    async def wait_for(self, last: dict[str, int], timeout_s: float) -> bool:
+        """True once every worker's batch `last[worker]` is in the local index."""
+        deadline = time.monotonic() + timeout_s
+        while any((w, s) not in self.seen for w, s in last.items()):
+            if time.monotonic() > deadline:
+                return False
+            await asyncio.sleep(0.05)  # waits on the routers' pulls
+        return True
+
+    async def report(self) -> tuple[dict[tuple[str, int], float], int, dict[str, str]]:
+        await self._sub.stop()
+        digests = {}
+        for wid in [e.meta.worker_id for e in self.index.workers()]:
+            snap = self.index.snapshot(wid)
+            digests[wid] = _digest(dict(snap.pages)) if snap is not None else ""
+        return self.seen, self.pulls[0], digests
+
+
+def expected_digests(stream: Stream) -> dict[str, str]:
+    pages = {r.meta.worker_id: dict(r.snapshot.pages) for r in stream.resyncs if r.snapshot is not None}
+    for _, batch, _ in stream.batches:
+        replay(batch.events, pages[batch.worker_id])
+    return {wid: _digest(p) for wid, p in pages.items()}
+
+
+def _pid(handle: Any) -> int:
+    """The process of a Ray actor (any class: `__ray_call__` runs a function inside it)."""
+    import ray
+
+    return int(ray.get(handle.__ray_call__.remote(lambda _self: os.getpid()), timeout=60))
+
+
+def measure(s: ActorSettings) -> ActorFigures:
+    """One fleet size through a fresh index actor on the running Ray cluster."""
+    import ray
+
+    from cluster.index import IndexLimits
+    from cluster.transport import INDEX_NAMESPACE, get_or_create_index_actor, kill_index_actor
+
+    stream = make_stream(s.fleet, s.duration_s)
+    f = s.fleet
+    limits = IndexLimits(max_pages_per_worker=4 * f.cache_pages, max_workers=max(64, f.workers))
+    name = f"{ACTOR_NAME}:{f.workers}:{s.routers}"  # a fresh actor per fleet size
+    actor = get_or_create_index_actor(name, limits=limits)  # the deployed log length
+    helpers: list[Any] = []
+    try:
+        ray.get([actor.resync.remote(r) for r in stream.resyncs])
+        players: list[Any] = [ray.remote(num_cpus=0)(Player).remote(name, INDEX_NAMESPACE) for _ in range(s.fleets)]
+        routers: list[Any] = [ray.remote(num_cpus=0)(Router).remote(name, INDEX_NAMESPACE) for _ in range(s.routers)]
+        helpers = players + routers
+        if not all(ray.get([r.start.remote(f.workers, 60.0) for r in routers])):
+            raise RuntimeError("a router did not see every worker's resync within 60 s")
+        share: list[list[tuple[float, EventBatch]]] = [[] for _ in players]
+        order = {r.meta.worker_id: i for i, r in enumerate(stream.resyncs)}
+        for t, batch, _ in stream.batches:
+            share[order[batch.worker_id] % len(players)].append((t, batch))
+        pids = {"actor": [_pid(actor)], "players": [_pid(p) for p in players], "routers": [_pid(r) for r in routers]}
+        before = {k: sum(_cpu_s(p) for p in v) for k, v in pids.items()}
+        start = time.monotonic() + 0.5
+        records = [rec for part in ray.get([p.play.remote(b, start) for p, b in zip(players, share)]) for rec in part]
+        played = time.monotonic() - start
+        after_play = _cpu_s(pids["actor"][0])
+        last: dict[str, int] = {}
+        for wid, seq, *_ in records:
+            last[wid] = max(seq, last.get(wid, 0))
+        caught_up = all(ray.get([r.wait_for.remote(last, s.settle_s) for r in routers]))
+        cpu = {k: sum(_cpu_s(p) for p in v) - before[k] for k, v in pids.items()}
+        reports = ray.get([r.report.remote() for r in routers])
+    finally:
+        for h in helpers:
+            ray.kill(h)
+        kill_index_actor(name)
+    pushes, pulls = len(records), sum(n for _, n, _ in reports)
+    actor_cpu = after_play - before["actor"]
+    # the actor's CPU while the players played, over the calls it answered meanwhile (the
+    # routers' pulls after the last push are few: they count in `pulls` but not in this CPU)
+    lags = [max(seen[(w, q)] for seen, _, _ in reports) - sent for w, q, _, sent, _ in records
+            if all((w, q) in seen for seen, _, _ in reports)]  # fmt: skip
+    want = expected_digests(stream)
+    consistent = caught_up and len(records) == len(stream.batches) and all(d == want for _, _, d in reports)
+    core = actor_cpu / played
+    per_call = actor_cpu / max(1, pushes + pulls)
+    return ActorFigures(
+        workers=f.workers, routers=s.routers,
+        offered_pushes_per_s=len(stream.batches) / stream.seconds, pushes_per_s=pushes / played,
+        page_events_per_s=stream.page_events / played,
+        late_ms=_quantiles([(sent - due) * 1e3 for _, _, due, sent, _ in records])[:2],
+        actor_core=core, pulls_per_s=pulls / played, actor_us_per_call=per_call * 1e6,
+        one_core_pushes_per_s=pushes / played / core if core > 0 else float("inf"),
+        push_rtt_ms=tuple(x * 1e3 for x in _quantiles([ans - sent for *_, sent, ans in records])),  # type: ignore[arg-type]
+        lag_ms=tuple(x * 1e3 for x in _quantiles(lags)),  # type: ignore[arg-type]
+        players_us_per_push=cpu["players"] / max(1, pushes) * 1e6,
+        routers_us_per_pull=cpu["routers"] / max(1, pulls) * 1e6,
+        consistent=consistent,
+    )  # fmt: skip
+
+
+def table(figures: list[ActorFigures]) -> str:
+    headers = ["workers", "routers", "pushes/s offered / made", "page ev/s", "push late p50 / p99 ms",
+               "actor cores", "pulls/s", "actor µs per call", "pushes/s one core sustains",
+               "push RTT p50 / p99 / max ms", "lag p50 / p99 / max ms", "players µs per push",
+               "routers µs per pull", "consistent"]  # fmt: skip
+    rows = [
+        [f.workers, f.routers, f"{f.offered_pushes_per_s:,.0f} / {f.pushes_per_s:,.0f}", f"{f.page_events_per_s:,.0f}",
+         " / ".join(f"{x:.1f}" for x in f.late_ms), f"{f.actor_core:.2f}", f"{f.pulls_per_s:,.0f}",
+         f"{f.actor_us_per_call:.0f}", f"{f.one_core_pushes_per_s:,.0f}",
+         " / ".join(f"{x:.1f}" for x in f.push_rtt_ms), " / ".join(f"{x:.1f}" for x in f.lag_ms),
+         f"{f.players_us_per_push:.0f}", f"{f.routers_us_per_pull:.0f}", "yes" if f.consistent else "NO"]
+        for f in figures
+    ]  # fmt: skip
+    return markdown_table(headers, rows)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    d, f = ActorSettings(), FleetStream()
+    a = parser.add_argument
+    a("--workers", nargs="+", type=int, default=[8, 32, 64], help="fleet sizes")
+    a("--rate", type=float, default=f.rate, help="prefill tokens/s per worker")
+    a("--step-ms", type=float, default=f.step_ms, help="one push per worker per step")
+    a("--cache-pages", type=int, default=f.cache_pages, help="each worker's cache (pages)")
+    a("--duration", type=float, default=d.duration_s, help="seconds of stream played per fleet size")
+    a("--fleets", type=int, default=d.fleets, help="Ray actors playing the workers")
+    a("--routers", type=int, default=d.routers, help="Ray actors following the index")
+    a("--num-cpus", type=int, default=2, help="the local Ray cluster's CPUs")
+    a("--seed", type=int, default=f.seed)
+    add_output_arguments(parser, "bench_results/index_actor")
+
+
+def run(args: argparse.Namespace) -> int:
+    from bench.local_serve import quiet_ray_logs
+    from cluster.ray_local import LocalRayConfig, local_ray
+
+    fleet = FleetStream(rate=args.rate, step_ms=args.step_ms, cache_pages=args.cache_pages, seed=args.seed)
+    base = ActorSettings(fleet, args.duration, args.fleets, args.routers)
+    load_before = load_average()
+    figures = []
+    with local_ray(LocalRayConfig(num_cpus=args.num_cpus)):
+        quiet_ray_logs()
+        for w in args.workers:
+            figures.append(measure(replace(base, fleet=replace(fleet, workers=w))))
+            print(table(figures[-1:]), flush=True)
+    text = f"{table(figures)}\n\n1-minute load average {load_before:.2f} before, {load_average():.2f} after."
+    out = prepare_output_dir(args.output_dir)
+    settings: dict[str, Any] = {"settings": base, "figures": figures}
+    write_json(out / "index_actor.json", settings)
+    write_text(out / "index_actor.md", text)
+    print(text)
+    return 0 if all(f.consistent for f in figures) else 1
