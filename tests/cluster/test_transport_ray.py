@@ -150,26 +150,27 @@ def test_overlapping_pulls_apply_their_unseen_tail() -> None:
     assert not sub._apply(head)  # nothing past the cursor
 
 
-def test_long_poll_delivers_quickly(actor_name: str) -> None:
-    """A router's background long poll sees a push well within a second."""
+def test_long_poll_delivers_a_push(actor_name: str) -> None:
+    """A router's background long poll (here one that would wait 600 s) is woken by a push and
+    applies it; no bound on how fast (tests never time), only that the push, not the poll's
+    timeout, ended the wait."""
 
-    async def run() -> float:
+    async def run() -> None:
         actor = get_or_create_index_actor(actor_name)
         cache = FakeCache("w0", "i0")
         publisher = await _started(actor, cache)
-        sub = IndexSubscriber(actor, ClusterIndex(), wait_s=5.0)
+        sub = IndexSubscriber(actor, ClusterIndex(), wait_s=600.0)
         sub.start()
-        assert await sub.wait_ready(10.0)
+        assert await sub.wait_ready(60.0)
         cache.store(7)
-        t0 = time.perf_counter()
         await publisher.publish(cache.drain())
+        deadline = time.monotonic() + 120  # far below the poll's 600 s
         while _pages(sub.index, "w0") != {7}:
-            assert time.perf_counter() - t0 < 1.0, "long poll did not deliver the push"
-            await asyncio.sleep(0.001)  # waits on the long poll applying the push
+            assert time.monotonic() < deadline, "the long poll did not deliver the push"
+            await asyncio.sleep(0.01)  # waits on the long poll applying the push
         await sub.stop()
-        return time.perf_counter() - t0
 
-    assert asyncio.run(run()) < 1.0
+    asyncio.run(run())
 
 
 def test_waiting_long_polls_hold_up_no_push(actor_name: str) -> None:
