@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import hashlib
 import os
 import statistics
@@ -46,7 +47,7 @@ from bench.harness import (
 )
 from bench.machine import load_average
 from cluster.index import ClusterIndex
-from cluster.messages import Delta, EventBatch
+from cluster.messages import CacheSnapshot, Delta, EventBatch, WorkerResync
 from core.events import PageState, replay
 
 ACTOR_NAME = "swaserve-cache-index:bench:index-actor"
@@ -67,6 +68,7 @@ class ActorFigures:
     routers: int
     offered_pushes_per_s: float
     pushes_per_s: float  # made, over the played time
+    socket_share: float  # of them, on the event socket (the rest: actor calls)
     page_events_per_s: float
     late_ms: tuple[float, float]  # p50, p99 of how late a push went out (its worker was behind)
     actor_core: float  # the index actor's CPU over the played time, in cores
@@ -101,36 +103,56 @@ def _quantiles(values: list[float]) -> tuple[float, float, float]:
     return (statistics.median(ordered), ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))], ordered[-1])
 
 
+def _same(snapshot: CacheSnapshot) -> CacheSnapshot:
+    return snapshot
+
+
 class Player:
-    """Plays some workers' batches into the index actor in real time (a Ray actor)."""
+    """Plays some workers' batches into the index actor in real time, each worker through an
+    `EventPublisher` as a worker replica pushes (a Ray actor)."""
 
     def __init__(self, actor_name: str, namespace: str) -> None:
         import ray
 
         self._actor = ray.get_actor(actor_name, namespace=namespace)
 
+    async def register(self, resyncs: list[WorkerResync]) -> None:
+        """One `EventPublisher` per worker, started (its snapshot sent) as a replica's is."""
+        from cluster.transport import EventPublisher
+
+        self._publishers: dict[str, EventPublisher] = {}
+        for r in resyncs:
+            assert r.snapshot is not None
+            p = EventPublisher(self._actor, r.meta, functools.partial(_same, r.snapshot))
+            self._publishers[r.meta.worker_id] = p
+            await p.start()
+
     async def play(
         self, batches: list[tuple[float, EventBatch]], start: float
-    ) -> list[tuple[str, int, float, float, float]]:
+    ) -> tuple[list[tuple[str, int, float, float, float]], int]:
         """(worker, seq, due, sent, answered) per push, `time.monotonic()` (one clock for every
-        process of the machine); each worker's pushes in order, the next one after the answer."""
-        by_worker: dict[str, list[tuple[float, EventBatch]]] = {}
+        process of the machine), and how many went on the event socket; each worker's pushes
+        in order, the next one after the answer."""
+        from cluster.transport import EventPublisher
+
+        publishers = self._publishers
+        by_worker: dict[str, list[tuple[float, EventBatch]]] = {w: [] for w in publishers}
         for t, batch in batches:
-            by_worker.setdefault(batch.worker_id, []).append((t, batch))
+            by_worker[batch.worker_id].append((t, batch))
         out: list[tuple[str, int, float, float, float]] = []
 
-        async def worker(steps: list[tuple[float, EventBatch]]) -> None:
+        async def worker(publisher: EventPublisher, steps: list[tuple[float, EventBatch]]) -> None:
             for t, batch in steps:
                 due = start + t
                 pause = due - time.monotonic()
                 if pause > 0:
                     await asyncio.sleep(pause)  # NOTE: pacing a benchmark's stream
                 sent = time.monotonic()
-                await self._actor.push.remote(batch, None)
+                await publisher.publish(batch)
                 out.append((batch.worker_id, batch.seq, due, sent, time.monotonic()))
 
-        await asyncio.gather(*(worker(steps) for steps in by_worker.values()))
-        return out
+        await asyncio.gather(*(worker(publishers[w], steps) for w, steps in by_worker.items()))
+        return out, sum(p.socket_pushes for p in publishers.values())
 
 
 class Router:
@@ -172,6 +194,9 @@ class Router:
                 return False
             await asyncio.sleep(0.05)  # waits on the resyncs reaching this router
         return True
+
+    def pulls_so_far(self) -> int:
+        return self.pulls[0]
 
     async def wait_for(self, last: dict[str, int], timeout_s: float) -> bool:
         """True once every worker's batch `last[worker]` is in the local index."""
@@ -219,20 +244,26 @@ def measure(s: ActorSettings) -> ActorFigures:
     actor = get_or_create_index_actor(name, limits=limits)  # the deployed log length
     helpers: list[Any] = []
     try:
-        ray.get([actor.resync.remote(r) for r in stream.resyncs])
         players: list[Any] = [ray.remote(num_cpus=0)(Player).remote(name, INDEX_NAMESPACE) for _ in range(s.fleets)]
         routers: list[Any] = [ray.remote(num_cpus=0)(Router).remote(name, INDEX_NAMESPACE) for _ in range(s.routers)]
         helpers = players + routers
-        if not all(ray.get([r.start.remote(f.workers, 60.0) for r in routers])):
-            raise RuntimeError("a router did not see every worker's resync within 60 s")
         share: list[list[tuple[float, EventBatch]]] = [[] for _ in players]
+        resyncs: list[list[WorkerResync]] = [[] for _ in players]
         order = {r.meta.worker_id: i for i, r in enumerate(stream.resyncs)}
+        for r in stream.resyncs:
+            resyncs[order[r.meta.worker_id] % len(players)].append(r)
         for t, batch, _ in stream.batches:
             share[order[batch.worker_id] % len(players)].append((t, batch))
         pids = {"actor": [_pid(actor)], "players": [_pid(p) for p in players], "routers": [_pid(r) for r in routers]}
+        ray.get([p.register.remote(r) for p, r in zip(players, resyncs)])
+        if not all(ray.get([r.start.remote(f.workers, 60.0) for r in routers])):
+            raise RuntimeError("a router did not see every worker's resync within 60 s")
+        pulls_before = sum(ray.get([r.pulls_so_far.remote() for r in routers]))
         before = {k: sum(_cpu_s(p) for p in v) for k, v in pids.items()}
         start = time.monotonic() + 0.5
-        records = [rec for part in ray.get([p.play.remote(b, start) for p, b in zip(players, share)]) for rec in part]
+        parts = ray.get([p.play.remote(b, start) for p, b in zip(players, share)])
+        records = [rec for part, _ in parts for rec in part]
+        on_socket = sum(n for _, n in parts)
         played = time.monotonic() - start
         after_play = _cpu_s(pids["actor"][0])
         last: dict[str, int] = {}
@@ -245,7 +276,7 @@ def measure(s: ActorSettings) -> ActorFigures:
         for h in helpers:
             ray.kill(h)
         kill_index_actor(name)
-    pushes, pulls = len(records), sum(n for _, n, _ in reports)
+    pushes, pulls = len(records), sum(n for _, n, _ in reports) - pulls_before
     actor_cpu = after_play - before["actor"]
     # the actor's CPU while the players played, over the calls it answered meanwhile (the
     # routers' pulls after the last push are few: they count in `pulls` but not in this CPU)
@@ -258,6 +289,7 @@ def measure(s: ActorSettings) -> ActorFigures:
     return ActorFigures(
         workers=f.workers, routers=s.routers,
         offered_pushes_per_s=len(stream.batches) / stream.seconds, pushes_per_s=pushes / played,
+        socket_share=on_socket / max(1, pushes),
         page_events_per_s=stream.page_events / played,
         late_ms=_quantiles([(sent - due) * 1e3 for _, _, due, sent, _ in records])[:2],
         actor_core=core, pulls_per_s=pulls / played, actor_us_per_call=per_call * 1e6,
@@ -271,12 +303,13 @@ def measure(s: ActorSettings) -> ActorFigures:
 
 
 def table(figures: list[ActorFigures]) -> str:
-    headers = ["workers", "routers", "pushes/s offered / made", "page ev/s", "push late p50 / p99 ms",
+    headers = ["workers", "routers", "pushes/s offered / made", "on the socket", "page ev/s", "push late p50 / p99 ms",
                "actor cores", "pulls/s", "actor µs per call", "pushes/s one core sustains",
                "push RTT p50 / p99 / max ms", "lag p50 / p99 / max ms", "players µs per push",
                "routers µs per pull", "consistent"]  # fmt: skip
     rows = [
-        [f.workers, f.routers, f"{f.offered_pushes_per_s:,.0f} / {f.pushes_per_s:,.0f}", f"{f.page_events_per_s:,.0f}",
+        [f.workers, f.routers, f"{f.offered_pushes_per_s:,.0f} / {f.pushes_per_s:,.0f}", f"{f.socket_share:.0%}",
+         f"{f.page_events_per_s:,.0f}",
          " / ".join(f"{x:.1f}" for x in f.late_ms), f"{f.actor_core:.2f}", f"{f.pulls_per_s:,.0f}",
          f"{f.actor_us_per_call:.0f}", f"{f.one_core_pushes_per_s:,.0f}",
          " / ".join(f"{x:.1f}" for x in f.push_rtt_ms), " / ".join(f"{x:.1f}" for x in f.lag_ms),

@@ -1,7 +1,8 @@
 """Cache events over Ray: worker replicas push to one named index actor, routers pull deltas.
 
 Why a named index actor rather than routers pulling from each replica:
-- Workers pay one actor call per drained batch, however many routers exist (one router per
+- Workers pay one push per drained batch (a frame on the actor's event socket,
+  `cluster/event_socket.py`, or an actor call where there is none), however many routers exist (one router per
   ingress replica, docs/design.md §14); pulling from replicas would cost N routers × M
   replicas calls and a per-router backlog inside every replica's event loop, next to the engine.
 - Gap detection and the "send a snapshot" answer live in one place; the replica keeps no
@@ -32,6 +33,7 @@ import asyncio
 import dataclasses
 import logging
 import threading
+import time
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -39,6 +41,12 @@ import ray
 from ray.actor import ActorHandle
 from ray.exceptions import ActorDiedError, RayError
 
+from cluster.event_socket import (
+    UNREACHABLE_S,
+    Endpoint,
+    EventSocketClient,
+    EventSocketServer,
+)
 from cluster.index import ClusterIndex, IndexLimits
 from cluster.index_hub import IndexHub, apply_delta
 from cluster.messages import (
@@ -81,6 +89,22 @@ class CacheIndexActor:
         self._hub = IndexHub(IndexLimits(max_pages_per_worker, max_workers), max_log)
         self._stats = ReplicaStatsBoard()
         self._changed = threading.Condition()  # its lock guards the hub and the board
+        self._socket: EventSocketServer | None = None
+        self._socket_failed = False
+
+    def event_endpoint(self) -> Endpoint | None:
+        """Where worker replicas push on a socket (`cluster.event_socket`), opened on the first
+        call; None when it cannot be opened (pushes stay actor calls)."""
+        with self._changed:
+            if self._socket is None and not self._socket_failed:
+                try:
+                    host = str(ray.util.get_node_ip_address())
+                    self._socket = EventSocketServer(host, lambda b, s: self.push(b, s).resync_needed)
+                    logger.info("cache index: event socket on %s:%d", *self._socket.endpoint[:2])
+                except OSError as e:
+                    self._socket_failed = True
+                    logger.warning("cache index: no event socket (%s); pushes stay actor calls", e)
+            return self._socket.endpoint if self._socket is not None else None
 
     def push(self, batch: EventBatch, stats: StatsDict | None = None) -> PushAck:
         """Apply a batch of cache events, and keep the replica's stats sample sent with it (a
@@ -221,6 +245,9 @@ class EventPublisher:
         self._lock = asyncio.Lock()
         self._needs_resync = True
         self.resyncs = 0  # snapshots sent (observability)
+        self._client: EventSocketClient | None = None  # pushes go here once connected
+        self._no_socket_until = 0.0  # monotonic: actor calls until then (could not connect)
+        self.socket_pushes = 0  # (observability)
 
     async def start(self) -> None:
         """Register this incarnation (metadata + current snapshot, seq 0 on a fresh engine)."""
@@ -247,13 +274,47 @@ class EventPublisher:
                     await self.report_stats(stats, register=False)
                 return  # the snapshot already holds this batch's state
             try:
-                ack: PushAck = await self._actor.push.remote(batch, stats)
+                resync_needed = await self._push(batch, stats)
             except RayError as exc:
                 logger.warning("cache index push failed (%s); resyncing on the next batch", exc)
                 self._needs_resync = True
                 return
-            if ack.resync_needed:
+            except (OSError, EOFError) as exc:  # the socket: whether the actor applied it is unknown
+                logger.warning("cache index event socket failed (%s); resyncing", exc)
+                self._drop_socket()
+                resync_needed = True
+            if resync_needed:
                 await self._resync()
+
+    async def _push(self, batch: EventBatch, stats: StatsDict | None) -> bool:
+        """One push on the event socket (`cluster.event_socket`), or as an actor call when there
+        is none; True when the actor asks for a resync."""
+        client = await self._socket_client()
+        if client is None:
+            ack: PushAck = await self._actor.push.remote(batch, stats)
+            return ack.resync_needed
+        resync_needed = await client.push(batch, stats)
+        self.socket_pushes += 1
+        return resync_needed
+
+    async def _socket_client(self) -> EventSocketClient | None:
+        if self._client is not None or time.monotonic() < self._no_socket_until:
+            return self._client
+        endpoint: Endpoint | None = await self._actor.event_endpoint.remote()
+        try:
+            if endpoint is None:
+                raise ConnectionRefusedError("the index actor opened no event socket")
+            self._client = await EventSocketClient.connect(endpoint)
+        except OSError as exc:
+            logger.warning("cache index event socket not reached (%s); pushing by actor calls for "
+                           "%.0f s", exc, UNREACHABLE_S)  # fmt: skip
+            self._no_socket_until = time.monotonic() + UNREACHABLE_S
+        return self._client
+
+    def _drop_socket(self) -> None:
+        if self._client is not None:
+            self._client.close()
+            self._client = None
 
     async def report_stats(self, stats: StatsDict, *, register: bool) -> None:
         """Send one stats sample for `/metrics` and `/health` (`register`: see
@@ -273,6 +334,7 @@ class EventPublisher:
 
     async def close(self) -> None:
         """Remove this incarnation from the index (graceful replica shutdown)."""
+        self._drop_socket()
         try:
             await self._actor.remove.remote(self._removal())
         except RayError as exc:
@@ -280,6 +342,7 @@ class EventPublisher:
 
     def close_nowait(self) -> None:
         """`close` without waiting for the answer (from synchronous shutdown code)."""
+        self._drop_socket()
         self._actor.remove.remote(self._removal())
 
     def _removal(self) -> WorkerRemoved:

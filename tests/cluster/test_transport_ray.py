@@ -121,6 +121,7 @@ def test_push_then_pull(actor_name: str) -> None:
         publisher = await _started(actor, cache)
         cache.store(1, 2)
         await publisher.publish(cache.drain())
+        assert publisher.socket_pushes == 1  # on the event socket, not an actor call
         sub = IndexSubscriber(actor, ClusterIndex())
         assert await sub.sync()
         assert _pages(sub.index, "w0") == {1, 2}
@@ -294,12 +295,15 @@ def test_an_idle_worker_resyncs_through_its_stats_report(actor_name: str) -> Non
         publisher = await _started(actor, cache)
         cache.store(1, 2)
         await publisher.publish(cache.drain())
+        old_epoch = (await actor.describe.remote())["epoch"]
         ray.kill(actor, no_restart=False)  # Ray restarts it empty
         deadline = time.monotonic() + 120
         while True:
             await publisher.report_stats({"timestamp_s": time.time()}, register=True)
             try:
-                if (await actor.describe.remote())["workers"].get("w0"):
+                # NOTE: the kill takes a moment: the old actor may answer (and hold w0) first.
+                now = await actor.describe.remote()
+                if now["epoch"] != old_epoch and now["workers"].get("w0"):
                     break
             except ray.exceptions.RayActorError:
                 pass
@@ -345,13 +349,16 @@ def test_late_router_and_actor_restart(actor_name: str) -> None:
         late = IndexSubscriber(actor, ClusterIndex())
         await late.sync()
         assert _pages(late.index, "w0") == {1}
+        old_epoch = (await actor.describe.remote())["epoch"]
         ray.kill(actor, no_restart=False)  # Ray restarts it empty, with a new epoch
         cache.store(2)
         deadline = time.monotonic() + 120
         while True:  # calls fail while it restarts; the publisher retries per batch
             await publisher.publish(cache.drain())
             try:
-                if (await actor.describe.remote())["workers"].get("w0"):
+                # NOTE: the kill takes a moment: the old actor may answer (and hold w0) first.
+                now = await actor.describe.remote()
+                if now["epoch"] != old_epoch and now["workers"].get("w0"):
                     break
             except ray.exceptions.RayActorError:
                 pass
@@ -366,6 +373,13 @@ def test_late_router_and_actor_restart(actor_name: str) -> None:
                 break
             assert time.monotonic() < deadline, f"resync never reached: {_pages(sub.index, 'w0')}"
             await asyncio.sleep(0.1)  # waits on the actor holding the publisher's resync
+        # The old actor's socket died with it: the next push connects to the new one's.
+        before = publisher.socket_pushes
+        cache.store(3)
+        await publisher.publish(cache.drain())
+        assert publisher.socket_pushes == before + 1
+        await _sync_through_restart(sub)
+        assert _pages(sub.index, "w0") == {1, 2, 3}
 
     asyncio.run(run())
 
