@@ -12,12 +12,14 @@ core, without Ray. This plays the same synthetic fleet (`bench.event_streams`) t
   `IndexSubscriber` (a long poll, woken by every push that changes the index), noting when each
   batch reached its local index.
 
-Reported per fleet size: pushes offered and made per second, the index actor's share of a core
-and its CPU per actor call (pushes and pulls; Ray's deserialisation, the call, the apply and the
-answer all counted), so the push rate one core sustains at this mix; the push round trip and
-the lag from a push's send to every router holding it (p50 / p99 / max); pulls per second per
-router; the CPU per push of the processes playing the workers (a worker replica's cost per push
-on top of its engine). Consistent: every router's index equals a replay of the streams.
+Reported per fleet size: pushes offered and made per second (and the share on the actor's
+event socket, `cluster/event_socket.py`), the index actor's share of a core and its CPU per push
+or delta delivered to a router (pulls, which are actor calls, or deltas streamed on the socket),
+so the push rate one core sustains at this mix; the push round trip and the lag from a push's
+send to every router holding it (p50 / p99 / max); the deltas delivered per second; the CPU per
+push of the processes playing the workers (a worker replica's cost per push on top of its
+engine) and the routers' per delta. Consistent: every router's index equals a replay of the
+streams.
 
 The workers' steps are `--step-ms` apart: a worker replica pushes once per finished request
 (group-committed) and every 250 ms in the background, so a 20 ms step stands for a replica
@@ -196,7 +198,9 @@ class Router:
         return True
 
     def pulls_so_far(self) -> int:
-        return self.pulls[0]
+        """Deltas delivered: long polls and catch-ups (actor calls) plus those streamed on the
+        actor's event socket."""
+        return self.pulls[0] + self._sub.socket_deltas
 
     async def wait_for(self, last: dict[str, int], timeout_s: float) -> bool:
         """True once every worker's batch `last[worker]` is in the local index."""
@@ -213,7 +217,7 @@ class Router:
         for wid in [e.meta.worker_id for e in self.index.workers()]:
             snap = self.index.snapshot(wid)
             digests[wid] = _digest(dict(snap.pages)) if snap is not None else ""
-        return self.seen, self.pulls[0], digests
+        return self.seen, self.pulls_so_far(), digests
 
 
 def expected_digests(stream: Stream) -> dict[str, str]:
@@ -304,9 +308,9 @@ def measure(s: ActorSettings) -> ActorFigures:
 
 def table(figures: list[ActorFigures]) -> str:
     headers = ["workers", "routers", "pushes/s offered / made", "on the socket", "page ev/s", "push late p50 / p99 ms",
-               "actor cores", "pulls/s", "actor µs per call", "pushes/s one core sustains",
+               "actor cores", "deltas/s to routers", "actor µs per push or delta", "pushes/s one core sustains",
                "push RTT p50 / p99 / max ms", "lag p50 / p99 / max ms", "players µs per push",
-               "routers µs per pull", "consistent"]  # fmt: skip
+               "routers µs per delta", "consistent"]  # fmt: skip
     rows = [
         [f.workers, f.routers, f"{f.offered_pushes_per_s:,.0f} / {f.pushes_per_s:,.0f}", f"{f.socket_share:.0%}",
          f"{f.page_events_per_s:,.0f}",

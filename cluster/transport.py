@@ -45,6 +45,7 @@ from cluster.event_socket import (
     UNREACHABLE_S,
     Endpoint,
     EventSocketClient,
+    EventSocketFollower,
     EventSocketServer,
 )
 from cluster.index import ClusterIndex, IndexLimits
@@ -99,7 +100,7 @@ class CacheIndexActor:
             if self._socket is None and not self._socket_failed:
                 try:
                     host = str(ray.util.get_node_ip_address())
-                    self._socket = EventSocketServer(host, lambda b, s: self.push(b, s).resync_needed)
+                    self._socket = EventSocketServer(host, lambda b, s: self.push(b, s).resync_needed, self._pull)
                     logger.info("cache index: event socket on %s:%d", *self._socket.endpoint[:2])
                 except OSError as e:
                     self._socket_failed = True
@@ -145,6 +146,9 @@ class CacheIndexActor:
     @ray.method(concurrency_group="pulls")
     def pull(self, epoch: str | None, cursor: int, wait_s: float = 0.0) -> Delta | None:
         """Updates after `cursor`, waiting up to `wait_s` for one when there are none yet."""
+        return self._pull(epoch, cursor, wait_s)
+
+    def _pull(self, epoch: str | None, cursor: int, wait_s: float) -> Delta | None:
         with self._changed:  # no update between the look and the wait: no lost wakeup
             delta = self._hub.pull(epoch, cursor)
             if delta is None and wait_s > 0:
@@ -375,6 +379,8 @@ class IndexSubscriber:
         self._ready = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self.reachable = True  # the last pull answered (False: failed or timed out since)
+        self._no_socket_until = 0.0  # monotonic: long polls until then (could not connect)
+        self.socket_deltas = 0  # deltas that came on the event socket (observability)
 
     @property
     def ready(self) -> bool:
@@ -426,6 +432,9 @@ class IndexSubscriber:
             try:
                 await self.sync(self._wait_s)
                 backoff = 0.05
+                # Then the actor's log as it grows, on its event socket, until that fails (the
+                # actor restarted, or died: the next long poll tells which) or is not there.
+                await self._follow()
             except ActorDiedError:
                 logger.info("cache index actor is gone (application shut down): stop following")
                 return
@@ -433,6 +442,33 @@ class IndexSubscriber:
                 logger.warning("cache index pull failed (%s); retrying in %.2fs", exc, backoff)
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 2.0)
+
+    async def _follow(self) -> None:
+        """Apply every delta the actor's event socket streams (`cluster.event_socket`), until
+        the connection ends; at once when there is no socket to follow."""
+        if time.monotonic() < self._no_socket_until:
+            return
+        endpoint: Endpoint | None = await self._actor.event_endpoint.remote()
+        try:
+            if endpoint is None:
+                raise ConnectionRefusedError("the index actor opened no event socket")
+            follower = await EventSocketFollower.connect(endpoint, self._epoch, self._cursor)
+        except (OSError, EOFError, PermissionError) as exc:
+            logger.warning("cache index event socket not followed (%s); long polls for %.0f s",
+                           exc, UNREACHABLE_S)  # fmt: skip
+            self._no_socket_until = time.monotonic() + UNREACHABLE_S
+            return
+        try:
+            while True:
+                delta = await follower.next()
+                if delta is not None:
+                    self.socket_deltas += 1
+                    self._apply(delta)
+                self.reachable = True
+        except Exception as exc:  # noqa: BLE001 - the long poll takes over, and tells a dead actor
+            logger.info("cache index event socket ended (%s); back to a long poll", exc)
+        finally:
+            follower.close()
 
     def _apply(self, delta: Delta) -> bool:
         # A delta applies from our cursor on: a reset, or a log slice that reaches past our

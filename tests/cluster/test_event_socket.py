@@ -48,10 +48,10 @@ def test_pushes_arrive_in_order_and_each_answer_carries_the_resync_flag() -> Non
 def test_a_connection_without_the_token_is_closed_unread() -> None:
     applied = Applied()
     server = EventSocketServer("127.0.0.1", applied)
-    host, port, token = server.endpoint
+    host, port, token, proof = server.endpoint
 
     async def run() -> None:
-        client = await EventSocketClient.connect((host, port, "0" * len(token)))
+        client = await EventSocketClient.connect((host, port, "0" * len(token), proof))
         with pytest.raises((ConnectionError, asyncio.IncompleteReadError)):
             await client.push({"seq": 1}, None, timeout_s=60)
 
@@ -183,3 +183,59 @@ def test_without_a_socket_the_pushes_are_actor_calls() -> None:
     actor = StandInActor(socket=False)
     publisher, pages = _publish(actor, [1, 2, 3])
     assert pages == {1, 2, 3} and actor.call_pushes == 3 and publisher.socket_pushes == 0
+
+
+# ---- a router following the log -------------------------------------------------------------
+
+
+def test_a_follower_gets_the_reset_then_each_push_as_it_is_applied() -> None:
+    from cluster.event_socket import EventSocketFollower
+    from cluster.index_hub import IndexHub
+    from cluster.messages import CacheSnapshot, EventBatch, WorkerMeta, WorkerResync
+    from core.events import CacheEvent, EventKind
+    from core.geometry import Geometry
+
+    hub, changed = IndexHub(), threading.Condition()
+    meta = WorkerMeta("w0", "i0", Geometry(4, 8), full_tokens=4096, swa_tokens=1024, hybrid=True)
+    hub.resync(WorkerResync(meta, CacheSnapshot("w0", "i0", 0, {})))
+
+    def push(batch: Any, stats: Any) -> bool:
+        with changed:
+            ack = hub.push(batch)
+            changed.notify_all()
+        return ack.resync_needed
+
+    def pull_wait(epoch: Any, cursor: int, wait_s: float) -> Any:
+        with changed:
+            delta = hub.pull(epoch, cursor)
+            if delta is None:
+                changed.wait(wait_s)
+                delta = hub.pull(epoch, cursor)
+        return delta
+
+    server = EventSocketServer("127.0.0.1", push, pull_wait)
+
+    async def run() -> list[Any]:
+        follower = await EventSocketFollower.connect(server.endpoint, None, 0)
+        pusher = await EventSocketClient.connect(server.endpoint)
+        got = [await follower.next()]  # the reset: every worker's resync
+        for seq in (1, 2):
+            await pusher.push(EventBatch("w0", "i0", seq, (CacheEvent(EventKind.STORED, (seq,)),)), None)
+            delta = None
+            while delta is None:  # heartbeats until the push
+                delta = await follower.next()
+            got.append(delta)
+        host, port, token, _ = server.endpoint
+        with pytest.raises(PermissionError):  # an answer without the actor's proof
+            await EventSocketFollower.connect((host, port, token, "f" * 32), None, 0)
+        follower.close()
+        pusher.close()
+        return got
+
+    try:
+        reset, first, second = asyncio.run(run())
+    finally:
+        server.close()
+    assert reset.reset and [type(u).__name__ for u in reset.updates] == ["WorkerResync"]
+    assert not first.reset and [u.seq for u in first.updates] == [1]
+    assert (second.since, [u.seq for u in second.updates]) == (first.cursor, [2])

@@ -169,6 +169,7 @@ def test_long_poll_delivers_a_push(actor_name: str) -> None:
         while _pages(sub.index, "w0") != {7}:
             assert time.monotonic() < deadline, "the long poll did not deliver the push"
             await asyncio.sleep(0.01)  # waits on the long poll applying the push
+        assert sub.socket_deltas >= 1  # it came on the event socket the loop follows
         await sub.stop()
 
     asyncio.run(run())
