@@ -15,6 +15,7 @@ pages as its events leave them, so every event is one a tree makes (the index ap
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import random
 from collections import OrderedDict
@@ -52,6 +53,25 @@ class FleetStream:
     def stored_per_s(self) -> float:
         """Pages the fleet stores per second."""
         return self.workers * self.rate / self.page_size
+
+
+def add_fleet_arguments(parser: argparse.ArgumentParser) -> None:
+    """The fleet's options, shared by the benchmarks that play a stream (`fleet_from_args`)."""
+    f, a = FleetStream(), parser.add_argument
+    a("--workers", nargs="+", type=int, default=[8, 32, 64], help="fleet sizes")
+    a("--rate", type=float, default=f.rate, help="prefill tokens/s per worker")
+    a("--page-size", type=int, default=f.page_size)
+    a("--window", type=int, default=f.window)
+    a("--step-ms", type=float, default=f.step_ms, help="one batch (push) per worker per step")
+    a("--cache-pages", type=int, default=f.cache_pages, help="each worker's cache (pages)")
+    a("--tombstones", type=float, default=f.tombstones, help="SWA_REMOVED pages per stored page")
+    a("--seed", type=int, default=f.seed)
+
+
+def fleet_from_args(args: argparse.Namespace) -> FleetStream:
+    """`add_fleet_arguments`' options (the fleet size aside: one per `--workers` entry)."""
+    return FleetStream(rate=args.rate, page_size=args.page_size, window=args.window, step_ms=args.step_ms,
+                       cache_pages=args.cache_pages, tombstones=args.tombstones, seed=args.seed)  # fmt: skip
 
 
 @dataclass(frozen=True)

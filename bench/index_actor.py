@@ -39,7 +39,13 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any
 
-from bench.event_streams import FleetStream, Stream, make_stream
+from bench.event_streams import (
+    FleetStream,
+    Stream,
+    add_fleet_arguments,
+    fleet_from_args,
+    make_stream,
+)
 from bench.harness import (
     add_output_arguments,
     markdown_table,
@@ -324,17 +330,13 @@ def table(figures: list[ActorFigures]) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    d, f = ActorSettings(), FleetStream()
+    d = ActorSettings()
+    add_fleet_arguments(parser)
     a = parser.add_argument
-    a("--workers", nargs="+", type=int, default=[8, 32, 64], help="fleet sizes")
-    a("--rate", type=float, default=f.rate, help="prefill tokens/s per worker")
-    a("--step-ms", type=float, default=f.step_ms, help="one push per worker per step")
-    a("--cache-pages", type=int, default=f.cache_pages, help="each worker's cache (pages)")
     a("--duration", type=float, default=d.duration_s, help="seconds of stream played per fleet size")
     a("--fleets", type=int, default=d.fleets, help="Ray actors playing the workers")
     a("--routers", type=int, default=d.routers, help="Ray actors following the index")
     a("--num-cpus", type=int, default=2, help="the local Ray cluster's CPUs")
-    a("--seed", type=int, default=f.seed)
     add_output_arguments(parser, "bench_results/index_actor")
 
 
@@ -342,7 +344,7 @@ def run(args: argparse.Namespace) -> int:
     from bench.local_serve import quiet_ray_logs
     from cluster.ray_local import LocalRayConfig, local_ray
 
-    fleet = FleetStream(rate=args.rate, step_ms=args.step_ms, cache_pages=args.cache_pages, seed=args.seed)
+    fleet = fleet_from_args(args)
     base = ActorSettings(fleet, args.duration, args.fleets, args.routers)
     load_before = load_average()
     figures = []

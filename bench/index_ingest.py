@@ -28,7 +28,13 @@ import statistics
 import time
 from dataclasses import dataclass, replace
 
-from bench.event_streams import FleetStream, Stream, make_stream
+from bench.event_streams import (
+    FleetStream,
+    Stream,
+    add_fleet_arguments,
+    fleet_from_args,
+    make_stream,
+)
 from bench.harness import (
     add_output_arguments,
     markdown_table,
@@ -226,27 +232,19 @@ def table(figures: list[IngestFigures]) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    d, f = IngestSettings(), FleetStream()
+    d = IngestSettings()
+    add_fleet_arguments(parser)
     a = parser.add_argument
-    a("--workers", nargs="+", type=int, default=[8, 32, 64], help="fleet sizes")
-    a("--rate", type=float, default=f.rate, help="prefill tokens/s per worker")
-    a("--page-size", type=int, default=f.page_size)
-    a("--window", type=int, default=f.window)
-    a("--step-ms", type=float, default=f.step_ms, help="one batch per worker per step")
-    a("--cache-pages", type=int, default=f.cache_pages, help="each worker's cache (pages)")
-    a("--tombstones", type=float, default=f.tombstones, help="SWA_REMOVED pages per stored page")
     a("--stream-s", type=float, default=d.stream_s, help="stream seconds of the unpaced runs")
     a("--duration", type=float, default=d.duration_s, help="seconds of the paced run")
     a("--pull-ms", type=float, default=d.pull_ms)
     a("--decisions", type=float, default=d.decisions, help="decisions/s in the paced run")
     a("--policy", default=d.policy)
-    a("--seed", type=int, default=f.seed)
     add_output_arguments(parser, "bench_results/index_ingest")
 
 
 def run(args: argparse.Namespace) -> int:
-    fleet = FleetStream(rate=args.rate, page_size=args.page_size, window=args.window, step_ms=args.step_ms,
-                        cache_pages=args.cache_pages, tombstones=args.tombstones, seed=args.seed)  # fmt: skip
+    fleet = fleet_from_args(args)
     base = IngestSettings(fleet, args.stream_s, args.duration, args.pull_ms, args.decisions, args.policy)
     load_before = load_average()
     figures = []
