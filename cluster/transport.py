@@ -1,4 +1,4 @@
-"""Cache events over Ray: worker replicas push to one named index actor, routers pull deltas.
+"""Cache events over Ray: worker replicas push to one named index actor, routers follow its log.
 
 Why a named index actor rather than routers pulling from each replica:
 - Workers pay one push per drained batch (a frame on the actor's event socket,
@@ -11,8 +11,11 @@ Why a named index actor rather than routers pulling from each replica:
   without touching any replica.
 - Serve replicas only answer their deployment's methods; a side channel to a specific replica
   would need the replica actor's handle, which routers do not get.
-The cost is one hop (worker → actor → router, about 1–2 ms on loopback) and one actor process
-per worker deployment. Routers long-poll (`pull(wait_s)`), so a push reaches them at once.
+The cost is one hop (worker → actor → router, about 1 ms on loopback) and one actor process
+per worker deployment. Pushes and the log's deltas to the routers travel on the actor's event
+socket (`cluster/event_socket.py`; a Ray call costs each side ~0.4–0.7 ms of CPU), with actor
+calls where it cannot be reached (pushes; routers long-poll `pull(wait_s)`), so a push reaches
+every router at once.
 
 Lifecycle: the actor is detached, named `index_actor_name(app, deployment)` in namespace
 `swaserve`, created by whichever comes first, a worker replica or a router's first decision
@@ -83,7 +86,8 @@ class CacheIndexActor:
     on top of ~430 µs for the call itself (a trivial method, 2-core machine); every worker push
     and router pull is a call (`swaserve bench index-actor`). Updates and reads run in the
     default concurrency group, one at a time; pulls in the group `pulls`, whose threads may
-    block in a long poll (`wait_s`), so a waiting router never holds up a push. One lock guards
+    block in a long poll (`wait_s`), so a waiting router never holds up a push. The event
+    socket's threads (`event_endpoint`) push and stream the log the same way. One lock guards
     the hub and the board: a pull reads the log while the next push appends to it."""
 
     def __init__(self, max_pages_per_worker: int, max_workers: int, max_log: int) -> None:
@@ -94,8 +98,9 @@ class CacheIndexActor:
         self._socket_failed = False
 
     def event_endpoint(self) -> Endpoint | None:
-        """Where worker replicas push on a socket (`cluster.event_socket`), opened on the first
-        call; None when it cannot be opened (pushes stay actor calls)."""
+        """Where worker replicas push and routers follow the log on a socket
+        (`cluster.event_socket`), opened on the first call; None when it cannot be opened (both
+        stay actor calls)."""
         with self._changed:
             if self._socket is None and not self._socket_failed:
                 try:
