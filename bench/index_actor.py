@@ -80,13 +80,13 @@ class ActorFigures:
     page_events_per_s: float
     late_ms: tuple[float, float]  # p50, p99 of how late a push went out (its worker was behind)
     actor_core: float  # the index actor's CPU over the played time, in cores
-    pulls_per_s: float  # every router's together
-    actor_us_per_call: float  # actor CPU / (pushes + pulls)
+    deltas_per_s: float  # delivered to the routers, all together (pulls and streamed)
+    actor_us_per_message: float  # actor CPU / (pushes + deltas)
     one_core_pushes_per_s: float  # pushes/s at which the actor's core would be full, at this mix
     push_rtt_ms: tuple[float, float, float]  # p50, p99, max of send → answered
     lag_ms: tuple[float, float, float]  # p50, p99, max of send → in every router's index
     players_us_per_push: float  # the players' CPU per push (a worker replica's side)
-    routers_us_per_pull: float  # the routers' CPU per pull, apply included
+    routers_us_per_delta: float  # the routers' CPU per delta, apply included
     consistent: bool
 
 
@@ -203,7 +203,7 @@ class Router:
             await asyncio.sleep(0.05)  # waits on the resyncs reaching this router
         return True
 
-    def pulls_so_far(self) -> int:
+    def delivered(self) -> int:
         """Deltas delivered: long polls and catch-ups (actor calls) plus those streamed on the
         actor's event socket."""
         return self.pulls[0] + self._sub.socket_deltas
@@ -223,7 +223,7 @@ class Router:
         for wid in [e.meta.worker_id for e in self.index.workers()]:
             snap = self.index.snapshot(wid)
             digests[wid] = _digest(dict(snap.pages)) if snap is not None else ""
-        return self.seen, self.pulls_so_far(), digests
+        return self.seen, self.delivered(), digests
 
 
 def expected_digests(stream: Stream) -> dict[str, str]:
@@ -268,7 +268,7 @@ def measure(s: ActorSettings) -> ActorFigures:
         ray.get([p.register.remote(r) for p, r in zip(players, resyncs)])
         if not all(ray.get([r.start.remote(f.workers, 60.0) for r in routers])):
             raise RuntimeError("a router did not see every worker's resync within 60 s")
-        pulls_before = sum(ray.get([r.pulls_so_far.remote() for r in routers]))
+        delivered_before = sum(ray.get([r.delivered.remote() for r in routers]))
         before = {k: sum(_cpu_s(p) for p in v) for k, v in pids.items()}
         start = time.monotonic() + 0.5
         parts = ray.get([p.play.remote(b, start) for p, b in zip(players, share)])
@@ -286,28 +286,28 @@ def measure(s: ActorSettings) -> ActorFigures:
         for h in helpers:
             ray.kill(h)
         kill_index_actor(name)
-    pushes, pulls = len(records), sum(n for _, n, _ in reports) - pulls_before
+    pushes, deltas = len(records), sum(n for _, n, _ in reports) - delivered_before
     actor_cpu = after_play - before["actor"]
-    # the actor's CPU while the players played, over the calls it answered meanwhile (the
-    # routers' pulls after the last push are few: they count in `pulls` but not in this CPU)
+    # the actor's CPU while the players played, over the messages it handled meanwhile (the
+    # deltas after the last push are few: they count in `deltas` but not in this CPU)
     lags = [max(seen[(w, q)] for seen, _, _ in reports) - sent for w, q, _, sent, _ in records
             if all((w, q) in seen for seen, _, _ in reports)]  # fmt: skip
     want = expected_digests(stream)
     consistent = caught_up and len(records) == len(stream.batches) and all(d == want for _, _, d in reports)
     core = actor_cpu / played
-    per_call = actor_cpu / max(1, pushes + pulls)
+    per_message = actor_cpu / max(1, pushes + deltas)
     return ActorFigures(
         workers=f.workers, routers=s.routers,
         offered_pushes_per_s=len(stream.batches) / stream.seconds, pushes_per_s=pushes / played,
         socket_share=on_socket / max(1, pushes),
         page_events_per_s=stream.page_events / played,
         late_ms=_quantiles([(sent - due) * 1e3 for _, _, due, sent, _ in records])[:2],
-        actor_core=core, pulls_per_s=pulls / played, actor_us_per_call=per_call * 1e6,
+        actor_core=core, deltas_per_s=deltas / played, actor_us_per_message=per_message * 1e6,
         one_core_pushes_per_s=pushes / played / core if core > 0 else float("inf"),
         push_rtt_ms=tuple(x * 1e3 for x in _quantiles([ans - sent for *_, sent, ans in records])),  # type: ignore[arg-type]
         lag_ms=tuple(x * 1e3 for x in _quantiles(lags)),  # type: ignore[arg-type]
         players_us_per_push=cpu["players"] / max(1, pushes) * 1e6,
-        routers_us_per_pull=cpu["routers"] / max(1, pulls) * 1e6,
+        routers_us_per_delta=cpu["routers"] / max(1, deltas) * 1e6,
         consistent=consistent,
     )  # fmt: skip
 
@@ -320,10 +320,10 @@ def table(figures: list[ActorFigures]) -> str:
     rows = [
         [f.workers, f.routers, f"{f.offered_pushes_per_s:,.0f} / {f.pushes_per_s:,.0f}", f"{f.socket_share:.0%}",
          f"{f.page_events_per_s:,.0f}",
-         " / ".join(f"{x:.1f}" for x in f.late_ms), f"{f.actor_core:.2f}", f"{f.pulls_per_s:,.0f}",
-         f"{f.actor_us_per_call:.0f}", f"{f.one_core_pushes_per_s:,.0f}",
+         " / ".join(f"{x:.1f}" for x in f.late_ms), f"{f.actor_core:.2f}", f"{f.deltas_per_s:,.0f}",
+         f"{f.actor_us_per_message:.0f}", f"{f.one_core_pushes_per_s:,.0f}",
          " / ".join(f"{x:.1f}" for x in f.push_rtt_ms), " / ".join(f"{x:.1f}" for x in f.lag_ms),
-         f"{f.players_us_per_push:.0f}", f"{f.routers_us_per_pull:.0f}", "yes" if f.consistent else "NO"]
+         f"{f.players_us_per_push:.0f}", f"{f.routers_us_per_delta:.0f}", "yes" if f.consistent else "NO"]
         for f in figures
     ]  # fmt: skip
     return markdown_table(headers, rows)

@@ -43,5 +43,5 @@ def test_the_command_plays_every_push_and_every_router_holds_the_replay(tmp_path
     (figures,) = json.loads((tmp_path / "index_actor.json").read_text())["figures"]
     assert figures["consistent"] and figures["workers"] == 3 and figures["routers"] == 2
     assert figures["offered_pushes_per_s"] == pytest.approx(3 * 1000 / 50)
-    assert figures["pushes_per_s"] > 0 and figures["pulls_per_s"] > 0 and figures["actor_us_per_call"] > 0
+    assert figures["pushes_per_s"] > 0 and figures["deltas_per_s"] > 0 and figures["actor_us_per_message"] > 0
     assert "| 3 | 2 |" in (tmp_path / "index_actor.md").read_text()
