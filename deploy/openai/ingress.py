@@ -43,7 +43,7 @@ from deploy.openai.openapi import body_spec, install_openapi
 from deploy.openai.schema import APIError, ChatCompletionRequest, CompletionRequest, overloaded
 from deploy.openai.service import OpenAIService, Reply, ServiceOptions
 from deploy.openai.utility_routes import add_utility_routes
-from deploy.openai.write_timeout import WriteTimeout
+from deploy.openai.write_timeout import BODY_SEND, WriteTimeout
 from deploy.replica.heap import settle_heap
 
 log = logging.getLogger("swaserve.ingress")
@@ -93,11 +93,27 @@ class _ClosingStream(StreamingResponse):
 
     NOTE: the close is a task of its own, not awaited here: this `finally` may run inside a
     cancelled anyio scope (the client gone), where every await is cancelled again, and the
-    generator's `finally` would stop at its first await."""
+    generator's `finally` would stop at its first await.
+
+    Under the replica's own HTTP server the middle chunks go straight to the server's bounded
+    `send` (`write_timeout.BODY_SEND`), one write per streamed token past six ASGI layers that
+    act only on a response's first and last messages (which still take the whole way)."""
+
+    _body_send: Any = None
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        self._body_send = scope.get(BODY_SEND)
+        await super().__call__(scope, receive, send)
 
     async def stream_response(self, send: Any) -> None:
+        body_send = self._body_send or send
         try:
-            await super().stream_response(send)
+            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            async for chunk in self.body_iterator:
+                if not isinstance(chunk, bytes | memoryview):
+                    chunk = chunk.encode(self.charset)
+                await body_send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
             closing = asyncio.ensure_future(self.body_iterator.aclose())  # type: ignore[attr-defined]
             _CLOSING.add(closing)  # the loop holds tasks weakly
@@ -323,7 +339,7 @@ class IngressDeployment:
 
         # `swaserve serve` binds this replica to its port: there the server's own writes wait
         # on the client, so the write timeout goes around the server's app (WriteTimeout).
-        direct_ingress_server(lambda app: WriteTimeout(app, options.write_timeout_s))
+        direct_ingress_server(lambda app: WriteTimeout(app, options.write_timeout_s, publish=True))
         options = dataclasses.replace(with_key_file(options), request_id_header=False)
         self._options = options
         model_dir = resolve_model_dir(options.model)

@@ -16,6 +16,11 @@ A write is a hot path (one per streamed chunk), so no timer is armed per write: 
 when it started, and one watchdog task per loop, running only while writes are in progress,
 looks every `timeout_s / 4` (at most 1 s) and cancels the writes older than `timeout_s`, which
 then raise `SlowReader`. A write is cut between `timeout_s` and `timeout_s` plus that period.
+
+The server's wrapper also leaves its bounded `send` in the request's scope (`BODY_SEND`): the
+SSE response (`deploy.openai.ingress._ClosingStream`) writes its middle chunks with it, past the
+six ASGI layers between (Starlette's, ours, Serve's), each of which looks only at a response's
+start or its last message; those two still go through every layer.
 """
 
 from __future__ import annotations
@@ -30,6 +35,8 @@ from typing import Any
 log = logging.getLogger("swaserve.ingress")
 
 MAX_CHECK_PERIOD_S = 1.0
+# The scope key under which the server-level `WriteTimeout` leaves its bounded `send`.
+BODY_SEND = "swaserve.body_send"
 
 
 class SlowReader(Exception):
@@ -46,8 +53,10 @@ class _Watch:
 
 
 class WriteTimeout:
-    def __init__(self, app: Any, timeout_s: float) -> None:
-        self._app, self._timeout_s = app, timeout_s
+    def __init__(self, app: Any, timeout_s: float, publish: bool = False) -> None:
+        """`publish`: this wraps the HTTP server's app; leave the bounded `send` in each HTTP
+        request's scope (`BODY_SEND`)."""
+        self._app, self._timeout_s, self._publish = app, timeout_s, publish
         self._period_s = min(timeout_s / 4, MAX_CHECK_PERIOD_S)
         # per loop: one instance may serve several (tests start a loop per client)
         self._watches: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Watch] = (
@@ -88,6 +97,8 @@ class WriteTimeout:
             finally:
                 watch.writing.pop(task, None)
 
+        if self._publish:
+            scope[BODY_SEND] = bounded_send
         try:
             await self._app(scope, receive, bounded_send)
         except SlowReader as e:

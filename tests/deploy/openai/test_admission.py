@@ -212,3 +212,84 @@ def test_a_client_that_stops_reading_is_cut_off_and_its_kv_freed(
     assert statuses == [200] and held > 0 and after == 0
     assert h.engines[0].stats().aborts == 1 and h.service.inflight == 0
     assert any("read nothing" in r.getMessage() for r in caplog.records)
+
+
+class _Spy:
+    """An ASGI layer that records the messages its `send` sees."""
+
+    def __init__(self, app: Any) -> None:
+        self.app, self.seen = app, []
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        async def spied(message: dict[str, Any]) -> None:
+            self.seen.append(message["type"])
+            await send(message)
+
+        await self.app(scope, receive, spied)
+
+
+def test_the_servers_write_timeout_takes_the_middle_chunks_past_the_apps_layers(tokenizer: Any) -> None:
+    """Under the replica's own HTTP server (`WriteTimeout(..., publish=True)` around the app, as
+    `direct_ingress_server` puts it): an SSE response's middle chunks reach the server's send
+    past every layer in between, which see only the response's start and its last message;
+    the server writes the same events as without the shortcut."""
+    from deploy.openai.write_timeout import WriteTimeout
+
+    h = make_harness(tokenizer)
+    body = _completion(max_tokens=6, stream=True, ignore_eos=True)
+
+    def serve(publish: bool) -> tuple[list[str], list[str], bytes]:
+        spy = _Spy(h.app)
+        app = WriteTimeout(spy, 30.0, publish=publish)
+        scope, receive = _asgi_post(body)
+        kinds: list[str] = []
+        out = bytearray()
+
+        async def send(message: dict[str, Any]) -> None:
+            kinds.append(message["type"])
+            out.extend(message.get("body", b""))
+
+        asyncio.run(app(scope, receive, send))
+        return kinds, spy.seen, bytes(out)
+
+    kinds, seen, raw = serve(publish=True)
+    plain_kinds, plain_seen, plain_raw = serve(publish=False)
+    texts, plain_texts = ([[c["text"] for c in e["choices"]] for e in sse_events(r.decode()) if isinstance(e, dict)]
+                          for r in (raw, plain_raw))  # fmt: skip
+    assert kinds == plain_kinds and texts == plain_texts and len(texts) == 6
+    assert plain_seen == plain_kinds  # every message through every layer
+    assert seen == ["http.response.start", "http.response.body"]  # the first and the last only
+    assert raw.endswith(b"data: [DONE]\n\n")
+
+
+def test_the_servers_write_timeout_cuts_a_slow_reader_on_the_shortcut(
+    tokenizer: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The middle chunks' shortcut keeps the bound: a client that reads nothing is cut off by
+    the server-level `WriteTimeout` (the app's own is 30 s here), the request aborted on its
+    worker and its share returned."""
+    from deploy.openai.write_timeout import WriteTimeout
+
+    h = make_harness(tokenizer, engine=OneTokenThenStall)
+    app = WriteTimeout(h.app, 0.05, publish=True)
+    scope, receive = _asgi_post(_completion(max_tokens=40, stream=True))
+    statuses: list[int] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.start":
+            statuses.append(message["status"])
+            return
+        await asyncio.Event().wait()  # the client's window is full: the write never completes
+
+    async def go() -> int:
+        await asyncio.wait_for(app(scope, receive, send), 30)  # the write timeout ends it
+        deadline = asyncio.get_running_loop().time() + 30
+        while h.engines[0].stats().full.used and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0)  # waits on the stream's close (a task of its own)
+        return h.engines[0].stats().full.used
+
+    with caplog.at_level(logging.WARNING, logger="swaserve.ingress"):
+        after = asyncio.run(go())
+    assert statuses == [200] and after == 0
+    assert h.engines[0].stats().aborts == 1 and h.service.inflight == 0
+    assert any("read nothing" in r.getMessage() for r in caplog.records)
