@@ -10,7 +10,10 @@ GIL switch interval, so the loop keeps answering (measured: `/health` within ten
 
 The threads are bounded (`threads`); what waits for one is bounded by admission and by Serve's
 `max_ongoing_requests` of the ingress. A stream's per-token work stays on the loop when it is
-small (`SMALL_DELTA`): a thread hop per token would cost more than the decode it moves.
+small (`SMALL_DELTA`): a thread hop per token would cost more than the decode it moves. So is
+a small request's preparation (`SMALL_BODY`): a body of a few KB parses, checks and tokenizes in
+tens to hundreds of microseconds, about what the hop to a thread and back costs the process
+(the wake-ups and GIL hand-overs of `run_in_executor`).
 """
 
 from __future__ import annotations
@@ -26,6 +29,9 @@ T = TypeVar("T")
 # A stream delta with at most this many tokens (and no prompt logprobs, not an echo) is rendered
 # on the loop: a few short decodes, microseconds.
 SMALL_DELTA = 8
+# A generation request whose body has at most this many bytes is prepared (parsed, checked, its
+# template rendered and tokenized) on the loop: ~1,000 tokens of text at most, under a millisecond.
+SMALL_BODY = 4096
 
 
 class CpuPool:

@@ -2,7 +2,8 @@
 
 All of it is per-request CPU in the size of what the client sent (parsing the JSON, the checks,
 the chat template, tokenizing, reading a schema), so the service runs it on its pool
-(`deploy/openai/offload.py`), never on the event loop. The checks come first: a request over a
+(`deploy/openai/offload.py`), off the event loop, unless the body is a few KB at most
+(`offload.SMALL_BODY`: cheaper in place than the hop to a thread). The checks come first: a request over a
 limit is refused before its prompt is tokenized or templated (`RequestChecks`).
 """
 

@@ -1,7 +1,7 @@
 """The OpenAI endpoints' logic, independent of FastAPI and Ray.
 
 A request goes: strict parse, checks, tokenize (chat format for chat), all on a pool thread
-(`deploy/openai/offload.py`) -> `SamplingParams` -> admission by its work (sequences and tokens,
+(`deploy/openai/offload.py`; on the loop for a body of a few KB) -> `SamplingParams` -> admission by its work (sequences and tokens,
 `deploy/openai/admission.py`: 429 / 400) -> one worker stream per prompt carrying all of its
 choices (`n`, or `best_of`; they share one prefill on one replica) -> the first item of each
 stream (`StreamStart`: replica id, or a refusal -> 400/503) -> a JSON body or SSE events, each
@@ -33,7 +33,7 @@ from deploy.openai.errors import generation_failed, public
 from deploy.openai.fanout import Fanout, PromptStream, before_deadline
 from deploy.openai.headers import REPLICA_HEADER, prediction_headers, served_headers
 from deploy.openai.limits import RequestLimits
-from deploy.openai.offload import SMALL_DELTA, CpuPool
+from deploy.openai.offload import SMALL_BODY, SMALL_DELTA, CpuPool
 from deploy.openai.prepare import Prepared, Preparer
 from deploy.openai.prompts import PromptBuilder
 from deploy.openai.responses import ResponseBuilder, Shape
@@ -179,7 +179,10 @@ class OpenAIService:
         arrived = asyncio.get_running_loop().time()
         self.admission.check_room()  # before any work on the body
         max_model_len = await self.max_model_len()
-        ready = await self.pool.run(prepare, raw, max_model_len)
+        if len(raw) <= SMALL_BODY:
+            ready = prepare(raw, max_model_len)  # cheaper than the hop to a thread
+        else:
+            ready = await self.pool.run(prepare, raw, max_model_len)
         deadline = None if self._opts.request_timeout_s is None else arrived + self._opts.request_timeout_s
         return await self._run(ready.req, ready.prompts, ready.grammar, rid, deadline)
 

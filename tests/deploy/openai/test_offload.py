@@ -10,10 +10,12 @@ from typing import Any
 
 import pytest
 
+from deploy.openai.offload import SMALL_BODY
 from tests.deploy.openai.openai_harness import MODEL, make_harness
 from tests.fakes.tokenizer import make_tokenizer_dir
 
-LONG = "The quick brown fox jumps over the lazy dog. " * 40
+# Over `SMALL_BODY` (a body at most that size is prepared on the loop: cheaper than the hop).
+LONG = "The quick brown fox jumps over the lazy dog. " * (SMALL_BODY // 45 + 1)
 
 
 @pytest.fixture(scope="module")
