@@ -105,6 +105,10 @@ class WriteTimeout:
             # The connection closes without the rest of the response (the server sees the app
             # return before the response's last message).
             log.warning("%s %s: %s; closing the connection", scope.get("method"), scope.get("path"), e)
+        finally:
+            # scope -> bounded_send -> the server's send -> its request cycle -> scope: a
+            # reference cycle, left to the collector unless broken here.
+            scope.pop(BODY_SEND, None)
 
     async def _watch(self, watch: _Watch) -> None:
         """Cancel each write older than the timeout; ends once no write is in progress."""

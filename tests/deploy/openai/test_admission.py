@@ -293,3 +293,36 @@ def test_the_servers_write_timeout_cuts_a_slow_reader_on_the_shortcut(
     assert statuses == [200] and after == 0
     assert h.engines[0].stats().aborts == 1 and h.service.inflight == 0
     assert any("read nothing" in r.getMessage() for r in caplog.records)
+
+
+def test_the_published_send_leaves_no_reference_cycle() -> None:
+    """The server's request cycle holds the scope and its `send` is a bound method of that
+    cycle (uvicorn's `RequestResponseCycle`), so the bounded `send` left in the scope closes a
+    reference cycle: it is taken out when the response ends, and the request's objects go with
+    their last reference instead of at the collector's next pass."""
+    import gc
+    import weakref
+
+    from deploy.openai.write_timeout import BODY_SEND, WriteTimeout
+
+    class Cycle:  # the server's side of one request
+        def __init__(self, scope: dict[str, Any]) -> None:
+            self.scope = scope
+
+        async def send(self, message: dict[str, Any]) -> None:
+            pass
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        await scope[BODY_SEND]({"type": "http.response.body", "body": b"x", "more_body": True})
+
+    gc.collect()
+    gc.disable()
+    try:
+        scope: dict[str, Any] = {"type": "http", "method": "POST", "path": "/v1/completions"}
+        cycle = Cycle(scope)
+        gone = weakref.ref(cycle)
+        asyncio.run(WriteTimeout(app, 30.0, publish=True)(scope, None, cycle.send))
+        del cycle, scope
+        assert gone() is None, "the request's cycle waits for the collector"
+    finally:
+        gc.enable()
