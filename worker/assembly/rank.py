@@ -30,6 +30,7 @@ from worker.attention import create_backend
 from worker.attention.flashinfer_backend import FA2_MAX_QUERY_ROWS
 from worker.config import EngineConfig
 from worker.errors import ConfigError
+from worker.heap import freeze_heap
 from worker.kv.hybrid_allocator import HybridAllocator
 from worker.kv.memory_plan import PoolPlan, plan_logprob_rows
 from worker.kv.pool import HybridKVPool
@@ -208,6 +209,7 @@ def run_rank(config: EngineConfig, rank: int, address: TPAddress, threads: int |
     group = TPGroup(rank, size, rank_device(config.device, rank, size), connect_store(address))
     try:
         built = build_rank(config, model_dir, spec, group)
+        freeze_heap()  # a full collection would stall every rank's collectives
         serve_rank(built.runner, group, spec.vocab_size)
     finally:
         group.close()

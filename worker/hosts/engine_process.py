@@ -65,6 +65,7 @@ from core.sampling_params import SamplingParams
 from worker.config import EngineConfig
 from worker.engine.engine import Engine
 from worker.errors import EngineGoneError
+from worker.heap import freeze_heap
 from worker.hosts.streams import DeltaQueue, StreamingHost
 
 _CODE_ROOT = Path(__file__).resolve().parents[2]  # the directory holding `core` and `worker`
@@ -525,17 +526,6 @@ def set_niceness(niceness: int) -> int:
     return os.getpriority(os.PRIO_PROCESS, 0)
 
 
-def settle_heap() -> None:
-    """Freeze what start-up built (torch's and transformers' modules, the model, the pools'
-    bookkeeping): it lives as long as the process, and an oldest-generation collection, which
-    runs on whichever thread allocates (the step thread too), then scans only what requests
-    built since instead of the whole heap (vLLM's engine core freezes its start-up heap too).
-    The thresholds stay CPython's: small, frequent young collections suit a step loop better
-    than rare large ones."""
-    gc.collect()
-    gc.freeze()
-
-
 def _serve(address: str) -> int:
     conn = Client(address, family="AF_UNIX", authkey=bytes.fromhex(os.environ.pop(AUTHKEY_ENV)))
     start = conn.recv()
@@ -547,7 +537,7 @@ def _serve(address: str) -> int:
     except BaseException:  # noqa: BLE001 - the replica raises it
         conn.send(traceback.format_exc())
         return 1
-    settle_heap()
+    freeze_heap()
     conn.send(child.ready())
     control = threading.Thread(target=child.control, name="swaserve-engine-control", daemon=True)
     control.start()
