@@ -60,6 +60,17 @@ class ChannelEnd:
 
 
 @dataclass(frozen=True)
+class Moved:
+    """A request-stream item of an attempt that began inline (its ingress had no channel on the
+    replica yet) once that ingress has one: every later delta goes on channel `channel` under
+    the attempt's nonce, and the stream ends, or fails after a `ChannelEnd`, as a channel
+    attempt's does. Serve's stream of a long inline request could fall seconds behind under
+    load while the channel's kept up."""
+
+    channel: str
+
+
+@dataclass(frozen=True)
 class DeltaBatch:
     """One channel item: everything put on the channel since the last item, as (nonce, item)
     in the order it was put; an attempt's `StreamStart` comes before its deltas."""

@@ -11,6 +11,9 @@ nothing while it runs well (docs/design.md §4.2).
 The order between the two sources, per attempt:
 - channel deltas that arrive before the `StreamStart` wait for it (a `StreamStart` on the
   call races the channel);
+- an attempt that began inline (no channel on that replica yet) moves to the channel once the
+  worker has one from this ingress (`Moved`, after its last inline delta): channel deltas that
+  beat the `Moved` wait for it;
 - a request stream that ended well with no item at all put everything on a channel not heard
   from yet: the attempt waits for that channel's `StreamStart`, and fails as lost when a
   channel of this ingress fails first (it has sent no token: the caller sends it again; a
@@ -41,10 +44,10 @@ from dataclasses import dataclass, field
 
 from cluster.messages import RoutedRequest, StreamStart, WorkerUnavailableError
 from core.outputs import StreamDelta
-from deploy.replica.channel import ChannelEnd, DeltaBatch, OnSocket, StreamKey, Subscribe
+from deploy.replica.channel import ChannelEnd, DeltaBatch, Moved, OnSocket, StreamKey, Subscribe
 from deploy.replica.delta_socket import DeltaListener, Receiver
 
-RequestItem = StreamStart | StreamDelta | ChannelEnd
+RequestItem = StreamStart | StreamDelta | ChannelEnd | Moved
 Call = Callable[[StreamKey], AsyncIterator[RequestItem]]
 Subscriber = Callable[[Subscribe], AsyncIterator[DeltaBatch | OnSocket]]
 
@@ -99,7 +102,7 @@ class Channels:
         bound: _Channel | None = None
         try:
             start: StreamStart | None = None
-            early: list[StreamDelta] = []  # channel deltas that beat the StreamStart
+            early: list[StreamDelta] = []  # channel deltas that beat the StreamStart (or Moved)
             unfinished = set(request.choice_ids)
             counted: int | None = None  # the ChannelEnd's count
             got = 0  # channel deltas received
@@ -109,7 +112,7 @@ class Channels:
                 if kind == _DELTA:
                     assert isinstance(item, StreamDelta)
                     got += 1
-                    if start is None:
+                    if start is None or bound is None:  # no StreamStart, or inline: no Moved yet
                         early.append(item)
                         continue
                     yield item
@@ -128,6 +131,13 @@ class Channels:
                         early.clear()
                         if item.channel is not None:
                             bound = self._bind(att, item.channel, start)
+                    elif isinstance(item, Moved):  # after its last inline delta
+                        bound = self._bind(att, item.channel, start)
+                        for delta in early:
+                            yield delta
+                            if delta.finished:
+                                unfinished.discard(delta.request_id)
+                        early.clear()
                     elif isinstance(item, ChannelEnd):
                         counted = item.deltas
                         if bound is None and item.channel:  # its StreamStart not come yet

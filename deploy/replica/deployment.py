@@ -40,7 +40,7 @@ from cluster.messages import (
 from core.outputs import StreamDelta
 from core.sampling_params import SamplingParams
 from deploy.metrics import flatten_stats
-from deploy.replica.channel import ChannelEnd, DeltaBatch, OnSocket, StreamKey, Subscribe
+from deploy.replica.channel import ChannelEnd, DeltaBatch, Moved, OnSocket, StreamKey, Subscribe
 from deploy.replica.delta_socket import DeltaSender
 from deploy.replica.heap import settle_heap
 from deploy.replica.outbox import IDLE_S, Outbox
@@ -210,14 +210,15 @@ class WorkerDeployment:
 
     async def generate(
         self, request: RoutedRequest, key: StreamKey | None = None
-    ) -> AsyncGenerator[StreamStart | StreamDelta | ChannelEnd, None]:
+    ) -> AsyncGenerator[StreamStart | StreamDelta | ChannelEnd | Moved, None]:
         """Stream one prompt: a `StreamStart`, then coalesced `StreamDelta`s until every choice
         finished (each delta's `request_id` names its choice, `RoutedRequest.choice_ids`).
 
         With a `key` whose ingress has a channel open here, the `StreamStart` (naming the
         channel) and the deltas go to that channel instead, each under `key.nonce`, and this
         stream sends nothing unless it raises, when `ChannelEnd` (how many deltas went there,
-        and where) goes first: Ray reports each item on its own, at ~1 ms of CPU a side.
+        and where) goes first: Ray reports each item on its own, at ~1 ms of CPU a side. A
+        request that started inline moves to its ingress's channel once there is one (`Moved`).
 
         The request's add is its validation (`EngineClient.generate`): the `StreamStart` goes
         out with the first deltas, or as the refusal when the engine refused the add. Cancelling
@@ -244,6 +245,11 @@ class WorkerDeployment:
             if key is not None:
                 self._left(key.ingress_id)
 
+    def _channel_of(self, key: StreamKey) -> Outbox | None:
+        """The open channel of the key's ingress on this replica, if any."""
+        outbox = self._outboxes.get(key.ingress_id)
+        return None if outbox is None or outbox.closed else outbox
+
     def _left(self, ingress: str) -> None:
         left = self._by_ingress.pop(ingress) - 1
         if left:
@@ -257,7 +263,7 @@ class WorkerDeployment:
         token_ids: list[int],
         choices: list[tuple[str, SamplingParams]],
         key: StreamKey | None,
-    ) -> AsyncGenerator[StreamStart | StreamDelta | ChannelEnd, None]:
+    ) -> AsyncGenerator[StreamStart | StreamDelta | ChannelEnd | Moved, None]:
         ids = [cid for cid, _ in choices]
         streams = _SingleChoice(self, token_ids, *choices[0]) if len(choices) == 1 else _Choices(
             self, token_ids, choices
@@ -284,8 +290,23 @@ class WorkerDeployment:
             outbox = self._outboxes.get(key.ingress_id) if key is not None else None
             if outbox is None or outbox.closed:  # none, or ending (idle): inline
                 yield StreamStart(self.replica_id)
-                async for delta in self._deltas(streams, batch, open_ids):
+                deltas = self._deltas(streams, batch, open_ids)
+                async for delta in deltas:
                     yield delta
+                    if open_ids and key is not None and (outbox := self._channel_of(key)) is not None:
+                        break  # its ingress has a channel here now: the rest goes there
+                else:
+                    return
+                assert outbox is not None and key is not None
+                yield Moved(outbox.subscription)
+                moved = 0
+                try:
+                    async for delta in deltas:
+                        outbox.put(key.nonce, delta)
+                        moved += 1
+                except Exception:
+                    yield ChannelEnd(moved, outbox.subscription)  # raised there after the deltas before it
+                    raise
                 return
             assert key is not None
             nonce = key.nonce

@@ -14,7 +14,7 @@ from ray.exceptions import ActorDiedError
 from cluster.messages import EngineDiedError, RoutedRequest, StreamStart, WorkerUnavailableError
 from core.outputs import StreamDelta
 from core.sampling_params import SamplingParams
-from deploy.replica.channel import ChannelEnd, DeltaBatch, StreamKey, Subscribe
+from deploy.replica.channel import ChannelEnd, DeltaBatch, Moved, StreamKey, Subscribe
 from deploy.replica.channels import Channels
 from deploy.replica.client import ServeWorkerClient, replica_gone
 from deploy.replica.deployment import WorkerDeployment, WorkerOptions
@@ -473,6 +473,64 @@ def test_a_request_whose_channel_closed_under_it_fails_after_its_count() -> None
         await asyncio.gather(second, return_exceptions=True)
         await new.aclose()
         await old.aclose()
+        w.shutdown()
+
+    asyncio.run(run())
+
+
+def test_an_inline_attempt_moves_to_the_channel_in_order() -> None:
+    """An attempt that began inline (the worker had no channel from this ingress yet) moves
+    once it has one: its inline deltas first, then the channel's (one that beat the `Moved`
+    waits for it), and it ends once the final delta came on the channel."""
+
+    async def run() -> None:
+        s = Script()
+        sub = await open_channel(s, "a")
+        gen, first, key, wire = await calling(s, "r")
+        wire.push(StreamStart("a"), _delta("r", 1))
+        assert await first == StreamStart("a")
+        assert await anext(gen) == _delta("r", 1)
+        channel = s.channel("a")[1]
+        channel.push(DeltaBatch([(key.nonce, _delta("r", 2))]))
+        nxt = asyncio.ensure_future(anext(gen))
+        await settle()
+        assert not nxt.done()  # on the channel, ahead of the Moved: it waits
+        wire.push(Moved(sub))
+        assert await nxt == _delta("r", 2)
+        channel.push(DeltaBatch([(key.nonce, _delta("r", 3, True))]))
+        wire.push(_END)
+        assert [x async for x in gen] == [_delta("r", 3, True)]
+        assert not s.channels._keys
+
+    asyncio.run(run())
+
+
+def test_an_inline_request_moves_to_its_ingress_channel_once_there_is_one() -> None:
+    """A request that started inline (no channel from its ingress yet) yields its deltas on its
+    call until the ingress subscribes; then `Moved` names the channel, the call yields nothing
+    more, and the rest of its tokens go on the channel under its nonce, the final one last."""
+
+    async def run() -> None:
+        w = _worker()
+        req = RoutedRequest([1, 2, 3], "r", params=SamplingParams(max_tokens=400, ignore_eos=True))
+        gen = w.generate(req, StreamKey("ing", "n1"))
+        assert await anext(gen) == StreamStart("w")
+        inline = [await anext(gen)]
+        batches = w.deltas(Subscribe("w", "ing", "sub1"))
+        first = asyncio.ensure_future(anext(batches))
+        await until(lambda: "ing" in w._outboxes)
+        rest = [x async for x in gen]
+        cut = rest.index(Moved("sub1"))
+        assert rest[cut + 1 :] == []  # nothing more on the call
+        inline += rest[:cut]
+        assert all(isinstance(d, StreamDelta) and not d.finished for d in inline)
+        got: list[tuple[str, Any]] = list((await first).items)
+        while not any(getattr(d, "finished", False) for _, d in got):
+            got += (await anext(batches)).items
+        assert {n for n, _ in got} == {"n1"} and all(isinstance(d, StreamDelta) for _, d in got)
+        assert got[-1][1].finished and sum(d.finished for _, d in got) == 1
+        assert sum(len(d.token_ids) for d in inline) + sum(len(d.token_ids) for _, d in got) == 400
+        await batches.aclose()
         w.shutdown()
 
     asyncio.run(run())
