@@ -39,7 +39,7 @@ import contextlib
 import itertools
 import logging
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 
 from cluster.messages import RoutedRequest, StreamStart, WorkerUnavailableError
@@ -124,20 +124,14 @@ class Channels:
                         if item.channel is None and item.refusal is None:
                             self._ensure_channel(item.replica_id)
                         yield item
-                        for delta in early:
+                        for delta in _held(early, unfinished):
                             yield delta
-                            if delta.finished:
-                                unfinished.discard(delta.request_id)
-                        early.clear()
                         if item.channel is not None:
                             bound = self._bind(att, item.channel, start)
                     elif isinstance(item, Moved):  # after its last inline delta
                         bound = self._bind(att, item.channel, start)
-                        for delta in early:
+                        for delta in _held(early, unfinished):
                             yield delta
-                            if delta.finished:
-                                unfinished.discard(delta.request_id)
-                        early.clear()
                     elif isinstance(item, ChannelEnd):
                         counted = item.deltas
                         if bound is None and item.channel:  # its StreamStart not come yet
@@ -263,6 +257,16 @@ def _complete(on_channel: bool, counted: int | None, got: int, unfinished: set[s
     if counted is not None:
         return got >= counted
     return not (on_channel and unfinished)
+
+
+def _held(early: list[StreamDelta], unfinished: set[str]) -> Iterator[StreamDelta]:
+    """The channel deltas held for the item that lets them through (`StreamStart`, `Moved`),
+    in order, emptied as they go; each final one ends its choice."""
+    for delta in early:
+        if delta.finished:
+            unfinished.discard(delta.request_id)
+        yield delta
+    early.clear()
 
 
 async def _next(queue: asyncio.Queue[_Event]) -> _Event:

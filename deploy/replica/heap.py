@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import gc
 
+from worker.heap import freeze_heap
+
 GEN0_THRESHOLD = 20_000  # allocations less deallocations between first-generation collections
 OLDER_THRESHOLDS = (20, 20)  # collections of the younger generation per older one
 
@@ -22,6 +24,5 @@ OLDER_THRESHOLDS = (20, 20)  # collections of the younger generation per older o
 def settle_heap() -> None:
     """Collect once, freeze what survives and raise the thresholds (call at the end of a
     replica's `__init__`; the process is the replica's alone)."""
-    gc.collect()
-    gc.freeze()
+    freeze_heap()
     gc.set_threshold(GEN0_THRESHOLD, *OLDER_THRESHOLDS)
