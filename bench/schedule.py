@@ -8,7 +8,7 @@ generating exactly `--output-len` tokens), under four configurations built in on
 run back to back, the order rotating between rounds so that load drifts hit all of them:
 
     old budget      chunked_prefill_size 512 on top of the decodes (the former default)
-    budget          max_num_batched_tokens at its default (1024, docs/design.md §11.7), decodes included
+    budget          max_num_batched_tokens at its default (2048, docs/design.md §11.7), decodes included
     old + overlap   / budget + overlap: the same with `overlap_schedule: on`
 
 Per configuration and batch it keeps the best round (the quietest moment) and prints output

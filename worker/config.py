@@ -111,7 +111,7 @@ class EngineConfig:
     enable_radix_cache: bool = knob(True, "Prefix (radix) cache; off: chunk cache only.")
     # 1024 on CPU measured best (docs/design.md §11.7).
     max_num_batched_tokens: int = knob(
-        1024,
+        2048,
         "Tokens one engine step feeds, decodes included (vLLM's knob): every decode first, "
         "prefill chunks fill the rest (>= max_running_requests; GPUs want 8192).",
         ge=1,
