@@ -42,6 +42,7 @@ from deploy.openai.errors import REQUEST_ID_HEADER, internal_error, public, requ
 from deploy.openai.openapi import body_spec, install_openapi
 from deploy.openai.schema import APIError, ChatCompletionRequest, CompletionRequest, overloaded
 from deploy.openai.service import OpenAIService, Reply, ServiceOptions
+from deploy.openai.streaming import SSE_DONE
 from deploy.openai.utility_routes import add_utility_routes
 from deploy.openai.write_timeout import BODY_SEND, WriteTimeout
 from deploy.replica.heap import settle_heap
@@ -97,7 +98,14 @@ class _ClosingStream(StreamingResponse):
 
     Under the replica's own HTTP server the middle chunks go straight to the server's bounded
     `send` (`write_timeout.BODY_SEND`), one write per streamed token past six ASGI layers that
-    act only on a response's first and last messages (which still take the whole way)."""
+    act only on a response's first and last messages (which still take the whole way).
+
+    The stream's `[DONE]` event is its last: it goes out as the response's last message, so the
+    client has the whole response before the generator's cleanup (its `finally`: the worker
+    streams closed, the admission share back) runs in the closing task. A closed-loop client
+    sends its next request as each response ends: when a step finishes many streams, every one
+    of them ends before any cleanup, and their next requests reach the engine closer together
+    (BENCHMARKS "vllm-compare", runs AE and AF: the waves)."""
 
     _body_send: Any = None
 
@@ -110,6 +118,9 @@ class _ClosingStream(StreamingResponse):
         try:
             await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
             async for chunk in self.body_iterator:
+                if chunk == SSE_DONE:
+                    await send({"type": "http.response.body", "body": _DONE_BYTES, "more_body": False})
+                    return
                 if not isinstance(chunk, bytes | memoryview):
                     chunk = chunk.encode(self.charset)
                 await body_send({"type": "http.response.body", "body": chunk, "more_body": True})
@@ -121,6 +132,7 @@ class _ClosingStream(StreamingResponse):
 
 
 _CLOSING: set[asyncio.Future[None]] = set()
+_DONE_BYTES = SSE_DONE.encode()
 
 
 # An oversized body is read to its end (up to this much, for this long) before the 413 goes

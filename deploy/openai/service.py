@@ -44,7 +44,7 @@ from deploy.openai.schema import (
     bad_request,
     overloaded,
 )
-from deploy.openai.streaming import RequestTimer, from_model, sse, translate_worker_error
+from deploy.openai.streaming import SSE_DONE, RequestTimer, from_model, sse, translate_worker_error
 from deploy.replica.client import (
     DeathRecord,
     ReplicaSnapshot,
@@ -385,7 +385,7 @@ class OpenAIService:
             if include_usage:
                 yield from_model(builder.usage_chunk(usage_of(run.choices)))
             self._count_tokens(run)
-            yield "data: [DONE]\n\n"
+            yield SSE_DONE
         except Exception as e:  # noqa: BLE001 - the status line is gone; report in-band
             err = e if isinstance(e, APIError) else translate_worker_error(e, self._opts.retry_after_s)
             if not isinstance(e, APIError):

@@ -14,6 +14,7 @@ from deploy.openai.schema import APIError, overloaded
 from deploy.replica.client import engine_died
 
 ENGINE_DIED = "the engine serving this request stopped while running it; retry later"
+SSE_DONE = "data: [DONE]\n\n"  # a completion or chat stream's last event
 
 
 class RequestTimer:

@@ -302,3 +302,37 @@ def test_the_published_send_leaves_no_reference_cycle() -> None:
         assert gone() is None, "the request's cycle waits for the collector"
     finally:
         gc.enable()
+
+
+def test_done_event_ends_the_response_before_the_cleanup() -> None:
+    """An SSE stream's `[DONE]` goes out as the response's last message (no empty one after it),
+    and the event generator's cleanup runs after that, in the closing task: a client whose
+    stream ended gets the end before the server's bookkeeping for it."""
+    from deploy.openai import ingress
+    from deploy.openai.streaming import SSE_DONE
+
+    log: list[object] = []
+
+    async def events() -> Any:
+        try:
+            yield "data: 1\n\n"
+            yield SSE_DONE
+            log.append("after [DONE]")  # never: the response ended at the [DONE]
+        finally:
+            log.append("cleanup")
+
+    async def send(message: dict[str, Any]) -> None:
+        log.append((message["type"], message.get("body"), message.get("more_body")))
+
+    async def run() -> None:
+        response = ingress._ClosingStream(events(), media_type="text/event-stream")
+        await response({"type": "http", "asgi": {"spec_version": "2.4"}}, None, send)
+        await asyncio.gather(*ingress._CLOSING)
+
+    asyncio.run(run())
+    assert log == [
+        ("http.response.start", None, None),
+        ("http.response.body", b"data: 1\n\n", True),
+        ("http.response.body", SSE_DONE.encode(), False),
+        "cleanup",
+    ]
