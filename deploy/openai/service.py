@@ -385,6 +385,9 @@ class OpenAIService:
             if include_usage:
                 yield from_model(builder.usage_chunk(usage_of(run.choices)))
             self._count_tokens(run)
+            # Done: its share is back before the response ends (the rest of the cleanup, below,
+            # runs after the client has the whole response: `ingress._ClosingStream`).
+            ticket.release()
             yield SSE_DONE
         except Exception as e:  # noqa: BLE001 - the status line is gone; report in-band
             err = e if isinstance(e, APIError) else translate_worker_error(e, self._opts.retry_after_s)

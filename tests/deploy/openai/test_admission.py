@@ -336,3 +336,26 @@ def test_done_event_ends_the_response_before_the_cleanup() -> None:
         ("http.response.body", SSE_DONE.encode(), False),
         "cleanup",
     ]
+
+
+def test_a_streams_share_is_back_when_its_response_ends(tokenizer: Any) -> None:
+    """A finished stream's admission share is back before its response's last message goes
+    out (the rest of its cleanup runs after it): a client that sends its next request when a
+    response ends finds the room the last one left."""
+    h = make_harness(tokenizer, admission=AdmissionLimits(sequences=1, tokens=10_000))
+    scope, receive = _asgi_post(_completion(max_tokens=3, stream=True, ignore_eos=True))
+    at_end: list[int] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.body" and not message.get("more_body", False):
+            at_end.append(h.service.admission.sequences)
+
+    async def run() -> None:
+        await h.app(scope, receive, send)
+        from deploy.openai import ingress
+
+        await asyncio.gather(*ingress._CLOSING)
+
+    asyncio.run(run())
+    assert at_end == [0]
+    assert (h.service.admission.sequences, h.service.inflight) == (0, 0)
