@@ -287,8 +287,8 @@ class WorkerDeployment:
             except Exception:
                 yield StreamStart(self.replica_id)
                 raise
-            outbox = self._outboxes.get(key.ingress_id) if key is not None else None
-            if outbox is None or outbox.closed:  # none, or ending (idle): inline
+            outbox = self._channel_of(key) if key is not None else None
+            if outbox is None:  # none, or ending (idle): inline
                 yield StreamStart(self.replica_id)
                 deltas = self._deltas(streams, batch, open_ids)
                 async for delta in deltas:
