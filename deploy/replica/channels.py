@@ -29,7 +29,12 @@ The order between the two sources, per attempt:
 - the channel failing (its replica died, or the call ended under the attempt) raises at once, as
   the replica lost (the channel's own error when it is Ray's, else `WorkerUnavailableError`);
 - deltas under a nonce no longer registered (a retried attempt's, a closed request's) are
-  dropped: a retry's new nonce never receives them.
+  dropped: a retry's new nonce never receives them;
+- an attempt closed by its caller once every choice's final delta came (the caller stops at the
+  last one) leaves its request stream to end by itself, as the worker ends it right after
+  those deltas, instead of cancelling it: a cancel costs both replicas a round of their own
+  (and Serve a log line when the call's admission answer is still on the way, which the channel
+  often beats). It is cancelled after `CALL_END_S`, or when the channels close.
 """
 
 from __future__ import annotations
@@ -52,6 +57,7 @@ Call = Callable[[StreamKey], AsyncIterator[RequestItem]]
 Subscriber = Callable[[Subscribe], AsyncIterator[DeltaBatch | OnSocket]]
 
 SOCKET_END_S = 10.0  # after a channel's call ended well, how long its socket may take to close
+CALL_END_S = 10.0  # after every final delta came, how long a request stream may take to end
 
 log = logging.getLogger("swaserve.ingress")
 
@@ -86,6 +92,7 @@ class Channels:
         self._live: dict[str, _Channel] = {}  # subscription -> channel, while its call runs
         self._by_replica: dict[str, _Channel] = {}
         self._unheard: set[_Attempt] = set()  # ended well, their channel's StreamStart not yet come
+        self._ending: set[asyncio.Task[None]] = set()  # request streams of complete attempts
 
     @property
     def open_replicas(self) -> set[str]:
@@ -100,10 +107,10 @@ class Channels:
         self._keys[nonce] = att
         pump = asyncio.create_task(_read(call(StreamKey(self.ingress_id, nonce)), att.queue))
         bound: _Channel | None = None
+        unfinished = set(request.choice_ids)  # choices whose final delta has not come
         try:
             start: StreamStart | None = None
             early: list[StreamDelta] = []  # channel deltas that beat the StreamStart (or Moved)
-            unfinished = set(request.choice_ids)
             counted: int | None = None  # the ChannelEnd's count
             got = 0  # channel deltas received
             ended, failure = False, None
@@ -115,9 +122,9 @@ class Channels:
                     if start is None or bound is None:  # no StreamStart, or inline: no Moved yet
                         early.append(item)
                         continue
-                    yield item
-                    if item.finished:
+                    if item.finished:  # before the yield: the caller may stop at it
                         unfinished.discard(item.request_id)
+                    yield item
                 elif kind == _ITEM:
                     if isinstance(item, StreamStart):
                         start = item
@@ -138,9 +145,9 @@ class Channels:
                             bound = self._bind(att, item.channel, start)
                     else:
                         assert isinstance(item, StreamDelta)
-                        yield item  # no channel on that replica yet: inline
                         if item.finished:
                             unfinished.discard(item.request_id)
+                        yield item  # no channel on that replica yet: inline
                 elif kind == _END:
                     ended, failure = True, item
                 else:
@@ -160,9 +167,23 @@ class Channels:
             self._unheard.discard(att)
             if bound is not None:
                 bound.attempts.discard(att)
-            if not pump.done():
-                pump.cancel()
-            await asyncio.gather(pump, return_exceptions=True)
+            if not pump.done() and not unfinished:
+                self._let_end(pump)  # complete: its request stream ends by itself
+            else:
+                if not pump.done():
+                    pump.cancel()
+                await asyncio.gather(pump, return_exceptions=True)
+
+    def _let_end(self, pump: asyncio.Task[None]) -> None:
+        """A complete attempt's request stream, left to end by itself within `CALL_END_S`."""
+        self._ending.add(pump)
+        timer = asyncio.get_running_loop().call_later(CALL_END_S, pump.cancel)
+
+        def ended(task: asyncio.Task[None]) -> None:
+            timer.cancel()
+            self._ending.discard(task)
+
+        pump.add_done_callback(ended)
 
     def _bind(self, att: _Attempt, subscription: str, start: StreamStart | None) -> _Channel:
         """The attempt's channel, which it now hears of; lost when that channel has ended."""
@@ -241,8 +262,9 @@ class Channels:
                 att.queue.put_nowait((_ITEM if type(item) is StreamStart else _DELTA, item))
 
     async def close(self) -> None:
-        """End every channel (their attempts fail as lost)."""
-        tasks = [ch.task for ch in self._live.values() if ch.task is not None]
+        """End every channel (their attempts fail as lost) and the request streams still
+        ending."""
+        tasks = [ch.task for ch in self._live.values() if ch.task is not None] + list(self._ending)
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)

@@ -355,6 +355,55 @@ def test_a_closed_requests_deltas_are_dropped() -> None:
     asyncio.run(run())
 
 
+def test_a_complete_attempt_closed_by_its_caller_lets_its_call_end() -> None:
+    """The caller stops at the last final delta (it has every choice's) before the request
+    stream's end came: the call is not cancelled but left to end by itself; closed earlier, it
+    is cancelled at once (the abort)."""
+
+    async def run() -> None:
+        s = Script()
+        await open_channel(s, "a")
+        gen, key, wire = await started(s, "a", "r")
+        s.channel("a")[1].push(DeltaBatch([(key.nonce, _delta("r", 1, True))]))
+        assert await anext(gen) == _delta("r", 1, True)
+        await gen.aclose()  # the caller has every final delta: it stops here
+        await settle()
+        assert not wire.closed and len(s.channels._ending) == 1  # still reading its call
+        wire.push(_END)
+        await until(lambda: wire.closed and not s.channels._ending)
+        assert not s.channels._keys
+        gen2, key2, wire2 = await started(s, "a", "r2")
+        s.channel("a")[1].push(DeltaBatch([(key2.nonce, _delta("r2", 1))]))
+        assert await anext(gen2) == _delta("r2", 1)
+        await gen2.aclose()  # not complete: cancelled now
+        assert wire2.closed and not s.channels._ending
+
+    asyncio.run(run())
+
+
+def test_a_complete_attempts_call_that_does_not_end_is_cancelled(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A request stream left to end that does not is cancelled after `CALL_END_S` (here 0), and
+    closing the channels cancels those still ending."""
+    import deploy.replica.channels as channels_mod
+
+    async def run() -> None:
+        s = Script()
+        await open_channel(s, "a")
+        for rid, bound_s in (("r", 0.0), ("r2", 3600.0)):
+            monkeypatch.setattr(channels_mod, "CALL_END_S", bound_s)
+            gen, key, wire = await started(s, "a", rid)
+            s.channel("a")[1].push(DeltaBatch([(key.nonce, _delta(rid, 1, True))]))
+            assert await anext(gen) == _delta(rid, 1, True)
+            await gen.aclose()
+            if rid == "r":
+                await until(lambda: wire.closed and not s.channels._ending, rounds=100_000)
+        assert not wire.closed and len(s.channels._ending) == 1
+        await s.channels.close()
+        assert wire.closed and not s.channels._ending
+
+    asyncio.run(run())
+
+
 def test_a_failing_channel_fails_only_the_requests_on_it_and_reopens() -> None:
     async def run() -> None:
         s = Script()
