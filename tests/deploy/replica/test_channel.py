@@ -386,20 +386,24 @@ def test_a_complete_attempts_call_that_does_not_end_is_cancelled(monkeypatch: py
     closing the channels cancels those still ending."""
     import deploy.replica.channels as channels_mod
 
+    async def complete_and_close(s: Script, rid: str) -> Wire:
+        gen, key, wire = await started(s, "a", rid)
+        s.channel("a")[1].push(DeltaBatch([(key.nonce, _delta(rid, 1, True))]))
+        assert await anext(gen) == _delta(rid, 1, True)
+        await gen.aclose()
+        return wire
+
     async def run() -> None:
         s = Script()
         await open_channel(s, "a")
-        for rid, bound_s in (("r", 0.0), ("r2", 3600.0)):
-            monkeypatch.setattr(channels_mod, "CALL_END_S", bound_s)
-            gen, key, wire = await started(s, "a", rid)
-            s.channel("a")[1].push(DeltaBatch([(key.nonce, _delta(rid, 1, True))]))
-            assert await anext(gen) == _delta(rid, 1, True)
-            await gen.aclose()
-            if rid == "r":
-                await until(lambda: wire.closed and not s.channels._ending, rounds=100_000)
-        assert not wire.closed and len(s.channels._ending) == 1
+        monkeypatch.setattr(channels_mod, "CALL_END_S", 0.0)
+        first = await complete_and_close(s, "r")
+        await until(lambda: first.closed and not s.channels._ending, rounds=100_000)
+        monkeypatch.setattr(channels_mod, "CALL_END_S", 3600.0)
+        second = await complete_and_close(s, "r2")
+        assert not second.closed and len(s.channels._ending) == 1
         await s.channels.close()
-        assert wire.closed and not s.channels._ending
+        assert second.closed and not s.channels._ending
 
     asyncio.run(run())
 
