@@ -12,13 +12,15 @@ length and a pickle.
 
 - A *pusher* (a worker replica's `EventPublisher`) then sends one frame per push, (batch,
   stats); the actor answers each with one byte after it applied the batch, 1 when it wants a
-  resync (`PushAck.resync_needed`).
+  resync (`PushAck.resync_needed`). A stats sample with no event to go with it (a request
+  that started) is a push too, with a `StatsRefresh` in the batch's place: answered 0.
 - A *follower* (a router's `IndexSubscriber`) first reads the proof, a second secret of the
   same answer (so it unpickles nothing from a process that took the port after the actor's
   death), then sends its (epoch, cursor) and reads one frame per delta past it as the log
   grows, an empty frame each `HEARTBEAT_S` with nothing new.
 
-Resyncs, stats reports, removal and a decision's catch-up pulls stay actor calls. A connection
+Resyncs, the replica's periodic (registering) stats reports, removal and a decision's catch-up
+pulls stay actor calls. A connection
 that fails (the actor restarted: a new port and token; a network that blocks the port) ends:
 the publisher resyncs (its push may or may not have been applied) and connects again at its
 next push; the follower long-polls once and connects again; either uses actor calls for

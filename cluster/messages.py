@@ -7,6 +7,7 @@ Who sends what:
 | `EventBatch` | worker replica → index actor → routers | the cache events of one drain, numbered |
 | `CacheSnapshot`, `WorkerMeta`, `WorkerResync` | worker replica → index actor | a resync after a gap or restart; the worker's geometry, pools and tier costs |
 | `WorkerRemoved` | router / replica → index actor | a replica left |
+| `StatsRefresh` | worker replica → index actor | a stats sample alone, on the event socket |
 | `PushAck`, `Delta` | index actor → worker / router | push answer; a router's pull |
 | routing stats (`routing_stats` of an engine sample, `make_routing_stats`, `WorkerLoad`) | worker replica → Serve → routers | load and both pools' headroom |
 | `RoutedRequest` | ingress → router → worker replica | the prompt, its sampling params, replicas to avoid |
@@ -106,6 +107,15 @@ class WorkerRemoved:
 # Every change to a `ClusterIndex` is one update; the index actor logs the updates it accepted
 # in order and routers replay them, so each router's index is a deterministic copy.
 IndexUpdate = EventBatch | WorkerResync | WorkerRemoved
+
+
+@dataclass(frozen=True)
+class StatsRefresh:
+    """A worker push that carries only a stats sample (no cache event since the last one): on
+    the event socket in a batch's place (`cluster.event_socket`)."""
+
+    worker_id: str
+    incarnation: str
 
 
 @dataclass(frozen=True)

@@ -59,6 +59,7 @@ from cluster.messages import (
     EventBatch,
     PushAck,
     StatsDict,
+    StatsRefresh,
     WorkerMeta,
     WorkerRemoved,
     WorkerResync,
@@ -105,7 +106,7 @@ class CacheIndexActor:
             if self._socket is None and not self._socket_failed:
                 try:
                     host = str(ray.util.get_node_ip_address())
-                    self._socket = EventSocketServer(host, lambda b, s: self.push(b, s).resync_needed, self._pull)
+                    self._socket = EventSocketServer(host, self._socket_push, self._pull)
                     logger.info("cache index: event socket on %s:%d", *self._socket.endpoint[:2])
                 except OSError as e:
                     self._socket_failed = True
@@ -121,6 +122,15 @@ class CacheIndexActor:
             if stats is not None:
                 self._stats.report(batch.worker_id, batch.incarnation, stats, register=False)
         return ack
+
+    def _socket_push(self, batch: EventBatch | StatsRefresh, stats: StatsDict | None) -> bool:
+        """A pusher's frame (`cluster.event_socket`): True when the worker must resync."""
+        if isinstance(batch, StatsRefresh):
+            if stats is not None:
+                with self._changed:
+                    self._stats.report(batch.worker_id, batch.incarnation, stats, register=False)
+            return False
+        return self.push(batch, stats).resync_needed
 
     def resync(self, update: WorkerResync) -> PushAck:
         with self._changed:
@@ -257,6 +267,7 @@ class EventPublisher:
         self._client: EventSocketClient | None = None  # pushes go here once connected
         self._no_socket_until = 0.0  # monotonic: actor calls until then (could not connect)
         self.socket_pushes = 0  # (observability)
+        self.socket_refreshes = 0  # stats samples alone on the socket (observability)
 
     async def start(self) -> None:
         """Register this incarnation (metadata + current snapshot, seq 0 on a fresh engine)."""
@@ -280,7 +291,7 @@ class EventPublisher:
             if self._needs_resync:
                 await self._resync()
                 if stats is not None:
-                    await self.report_stats(stats, register=False)
+                    await self._refresh(stats)
                 return  # the snapshot already holds this batch's state
             try:
                 resync_needed = await self._push(batch, stats)
@@ -324,6 +335,29 @@ class EventPublisher:
         if self._client is not None:
             self._client.close()
             self._client = None
+
+    async def refresh_stats(self, stats: StatsDict) -> None:
+        """Send a stats sample with no cache event to go with it (`/metrics`, `/health`; a
+        refresh, as `report_stats(register=False)`): a frame on the event socket, in order with
+        the pushes; an actor call when there is no socket. Best effort."""
+        async with self._lock:
+            await self._refresh(stats)
+
+    async def _refresh(self, stats: StatsDict) -> None:
+        try:
+            client = await self._socket_client()
+        except RayError as exc:
+            logger.debug("stats report to the cache index failed: %s", exc)
+            return
+        if client is not None:
+            try:
+                await client.push(StatsRefresh(self.meta.worker_id, self.meta.incarnation), stats)
+                self.socket_refreshes += 1
+                return
+            except (OSError, EOFError) as exc:  # no batch in it: nothing to resync for
+                logger.warning("cache index event socket failed (%s); reconnecting at the next push", exc)
+                self._drop_socket()
+        await self.report_stats(stats, register=False)
 
     async def report_stats(self, stats: StatsDict, *, register: bool) -> None:
         """Send one stats sample for `/metrics` and `/health` (`register`: see

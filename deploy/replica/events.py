@@ -130,8 +130,8 @@ class CacheEventPump:
             stats = self._take_due()
             if batch is not None:
                 await self._publisher.publish(batch, stats)
-            elif stats is not None:
-                await self._report(stats, False)
+            elif stats is not None and not self._closed:
+                await self._publisher.refresh_stats(stats)  # on the event socket too
             self._flushed = covers
 
     def report_stats(self, stats: StatsDict, *, register: bool) -> None:

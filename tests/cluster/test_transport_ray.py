@@ -280,6 +280,12 @@ def test_replica_stats_through_the_index_actor(actor_name: str) -> None:
         assert await actor.replica_stats.remote(3.0, 30.0) == {
             "w0": {"timestamp_s": 2.0, "waiting": 3.0}
         }
+        # A sample alone (a request started: no event with it) goes on the event socket.
+        await publisher.refresh_stats({"timestamp_s": 3.0, "waiting": 4.0})
+        assert publisher.socket_refreshes == 1
+        assert await actor.replica_stats.remote(3.0, 30.0) == {
+            "w0": {"timestamp_s": 3.0, "waiting": 4.0}
+        }
         await publisher.close()
         assert await actor.replica_stats.remote(3.0, 30.0) == {}
 

@@ -40,6 +40,9 @@ class _Publisher:
     async def report_stats(self, stats: dict[str, float], *, register: bool) -> None:
         self.reports.append((stats, register))
 
+    async def refresh_stats(self, stats: dict[str, float]) -> None:
+        self.reports.append((stats, False))
+
 
 async def _until(cond: Any, deadline_s: float = 30.0) -> None:
     end = time.monotonic() + deadline_s
