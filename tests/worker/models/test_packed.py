@@ -12,7 +12,14 @@ from tests.worker.models.driver import Driver
 from tests.worker.models.hf_tiny import ARCHS
 from tests.worker.models.test_parity import MAX_NEW, check_against_hf
 from worker.models.loader import load_model
-from worker.models.packed import PACK_MIN_ELEMENTS, PackedLinear, PackedSplitLinear, pack_linears
+from worker.models.packed import (
+    PACK_MIN_ELEMENTS,
+    PackedLinear,
+    PackedSplitLinear,
+    PackReport,
+    pack_linears,
+    packing_unsupported,
+)
 from worker.models.self_attention import SelfAttention
 
 
@@ -41,6 +48,10 @@ def test_packed_model_matches_transformers(archs: Archs, name: str) -> None:
         check_against_hf(arch, s)
 
 
+_NO_BF16 = packing_unsupported(torch.device("cpu"), torch.bfloat16)
+
+
+@pytest.mark.skipif(_NO_BF16 is not None, reason=f"{_NO_BF16} (oneDNN's bfloat16 packing needs AVX-512 or AVX-NE-CONVERT)")
 def test_packed_linear_equals_linear_in_bfloat16() -> None:
     """bfloat16 weights pack too, and any leading shape works."""
     torch.manual_seed(0)
@@ -49,6 +60,19 @@ def test_packed_linear_equals_linear_in_bfloat16() -> None:
     packed = PackedLinear(lin.weight, lin.bias)
     torch.testing.assert_close(packed(x), lin(x), rtol=1.6e-2, atol=1e-2)
     assert packed(x[:0]).shape == (0, 5, 48)
+
+
+def test_bfloat16_packs_only_where_onednn_can() -> None:
+    """A bfloat16 model packs on a CPU whose oneDNN does bfloat16; elsewhere (AVX2 only) it stays
+    eager and the report says why, instead of the reorder failing at load."""
+    model = nn.Sequential(nn.Linear(256, 256)).to(torch.bfloat16)
+    report = pack_linears(model, torch.device("cpu"), torch.bfloat16, min_elements=0)
+    if _NO_BF16 is None:
+        assert report.packed == 1 and isinstance(model[0], PackedLinear)
+    else:
+        assert report == PackReport(0, _NO_BF16) and type(model[0]) is nn.Linear
+    x = torch.randn(2, 256, dtype=torch.bfloat16)
+    assert model(x).shape == (2, 256)
 
 
 def test_small_layers_stay_eager_by_default() -> None:
