@@ -127,8 +127,7 @@ class CacheIndexActor:
         """A pusher's frame (`cluster.event_socket`): True when the worker must resync."""
         if isinstance(batch, StatsRefresh):
             if stats is not None:
-                with self._changed:
-                    self._stats.report(batch.worker_id, batch.incarnation, stats, register=False)
+                self.report_stats(batch.worker_id, batch.incarnation, stats, register=False)
             return False
         return self.push(batch, stats).resync_needed
 

@@ -170,8 +170,7 @@ class Channels:
             if not pump.done() and not unfinished:
                 self._let_end(pump)  # complete: its request stream ends by itself
             else:
-                if not pump.done():
-                    pump.cancel()
+                pump.cancel()  # a no-op once it has ended
                 await asyncio.gather(pump, return_exceptions=True)
 
     def _let_end(self, pump: asyncio.Task[None]) -> None:
