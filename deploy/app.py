@@ -57,12 +57,12 @@ WORKER_LOGGING = {"enable_access_log": False}
 ROUTER_CLASS = "router.serve_router:SwaPrefixRequestRouter"
 ROUTING_STATS_PERIOD_S = 1.0
 
-# Worker lifecycle defaults; a YAML `deployments: [{name: Worker, ...}]` entry overrides them.
+# Worker lifecycle defaults; a YAML `deployments: [{name: Worker, ...}]` entry overrides them (and
+# the config's `graceful_shutdown_timeout_s`).
 WORKER_LIFECYCLE = {
     "health_check_period_s": 10.0,
     "health_check_timeout_s": 60.0,  # a long prefill holds the GIL for a while on CPU
     "graceful_shutdown_wait_loop_s": 2.0,
-    "graceful_shutdown_timeout_s": 60.0,  # ongoing generations get this long to finish on scale-down
 }
 
 

@@ -198,6 +198,11 @@ class ServeConfig(EngineFields):
         ge=1,
         description="Most requests waiting at the ingress for a worker; beyond it callers get 503. Unset: unbounded.",
     )
+    graceful_shutdown_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        description="How long a stopping worker replica (scale-down, upgrade, `swaserve serve` on SIGTERM) keeps serving the requests it has; it takes no new ones. A Serve file's Worker entry may set it instead.",
+    )
     worker_num_cpus: float = Field(
         1.0, ge=0, description="CPUs Ray reserves for each worker replica."
     )
@@ -316,6 +321,7 @@ class ServeConfig(EngineFields):
         """
         options: dict[str, Any] = {
             "max_ongoing_requests": self.max_ongoing_requests,
+            "graceful_shutdown_timeout_s": self.graceful_shutdown_timeout_s,
             "ray_actor_options": {
                 "num_cpus": self.worker_num_cpus,
                 "num_gpus": self.worker_num_gpus,

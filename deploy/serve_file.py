@@ -44,6 +44,7 @@ _OWNED_SUBKEYS = {
 _OWNED_SCALARS = (
     "num_replicas",
     "max_ongoing_requests",
+    "graceful_shutdown_timeout_s",  # only where `args` set it: else the entry's is taken
     "max_queued_requests",
     "placement_group_bundles",
     "placement_group_strategy",
@@ -92,10 +93,21 @@ def config_from_document(doc: Mapping[str, Any], source: str = "<serve config>")
     cfg = _validate_args(
         app.get("args") or {}, source, where=f"application {app.get('name')!r} args"
     )
-    problems = worker_override_problems(cfg, app.get("deployments") or [])
+    deployments = app.get("deployments") or []
+    problems = worker_override_problems(cfg, deployments)
     if problems:
         raise ValueError(f"{source}:\n  " + "\n  ".join(problems))
-    return cfg
+    return _with_entry_lifecycle(cfg, deployments)
+
+
+def _with_entry_lifecycle(cfg: ServeConfig, deployments: list[Mapping[str, Any]]) -> ServeConfig:
+    """`cfg` with the Worker entry's `graceful_shutdown_timeout_s` where `args` leave it unset:
+    Ray runs the replicas with the entry's, and `swaserve serve` drains that long too."""
+    entry = next((d for d in deployments if d.get("name") == WORKER_DEPLOYMENT), {})
+    key = "graceful_shutdown_timeout_s"
+    if key not in entry or key in cfg.model_fields_set:
+        return cfg
+    return ServeConfig.model_validate({**cfg.model_dump(exclude_unset=True), key: entry[key]})
 
 
 def check_serve_document(doc: Mapping[str, Any], source: str = "<serve config>") -> None:
@@ -161,6 +173,8 @@ def worker_override_problems(cfg: ServeConfig, deployments: list[Mapping[str, An
     where = f"deployments[name={WORKER_DEPLOYMENT}]"
     problems = []
     for key in _OWNED_SCALARS:
+        if key == "graceful_shutdown_timeout_s" and key not in cfg.model_fields_set:
+            continue  # the entry's is taken (`_with_entry_lifecycle`)
         if key in entry and entry[key] != expected.get(key):
             problems.append(_disagree(f"{where}.{key}", entry[key], expected.get(key)))
     for key, subkeys in _OWNED_SUBKEYS.items():

@@ -203,7 +203,7 @@ def serve_foreground(req: ServeRequest, out: TextIO = sys.stdout) -> int:
     except KeyboardInterrupt:
         progress.say("stopping: new requests get 503, those in flight finish (again: force) ...")
         try:
-            _drain(progress)
+            _drain(progress, p.config.graceful_shutdown_timeout_s)
         except KeyboardInterrupt:
             progress.say("not waiting for the requests in flight")
         return 0
@@ -287,9 +287,9 @@ def _describe(app: Any) -> str:
     return "; ".join(parts) or "deploying ..."
 
 
-def _drain(progress: Progress) -> None:
-    """Close every ingress replica and wait for their requests in flight (the worker replicas'
-    own grace, `graceful_shutdown_timeout_s`, bounds the wait).
+def _drain(progress: Progress, grace_s: float) -> None:
+    """Close every ingress replica and wait up to `grace_s` (the worker replicas' own grace, the
+    config's `graceful_shutdown_timeout_s`) for their requests in flight.
 
     NOTE: a handle call reaches one replica of Serve's choosing (no public API names one), so
     `close` goes out in rounds of twice as many calls as there are ingress replicas, until every
@@ -298,9 +298,6 @@ def _drain(progress: Progress) -> None:
     gate is closed admits nothing, so its count only falls."""
     from ray import serve
 
-    from deploy.app import WORKER_LIFECYCLE
-
-    grace_s = WORKER_LIFECYCLE["graceful_shutdown_timeout_s"]
     try:
         ingress = serve.get_app_handle(APP_NAME)
     except Exception:  # noqa: BLE001 - not deployed yet: nothing is in flight

@@ -618,6 +618,22 @@ def test_values_schema_matches_serve_config() -> None:
     assert gen.main(["--check"]) == 0, "run: .venv/bin/python helm/gen_values_schema.py"
 
 
+def test_a_grace_set_in_serve_config_alone_sets_the_pods_grace() -> None:
+    """With no workerOptions grace the replicas run the config's (the app's options), and every
+    pod's terminationGracePeriodSeconds covers it."""
+    values = {"serve": {"config": {"graceful_shutdown_timeout_s": 300},
+                        "workerOptions": {"graceful_shutdown_timeout_s": None}}}  # fmt: skip
+    rs = next(d for docs in _render(values).values() if isinstance(docs, list) for d in docs
+              if d["kind"] == "RayService")  # fmt: skip
+    (app,) = yaml.safe_load(rs["spec"]["serveConfigV2"])["applications"]
+    worker = next(d for d in app["deployments"] if d["name"] == WORKER_DEPLOYMENT)
+    assert "graceful_shutdown_timeout_s" not in worker
+    assert app["args"]["graceful_shutdown_timeout_s"] == 300
+    cluster = rs["spec"]["rayClusterConfig"]
+    for group in [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]:
+        assert group["template"]["spec"]["terminationGracePeriodSeconds"] == 300 + 2 + 30
+
+
 @pytest.mark.parametrize(
     ("values", "error", "needle"),
     [
@@ -658,6 +674,12 @@ def test_values_schema_matches_serve_config() -> None:
             "restrictEgress needs networkPolicy.extraEgress admitting the Kubernetes API server",
         ),
         ({"rayAuth": {"mode": "off"}}, helm.HelmValuesError, "rayAuth"),
+        (
+            {"serve": {"config": {"graceful_shutdown_timeout_s": 300}}},
+            helm.HelmRenderError,
+            "serve.config.graceful_shutdown_timeout_s (300) and serve.workerOptions"
+            ".graceful_shutdown_timeout_s (120) differ",
+        ),
         (
             {
                 "serve": {"config": {"tensor_parallel_size": 4, "rank_num_cpus": 2}},
@@ -712,10 +734,10 @@ def test_readme_has_the_commands() -> None:
 def test_termination_grace_covers_the_replica_drain(name: str) -> None:
     """Kubernetes waits after SIGTERM at least as long as Serve drains a worker replica
     (graceful_shutdown_timeout_s, polled every graceful_shutdown_wait_loop_s), plus the margin."""
-    worker = _worker_entry(name)
-    drain = worker.get("graceful_shutdown_timeout_s", 20) + worker.get(
-        "graceful_shutdown_wait_loop_s", 2
-    )
+    worker, (app,) = _worker_entry(name), _serve_doc(name)["applications"]
+    args = app["args"]
+    grace = worker.get("graceful_shutdown_timeout_s", args.get("graceful_shutdown_timeout_s", 60))
+    drain = grace + worker.get("graceful_shutdown_wait_loop_s", 2)
     serve = {**yaml.safe_load((CHART / "values.yaml").read_text())["serve"], **_values(name).get("serve", {})}
     margin = serve["shutdownMarginSeconds"]
     cluster = _rayservice(name)["spec"]["rayClusterConfig"]

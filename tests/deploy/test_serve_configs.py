@@ -91,10 +91,12 @@ def test_gpu_config_reserves_gpus() -> None:
 
 
 def test_ray_file_equals_bare_args(tmp_path: Path) -> None:
-    """The args of a Ray file, written as a bare mapping, load to the same config."""
+    """The args of a Ray file, written as a bare mapping with the Worker entry's grace, load to
+    the same config."""
     doc = _doc("gpu.yaml")
+    grace = {"graceful_shutdown_timeout_s": _worker_entry(doc)["graceful_shutdown_timeout_s"]}
     bare = tmp_path / "bare.yaml"
-    bare.write_text(yaml.safe_dump(doc["applications"][0]["args"]))
+    bare.write_text(yaml.safe_dump({**doc["applications"][0]["args"], **grace}))
     assert load_serve_config(bare) == load_serve_config(CONFIG_DIR / "gpu.yaml")
 
 
@@ -158,6 +160,10 @@ def test_strict_check_rejects(edit, needle: str) -> None:
         (lambda d: _worker_entry(d)["ray_actor_options"].pop("num_gpus"), "num_gpus is None"),
         (lambda d: _worker_entry(d).update(max_ongoing_requests=8), "max_ongoing_requests is 8"),
         (
+            lambda d: _app(d)["args"].update(graceful_shutdown_timeout_s=45),
+            "graceful_shutdown_timeout_s is 30 but the args imply 45.0",
+        ),
+        (
             lambda d: _worker_entry(d).update(num_replicas=2, autoscaling_config=None),
             "num_replicas is 2 but the args imply None",
         ),
@@ -177,6 +183,24 @@ def test_worker_entry_may_add_ray_only_keys() -> None:
     doc = _mutated(lambda d: _worker_entry(d).update(health_check_timeout_s=77))
     _worker_entry(doc)["autoscaling_config"]["look_back_period_s"] = 20
     assert config_from_document(doc).autoscaling.max_replicas == 2
+
+
+def test_the_worker_entrys_grace_is_the_configs_where_args_leave_it_unset() -> None:
+    """A Worker entry's `graceful_shutdown_timeout_s` is what Ray runs the replicas with, so it is
+    the config's too (`swaserve serve --config` drains that long); args that set it agreeing are
+    fine, and args alone set it where the entry does not."""
+    doc = _doc("local.yaml")
+    assert _worker_entry(doc)["graceful_shutdown_timeout_s"] == 30
+    cfg = config_from_document(doc)
+    assert cfg.graceful_shutdown_timeout_s == 30
+    assert cfg.worker_deployment_options()["graceful_shutdown_timeout_s"] == 30
+    agreeing = _mutated(lambda d: _app(d)["args"].update(graceful_shutdown_timeout_s=30))
+    assert config_from_document(agreeing) == cfg
+    args_only = _mutated(lambda d: _worker_entry(d).pop("graceful_shutdown_timeout_s"))
+    _app(args_only)["args"]["graceful_shutdown_timeout_s"] = 45
+    assert config_from_document(args_only).graceful_shutdown_timeout_s == 45
+    neither = _mutated(lambda d: _worker_entry(d).pop("graceful_shutdown_timeout_s"))
+    assert config_from_document(neither).graceful_shutdown_timeout_s == 60
 
 
 def test_not_a_mapping(tmp_path: Path) -> None:

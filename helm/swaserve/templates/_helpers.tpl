@@ -142,6 +142,12 @@ left out (Ray refuses them).
 {{- fail (printf "serve.config.model (%s) must be a directory under model.mountPath (%s) when model.volume is set" $cfg.model .Values.model.mountPath) }}
 {{- end }}
 {{- end }}
+{{- $o := .Values.serve.workerOptions | default dict }}
+{{- if and (hasKey $o "graceful_shutdown_timeout_s") (hasKey (.Values.serve.config | default dict) "graceful_shutdown_timeout_s") }}
+{{- if ne ($o.graceful_shutdown_timeout_s | float64) (.Values.serve.config.graceful_shutdown_timeout_s | float64) }}
+{{- fail (printf "serve.config.graceful_shutdown_timeout_s (%v) and serve.workerOptions.graceful_shutdown_timeout_s (%v) differ: Ray would run the workerOptions' one; set one of them" .Values.serve.config.graceful_shutdown_timeout_s $o.graceful_shutdown_timeout_s) }}
+{{- end }}
+{{- end }}
 {{- if and .Values.apiKey.existingSecret .Values.apiKey.value }}
 {{- fail "set apiKey.existingSecret or apiKey.value, not both" }}
 {{- end }}
@@ -284,12 +290,15 @@ failureThreshold: {{ $p.failureThreshold }}
 
 {{/*
 Seconds Kubernetes waits after SIGTERM before it kills a Ray pod: Serve's graceful shutdown of a
-worker replica (graceful_shutdown_timeout_s, checked every graceful_shutdown_wait_loop_s; Ray's
-defaults 20 and 2 when unset) plus serve.shutdownMarginSeconds, so no drain is cut short.
+worker replica (graceful_shutdown_timeout_s: workerOptions', else serve.config's, else swaserve's
+60; checked every graceful_shutdown_wait_loop_s, default 2) plus serve.shutdownMarginSeconds, so no
+drain is cut short.
 */}}
 {{- define "swaserve.terminationGraceSeconds" -}}
 {{- $o := .Values.serve.workerOptions | default dict }}
-{{- $timeout := ternary $o.graceful_shutdown_timeout_s 20 (hasKey $o "graceful_shutdown_timeout_s") | float64 }}
+{{- $cfg := .Values.serve.config | default dict }}
+{{- $fallback := ternary $cfg.graceful_shutdown_timeout_s 60 (hasKey $cfg "graceful_shutdown_timeout_s") }}
+{{- $timeout := ternary $o.graceful_shutdown_timeout_s $fallback (hasKey $o "graceful_shutdown_timeout_s") | float64 }}
 {{- $loop := ternary $o.graceful_shutdown_wait_loop_s 2 (hasKey $o "graceful_shutdown_wait_loop_s") | float64 }}
 {{- add (ceil (addf $timeout $loop) | int) (.Values.serve.shutdownMarginSeconds | int) }}
 {{- end }}
