@@ -68,6 +68,10 @@ def test_kernel_equals_gather_path(c: dict) -> None:
     """Decodes and prefill chunks with and without a prefix, GQA groups of 1-4, the specialised
     head sizes and generic ones, windows, softcap, sinks: one kernel call per layer; prefill
     rows as blocks of neighbours and one by one."""
+    _check_against_gather_path(c)
+
+
+def _check_against_gather_path(c: dict) -> None:
     gen = torch.Generator().manual_seed(c["seed"])
     slots = 8 + sum(p + q for p, q in zip(c["prefixes"], c["q_lens"]))
     pool = FakePool(torch.randn(slots, c["hkv"], c["d"], generator=gen),
@@ -110,6 +114,50 @@ def test_decode_rows_in_python_equal_the_numpy_plan(prefixes: list[int], window:
         torch_backend._PY_DECODE_ROWS = saved
     for got, want in ((fast.slots, ref.slots), (fast.start, ref.start), (fast.count, ref.count)):
         assert got.dtype == want.dtype and torch.equal(got, want)
+
+
+def _x86_layouts() -> list[str]:
+    """Flags that build the kernel's other register layouts on this x86 CPU (AVX-512: 16-float
+    vectors, 8-row blocks; AVX: 8 floats, 4 rows; SSE: 4 floats, 4 rows): what this CPU runs."""
+    import platform
+
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return []
+    try:
+        flags = next(ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")).split()
+    except (OSError, StopIteration):
+        return []
+    return (["-mno-avx512f"] if "avx512f" in flags else []) + (["-mno-avx"] if "avx" in flags else [])
+
+
+_LAYOUT_CASES = [  # blocks of 64 + 6 and 8 + 1 rows, rows one by one, decodes; each head size
+    {"hkv": 2, "hq": 8, "d": 64, "dv": 64, "q_lens": [70, 9, 1, 3], "prefixes": [0, 30, 50, 4],
+     "window": None, "softcap": None, "sinks": False, "seed": 1},
+    {"hkv": 2, "hq": 8, "d": 64, "dv": 64, "q_lens": [70, 1, 9], "prefixes": [40, 70, 0],
+     "window": 31, "softcap": 3.0, "sinks": True, "seed": 2},
+    {"hkv": 1, "hq": 4, "d": 128, "dv": 128, "q_lens": [9, 70], "prefixes": [5, 0],
+     "window": None, "softcap": None, "sinks": True, "seed": 3},
+    {"hkv": 4, "hq": 4, "d": 256, "dv": 256, "q_lens": [9, 1], "prefixes": [0, 12],
+     "window": 5, "softcap": None, "sinks": False, "seed": 4},
+    {"hkv": 2, "hq": 4, "d": 48, "dv": 48, "q_lens": [70, 1], "prefixes": [3, 9],
+     "window": None, "softcap": 3.0, "sinks": False, "seed": 5},
+    {"hkv": 1, "hq": 2, "d": 80, "dv": 80, "q_lens": [9, 9], "prefixes": [0, 33],
+     "window": 31, "softcap": None, "sinks": True, "seed": 6},
+]  # fmt: skip
+
+
+@needs_kernel
+@pytest.mark.parametrize("flag", _x86_layouts())
+def test_every_register_layout_equals_gather_path(
+    flag: str, fresh_load: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The kernel built for a narrower vector unit than this CPU's (its blocks sized to that
+    unit's registers) attends exactly as the gather path too."""
+    monkeypatch.setattr(cpu_kernel, "COMPILE_FLAGS", (*cpu_kernel.COMPILE_FLAGS, flag))
+    assert cpu_kernel.attention_kernel() is not None  # built with the flag, into the fresh cache
+    assert len(list(fresh_load.iterdir())) == 1
+    for c in _LAYOUT_CASES:
+        _check_against_gather_path(c)
 
 
 @needs_kernel

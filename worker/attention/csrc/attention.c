@@ -18,11 +18,13 @@
  * same keys. Up to TILE such rows (their runs' union at most TILE keys longer than the longest
  * run) are attended as a block: per KV head the union's keys are copied once, transposed, and its
  * values once, contiguous; then RB rows at a time, over only the columns those rows read, scores
- * come RB rows x 32 keys per pass in registers (each key vector loaded once for RB rows, no
- * horizontal sums), each row's softmax runs over its own run (the rest weighs 0), and outputs
- * come RB rows x 64 values per pass. Measured on one core, 8 query and 2 KV heads of 64, rows one
- * by one -> blocks: 4 x 256 prefill rows of a sliding-window layer (127) 3.66 -> 1.55 ms, of a
- * full layer 4.85 -> 2.28 ms; 512 rows after a 2,048-token prefix ~42 -> 17 ms.
+ * come RB rows x KV vectors of keys per pass in registers (each key vector loaded once for RB
+ * rows, no horizontal sums), each row's softmax runs over its own run (the rest weighs 0), and
+ * outputs come RB rows x OV vectors of values per pass (the sizes below, per vector unit).
+ * Measured on one AVX-512 core, 8 query and 2 KV heads of 64, rows one by one -> blocks: 4 x 256
+ * prefill rows of a sliding-window layer (127) 3.66 -> 1.55 ms, of a full layer 4.85 -> 2.28 ms;
+ * 512 rows after a 2,048-token prefix ~42 -> 17 ms. On an AVX2-only core (a 2-core AMD EPYC VM,
+ * CPU time) the AVX-512 sizes ran the full layer's 4 x 256 rows in 141 ms, the AVX sizes 11.5.
  *
  * Plain C on purpose: built at run time by the system compiler for this machine (-march=native)
  * and called through ctypes, it needs no torch headers (a torch C++ extension takes ~1 minute to
@@ -37,18 +39,39 @@
 #define PREFETCH 6 /* rows ahead */
 #define TILE 64    /* query rows per block at most */
 #define MIN_TILE 4 /* fewer neighbouring rows are attended one by one */
-#define RB 8       /* rows per register block */
 
-typedef float v16 __attribute__((vector_size(64))); /* 16 floats; two halves without AVX-512 */
+/* The register blocks are sized to the target's vector registers: a block's accumulators, the
+ * vectors it loads and a broadcast must all stay in registers, or every multiply-add goes
+ * through the stack (with AVX-512's sizes on a 16-register AVX2 core, prefill ran ~20x slower).
+ * VW floats a vector; RB rows a block; KV key vectors a score pass; OV value vectors an output
+ * pass. AVX-512 (32 x 16 floats): 8 x 2 + 2 score, 8 x 4 + 4 output registers. AVX/AVX2 (16 x 8
+ * floats) and the rest (SSE, NEON: at least 16 x 4 floats): 4 x 2 + 2 and 4 x 2 + 2. */
+#if defined(__AVX512F__)
+#define VW 16
+#define RB 8
+#define OV 4
+#elif defined(__AVX__)
+#define VW 8
+#define RB 4
+#define OV 2
+#else
+#define VW 4
+#define RB 4
+#define OV 2
+#endif
+#define KV 2
+#define UNION_ALIGN 16 /* the union's columns are padded to a multiple of this (>= VW) */
 
-static inline v16 v16_load(const float *p)
+typedef float vf __attribute__((vector_size(VW * 4)));
+
+static inline vf vf_load(const float *p)
 {
-    v16 r;
+    vf r;
     memcpy(&r, p, sizeof r);
     return r;
 }
 
-static inline void v16_store(float *p, v16 x) { memcpy(p, &x, sizeof x); }
+static inline void vf_store(float *p, vf x) { memcpy(p, &x, sizeof x); }
 
 static inline __attribute__((always_inline)) void prefetch_row(const float *r, int64_t floats)
 {
@@ -122,7 +145,8 @@ static inline __attribute__((always_inline)) void attend_block(
     const int64_t hkv, const int64_t d, const int64_t dv, float scale, float softcap,
     const float *sinks, float *kt, float *vu, float *s, float *out, int64_t out_stride)
 {
-    const int64_t g = hq / hkv, krow = hkv * d, vrow = hkv * dv, nup = (nu + 15) & ~(int64_t)15;
+    const int64_t g = hq / hkv, krow = hkv * d, vrow = hkv * dv;
+    const int64_t nup = (nu + UNION_ALIGN - 1) & ~(int64_t)(UNION_ALIGN - 1);
     for (int64_t kh = 0; kh < hkv; kh++) {
         for (int64_t j = 0; j < nu; j++) {
             if (j + PREFETCH < nu) {
@@ -146,28 +170,28 @@ static inline __attribute__((always_inline)) void attend_block(
                     if (lo[i0 + a] < c0) c0 = lo[i0 + a];
                     if (lo[i0 + a] + cnt[i0 + a] > c1) c1 = lo[i0 + a] + cnt[i0 + a];
                 }
-                const int64_t jc0 = c0 & ~(int64_t)15;
+                const int64_t jc0 = c0 & ~(int64_t)(VW - 1);
                 const float *qi[RB];
                 float *p[RB];
                 for (int64_t a = 0; a < RB; a++) {
                     qi[a] = q + (i0 + (a < rb ? a : 0)) * q_stride + h * d;
                     p[a] = s + (a < rb ? a : 0) * nup;
                 }
-                /* p[a][j] = (q_a . k_j) * scale, two key vectors a pass */
-                for (int64_t jc = jc0; jc < c1; jc += 32) {
-                    const int64_t two = jc + 16 < c1;
-                    v16 acc[RB][2] = {};
+                /* p[a][j] = (q_a . k_j) * scale, KV (two) key vectors a pass */
+                for (int64_t jc = jc0; jc < c1; jc += KV * VW) {
+                    const int64_t two = jc + VW < c1;
+                    vf acc[RB][KV] = {};
                     for (int64_t x = 0; x < d; x++) {
-                        const v16 k0 = v16_load(kt + x * nup + jc);
-                        const v16 k1 = two ? v16_load(kt + x * nup + jc + 16) : k0;
+                        const vf k0 = vf_load(kt + x * nup + jc);
+                        const vf k1 = two ? vf_load(kt + x * nup + jc + VW) : k0;
                         for (int64_t a = 0; a < RB; a++) {
                             acc[a][0] += qi[a][x] * k0;
                             acc[a][1] += qi[a][x] * k1;
                         }
                     }
                     for (int64_t a = 0; a < rb; a++) {
-                        v16_store(p[a] + jc, acc[a][0] * scale);
-                        if (two) v16_store(p[a] + jc + 16, acc[a][1] * scale);
+                        vf_store(p[a] + jc, acc[a][0] * scale);
+                        if (two) vf_store(p[a] + jc + VW, acc[a][1] * scale);
                     }
                 }
                 /* each row's softmax over its own columns; the others in [c0, c1) weigh 0 */
@@ -192,20 +216,20 @@ static inline __attribute__((always_inline)) void attend_block(
                     for (int64_t j = c0; j < lo_a; j++) row[j] = 0.0f;
                     for (int64_t j = hi_a; j < c1; j++) row[j] = 0.0f;
                 }
-                /* out_a = sum_j p_aj v_j, up to four value vectors a pass */
-                for (int64_t c = 0; c < dv; c += 64) {
-                    const int64_t nc = dv - c < 64 ? (dv - c) / 16 : 4;
-                    v16 acc[RB][4] = {};
+                /* out_a = sum_j p_aj v_j, up to OV value vectors a pass */
+                for (int64_t c = 0; c < dv; c += OV * VW) {
+                    const int64_t nc = dv - c < OV * VW ? (dv - c) / VW : OV;
+                    vf acc[RB][OV] = {};
                     for (int64_t j = c0; j < c1; j++) {
-                        v16 vv[4];
-                        for (int64_t w = 0; w < 4; w++)
-                            vv[w] = v16_load(vu + j * dv + c + 16 * (w < nc ? w : 0));
+                        vf vv[OV];
+                        for (int64_t w = 0; w < OV; w++)
+                            vv[w] = vf_load(vu + j * dv + c + VW * (w < nc ? w : 0));
                         for (int64_t a = 0; a < RB; a++)
-                            for (int64_t w = 0; w < 4; w++) acc[a][w] += p[a][j] * vv[w];
+                            for (int64_t w = 0; w < OV; w++) acc[a][w] += p[a][j] * vv[w];
                     }
                     for (int64_t a = 0; a < rb; a++)
                         for (int64_t w = 0; w < nc; w++)
-                            v16_store(out + (i0 + a) * out_stride + h * dv + c + 16 * w, acc[a][w]);
+                            vf_store(out + (i0 + a) * out_stride + h * dv + c + VW * w, acc[a][w]);
                 }
             }
     }
@@ -218,7 +242,7 @@ struct block_scratch {
 
 static int grow(struct block_scratch *b, int64_t nu, int64_t d, int64_t dv)
 {
-    const int64_t nup = (nu + 15) & ~(int64_t)15;
+    const int64_t nup = (nu + UNION_ALIGN - 1) & ~(int64_t)(UNION_ALIGN - 1);
     if (nup <= b->nup) return 0;
     free(b->buf);
     b->buf = malloc(sizeof(float) * (size_t)((d + dv + RB) * nup));
