@@ -30,9 +30,10 @@ needs_kernel = pytest.mark.skipif(kernel_missing() is not None, reason=str(kerne
 def cases(draw: st.DrawFn) -> dict:
     hkv = draw(st.sampled_from([1, 2, 4]))
     g = draw(st.sampled_from([1, 2, 4]))
-    # 48 and 80: value vectors of 16 in passes of 3 and 4 + 1; 8 and 12: rows one by one
+    # 48 and 80: value vectors of 16 in passes of 3 and 4 + 1; 8 and 12: rows one by one; 20
+    # and 6: head sizes that are no whole number of 8- or 4-float vectors
     d, dv = draw(st.sampled_from([(64, 64), (128, 128), (256, 256), (48, 48), (80, 80), (8, 8),
-                                  (16, 12)]))  # fmt: skip
+                                  (16, 12), (20, 20), (6, 16)]))  # fmt: skip
     n = draw(st.integers(1, 6))
     # 3, 9 and 70 prefill rows: no block, one block (8 + 1 register rows), two blocks (64 + 6)
     q_lens = draw(st.lists(st.sampled_from([1, 1, 1, 3, 9, 70]), min_size=n, max_size=n))
@@ -143,6 +144,10 @@ _LAYOUT_CASES = [  # blocks of 64 + 6 and 8 + 1 rows, rows one by one, decodes; 
      "window": None, "softcap": 3.0, "sinks": False, "seed": 5},
     {"hkv": 1, "hq": 2, "d": 80, "dv": 80, "q_lens": [9, 9], "prefixes": [0, 33],
      "window": 31, "softcap": None, "sinks": True, "seed": 6},
+    {"hkv": 3, "hq": 12, "d": 20, "dv": 20, "q_lens": [1, 1, 9], "prefixes": [7, 60, 2],
+     "window": None, "softcap": None, "sinks": False, "seed": 7},
+    {"hkv": 1, "hq": 9, "d": 6, "dv": 16, "q_lens": [1, 70], "prefixes": [20, 1],
+     "window": 5, "softcap": 3.0, "sinks": True, "seed": 8},
 ]  # fmt: skip
 
 
