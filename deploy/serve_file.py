@@ -44,7 +44,7 @@ _OWNED_SUBKEYS = {
 _OWNED_SCALARS = (
     "num_replicas",
     "max_ongoing_requests",
-    "graceful_shutdown_timeout_s",  # only where `args` set it: else the entry's is taken
+    "graceful_shutdown_timeout_s",  # where `args` leave it unset the entry's is taken first
     "max_queued_requests",
     "placement_group_bundles",
     "placement_group_strategy",
@@ -94,10 +94,11 @@ def config_from_document(doc: Mapping[str, Any], source: str = "<serve config>")
         app.get("args") or {}, source, where=f"application {app.get('name')!r} args"
     )
     deployments = app.get("deployments") or []
+    cfg = _with_entry_lifecycle(cfg, deployments)
     problems = worker_override_problems(cfg, deployments)
     if problems:
         raise ValueError(f"{source}:\n  " + "\n  ".join(problems))
-    return _with_entry_lifecycle(cfg, deployments)
+    return cfg
 
 
 def _with_entry_lifecycle(cfg: ServeConfig, deployments: list[Mapping[str, Any]]) -> ServeConfig:
@@ -173,8 +174,6 @@ def worker_override_problems(cfg: ServeConfig, deployments: list[Mapping[str, An
     where = f"deployments[name={WORKER_DEPLOYMENT}]"
     problems = []
     for key in _OWNED_SCALARS:
-        if key == "graceful_shutdown_timeout_s" and key not in cfg.model_fields_set:
-            continue  # the entry's is taken (`_with_entry_lifecycle`)
         if key in entry and entry[key] != expected.get(key):
             problems.append(_disagree(f"{where}.{key}", entry[key], expected.get(key)))
     for key, subkeys in _OWNED_SUBKEYS.items():

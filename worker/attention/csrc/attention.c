@@ -42,7 +42,7 @@
 
 /* The register blocks are sized to the target's vector registers: a block's accumulators, the
  * vectors it loads and a broadcast must all stay in registers, or every multiply-add goes
- * through the stack (with AVX-512's sizes on a 16-register AVX2 core, prefill ran ~20x slower).
+ * through the stack (with AVX-512's sizes on a 16-register AVX2 core, prefill ran ~12x slower).
  * VW floats a vector; RB rows a block; KV key vectors a score pass; OV value vectors an output
  * pass. AVX-512 (32 x 16 floats): 8 x 2 + 2 score, 8 x 4 + 4 output registers. AVX/AVX2 (16 x 8
  * floats) and the rest (SSE, NEON: at least 16 x 4 floats): 4 x 2 + 2 and 4 x 2 + 2. */
@@ -50,12 +50,12 @@
 #define VW 16
 #define RB 8
 #define OV 4
-#elif defined(__AVX__)
+#else
+#if defined(__AVX__)
 #define VW 8
-#define RB 4
-#define OV 2
 #else
 #define VW 4
+#endif
 #define RB 4
 #define OV 2
 #endif
