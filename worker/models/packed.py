@@ -14,11 +14,19 @@ attention, too small to pack alone, ride on q's.
 The packed weight is an opaque oneDNN tensor (layout `torch._mkldnn`): it is kept as a plain
 attribute, not a parameter, so `state_dict` no longer lists it and the unpacked copy is freed
 (a tied LM head packs its own copy; the embedding keeps the original).
+
+One row is the exception: there MKL's matrix-vector product over the plain weight, transposed
+once to ``[in, out]``, reads it ~1.6x faster than oneDNN reads its blocked layout (two rows
+~1.1x; from four rows on the packed layout wins). With ``plain_copies`` (`EngineConfig`
+``plain_weight_copy``) a `PackedLinear` keeps that copy too and multiplies steps of at most
+`PLAIN_ROWS_MAX` rows on it: decode at concurrency 1–2 at the price of the linear weights'
+memory once more.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import weakref
 from dataclasses import dataclass
 
@@ -34,6 +42,14 @@ logger = logging.getLogger(__name__)
 # decode sizes, and a hidden-128 model ran 0.7x packed (measured: docs/design.md §19).
 PACK_MIN_ELEMENTS = 1 << 18
 
+# A step of at most this many rows multiplies on the plain copy when a `PackedLinear` keeps one.
+# One thread, the 46M Gemma-3's linears (docs/design.md §19): 1 row 14.6 ms plain vs 23.0
+# packed, 2 rows 23.3 vs 25.8, 4 rows 37.6 vs 31.3.
+PLAIN_ROWS_MAX = 2
+# `plain_weight_copy: auto` keeps the copies (float32 only: the measured case) when they fit in
+# this share of the memory available at load.
+PLAIN_COPY_MEMORY_SHARE = 0.25
+
 
 # Every PackedLinear of the process, by index, for the opaque op below (weak: a model that is
 # freed frees its packed weights).
@@ -41,15 +57,20 @@ _REGISTRY: list[weakref.ref[PackedLinear]] = []
 
 
 class PackedLinear(nn.Module):
-    """``y = x @ W.T + b`` with `W` reordered once for oneDNN. Inputs of any leading shape."""
+    """``y = x @ W.T + b`` with `W` reordered once for oneDNN. Inputs of any leading shape.
+    With `plain_copy`, also ``W.T`` contiguous, for steps of at most `PLAIN_ROWS_MAX` rows."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None, plain_copy: bool = False
+    ) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
         with torch.no_grad():
             # CPU, dtype float32/bfloat16/float16 (opaque oneDNN layout)
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous())
             self.bias = None if bias is None else bias.detach().clone()
+            # a plain attribute, as `packed`: not a parameter, not in `state_dict`
+            self.plain_t = weight.detach().t().contiguous() if plain_copy else None
         self.index = len(_REGISTRY)
         _REGISTRY.append(weakref.ref(self))
 
@@ -64,10 +85,15 @@ class PackedLinear(nn.Module):
         return y.view(*x.shape[:-1], self.out_features)
 
     def product(self, rows: torch.Tensor) -> torch.Tensor:
+        if self.plain_t is not None and rows.shape[0] <= PLAIN_ROWS_MAX:
+            if self.bias is None:
+                return torch.mm(rows, self.plain_t)
+            return torch.addmm(self.bias, rows, self.plain_t)
         return torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.bias, "none", [], "")
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, oneDNN-packed"
+        plain = f", plain copy for <= {PLAIN_ROWS_MAX} rows" if self.plain_t is not None else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, oneDNN-packed{plain}"
 
 
 def _packed_linear(rows: torch.Tensor, index: int, out_features: int) -> torch.Tensor:
@@ -89,14 +115,14 @@ class PackedSplitLinear(nn.Module):
     """Linears of one input packed as one: ``x @ [W1; W2; ...].T``, split back into each
     linear's output (views of one result: no copy)."""
 
-    def __init__(self, linears: list[nn.Linear]) -> None:
+    def __init__(self, linears: list[nn.Linear], plain_copy: bool = False) -> None:
         super().__init__()
         biases = [lin.bias for lin in linears]
         assert all(b is None for b in biases) or all(b is not None for b in biases)
         weight = torch.cat([lin.weight.detach() for lin in linears])
         bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
         self.sizes = [lin.out_features for lin in linears]
-        self.inner = PackedLinear(weight, bias)
+        self.inner = PackedLinear(weight, bias, plain_copy)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return tuple(self.inner(x).split(self.sizes, dim=-1))
@@ -112,6 +138,7 @@ class PackReport:
     packed: int
     skipped_reason: str | None = None
     fused: int = 0  # groups of linears packed as one (each group counts once in `packed`)
+    plain_copy_bytes: int = 0  # the plain copies kept beside the packed weights (0: none)
 
 
 def packing_unsupported(device: torch.device, dtype: torch.dtype) -> str | None:
@@ -134,21 +161,26 @@ def pack_linears(
     device: torch.device,
     dtype: torch.dtype,
     min_elements: int | None = None,
+    plain_copies: str = "off",
 ) -> PackReport:
     """Replace every packable linear of `model` in place (once, after the weights are loaded).
 
     A module is packable when it is an `nn.Linear` whose weight has the compute dtype, or defines
-    ``packed() -> nn.Module`` (the tensor-parallel layers: the local matmul packed, the
+    ``packed(plain_copy) -> nn.Module`` (the tensor-parallel layers: the local matmul packed, the
     all-reduce kept), and its weight has at least `min_elements` entries (default
     `PACK_MIN_ELEMENTS`, read at call time). Weights kept in float32 by a lower-precision model
-    (MoE routers) stay eager.
+    (MoE routers) stay eager. `plain_copies` ("auto", "on", "off": `plain_weight_copy`) says
+    whether each packed weight keeps its plain copy for one- and two-row steps
+    (`keeps_plain_copies`).
     """
     least = PACK_MIN_ELEMENTS if min_elements is None else min_elements
     reason = packing_unsupported(device, dtype)
     if reason is not None:
         logger.info("linear weights left unpacked: %s", reason)
         return PackReport(0, reason)
-    fused = fuse_linears(model, dtype, least)
+    copy_bytes = packable_bytes(model, dtype, least)
+    plain = keeps_plain_copies(plain_copies, dtype, copy_bytes, available_memory())
+    fused = fuse_linears(model, dtype, least, plain)
     targets = [
         (parent, name, child)
         for parent in model.modules()
@@ -156,15 +188,56 @@ def pack_linears(
         if _packable(child, dtype, least)
     ]
     for parent, name, child in targets:
-        setattr(parent, name, _packed(child))
+        setattr(parent, name, _packed(child, plain))
     logger.info(
         "packed %d linear weights for oneDNN, %d of them fused groups (%s; smaller than %d "
-        "entries: eager)", len(targets) + fused, fused, dtype, least,
+        "entries: eager); plain copies for <= %d rows: %s", len(targets) + fused, fused, dtype,
+        least, PLAIN_ROWS_MAX, f"{copy_bytes / 1e6:.1f} MB" if plain else f"none ({plain_copies})",
     )  # fmt: skip
-    return PackReport(len(targets) + fused, fused=fused)
+    return PackReport(len(targets) + fused, fused=fused, plain_copy_bytes=copy_bytes if plain else 0)
 
 
-def fuse_linears(model: nn.Module, dtype: torch.dtype, least: int) -> int:
+def keeps_plain_copies(mode: str, dtype: torch.dtype, copy_bytes: int, available: int) -> bool:
+    """`plain_weight_copy`'s decision: "on" and "off" as said; "auto" keeps the copies of a
+    float32 model when their `copy_bytes` fit in `PLAIN_COPY_MEMORY_SHARE` of `available`."""
+    if mode not in ("auto", "on", "off"):
+        raise ValueError(f"plain copies must be auto, on or off, got {mode!r}")
+    if mode != "auto":
+        return mode == "on"
+    return dtype == torch.float32 and copy_bytes <= PLAIN_COPY_MEMORY_SHARE * available
+
+
+def available_memory() -> int:
+    """Bytes of memory available to a new allocation (Linux ``MemAvailable``: free memory plus
+    what the page cache would give back; elsewhere the free pages)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def packable_bytes(model: nn.Module, dtype: torch.dtype, least: int) -> int:
+    """Bytes of the weights `pack_linears` would pack (read before it packs them): each
+    fusable group's members and every other packable module."""
+    grouped: set[int] = set()
+    for module in model.modules():
+        for _fused_name, names in getattr(module, "FUSED_LINEARS", ()):
+            members = [getattr(module, n, None) for n in names]
+            if _fusable(members, dtype, least):
+                grouped.update(id(m) for m in members)
+    total = 0
+    for module in model.modules():
+        w = getattr(module, "weight", None)
+        if isinstance(w, torch.Tensor) and (id(module) in grouped or _packable(module, dtype, least)):
+            total += w.numel() * w.element_size()
+    return total
+
+
+def fuse_linears(model: nn.Module, dtype: torch.dtype, least: int, plain_copy: bool = False) -> int:
     """Pack each group a module lists in ``FUSED_LINEARS`` (``(fused name, (member names))``)
     as one `PackedSplitLinear` under the fused name; the members become None. A group fuses
     when every member is a plain `nn.Linear` of the compute dtype on the CPU (not a
@@ -176,7 +249,7 @@ def fuse_linears(model: nn.Module, dtype: torch.dtype, least: int) -> int:
             members = [getattr(module, n, None) for n in names]
             if not _fusable(members, dtype, least):
                 continue
-            setattr(module, fused_name, PackedSplitLinear(members))  # type: ignore[arg-type]
+            setattr(module, fused_name, PackedSplitLinear(members, plain_copy))  # type: ignore[arg-type]
             for n in names:
                 setattr(module, n, None)
             count += 1
@@ -207,9 +280,9 @@ def _packable(module: nn.Module, dtype: torch.dtype, least: int) -> bool:
     )
 
 
-def _packed(module: nn.Module) -> nn.Module:
+def _packed(module: nn.Module, plain_copy: bool) -> nn.Module:
     if isinstance(module, nn.Linear):
-        return PackedLinear(module.weight, module.bias)
-    replacement = module.packed()  # type: ignore[operator]
+        return PackedLinear(module.weight, module.bias, plain_copy)
+    replacement = module.packed(plain_copy)  # type: ignore[operator]
     assert isinstance(replacement, nn.Module), f"{type(module).__name__}.packed()"
     return replacement

@@ -65,9 +65,9 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
 
-    def packed(self) -> nn.Module:
+    def packed(self, plain_copy: bool = False) -> nn.Module:
         """This shard with its weight packed for oneDNN (`worker.models.packed`)."""
-        return PackedLinear(self.weight, self.bias)
+        return PackedLinear(self.weight, self.bias, plain_copy)
 
 
 class RowParallelLinear(nn.Module):
@@ -84,9 +84,10 @@ class RowParallelLinear(nn.Module):
         y = self.group.all_reduce(F.linear(x, self.weight))
         return y if self.bias is None else y + self.bias
 
-    def packed(self) -> nn.Module:
+    def packed(self, plain_copy: bool = False) -> nn.Module:
         """This shard's local product packed for oneDNN; the all-reduce and bias unchanged."""
-        return PackedRowParallelLinear(PackedLinear(self.weight, None), self.bias, self.group)
+        local = PackedLinear(self.weight, None, plain_copy)
+        return PackedRowParallelLinear(local, self.bias, self.group)
 
 
 class PackedRowParallelLinear(nn.Module):
@@ -137,6 +138,6 @@ class VocabParallelHead(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight)
 
-    def packed(self) -> nn.Module:
+    def packed(self, plain_copy: bool = False) -> nn.Module:
         """This slice of the head packed for oneDNN (`worker.models.packed`)."""
-        return PackedLinear(self.weight, None)
+        return PackedLinear(self.weight, None, plain_copy)

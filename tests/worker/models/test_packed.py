@@ -14,20 +14,27 @@ from tests.worker.models.test_parity import MAX_NEW, check_against_hf
 from worker.models.loader import load_model
 from worker.models.packed import (
     PACK_MIN_ELEMENTS,
+    PLAIN_ROWS_MAX,
     PackedLinear,
     PackedSplitLinear,
     PackReport,
+    keeps_plain_copies,
     pack_linears,
+    packable_bytes,
     packing_unsupported,
 )
 from worker.models.self_attention import SelfAttention
 
 
-def _packed_model(archs: Archs, name: str) -> nn.Module:
+def _packed_model(archs: Archs, name: str, plain: str = "off") -> nn.Module:
     arch = archs[name]
     model = load_model(arch.tiny.path, arch.spec)  # a fresh copy: the shared one stays eager
-    report = pack_linears(model, torch.device("cpu"), torch.float32, min_elements=0)
+    weights = packable_bytes(model, torch.float32, 0)
+    report = pack_linears(model, torch.device("cpu"), torch.float32, min_elements=0, plain_copies=plain)
     assert report.packed > 0 and report.skipped_reason is None
+    assert report.plain_copy_bytes == (weights if plain == "on" else 0)
+    kept = [m.plain_t for m in model.modules() if isinstance(m, PackedLinear)]
+    assert all((t is not None) == (plain == "on") for t in kept)
     assert not any(type(m) is nn.Linear for m in model.modules()), "an nn.Linear was left eager"
     assert isinstance(model.lm_head, PackedLinear)
     attention = [m for m in model.modules() if isinstance(m, SelfAttention)]
@@ -37,11 +44,13 @@ def _packed_model(archs: Archs, name: str) -> nn.Module:
     return model
 
 
+@pytest.mark.parametrize("plain", ["off", "on"])
 @pytest.mark.parametrize("name", ARCHS)
-def test_packed_model_matches_transformers(archs: Archs, name: str) -> None:
-    """A prompt of ~3 windows plus a 2-token one, prefilled and decoded together, packed."""
+def test_packed_model_matches_transformers(archs: Archs, name: str, plain: str) -> None:
+    """A prompt of ~3 windows plus a 2-token one, prefilled and decoded together, packed; with
+    plain copies the two-row decode steps run on them and the prefill on the packed weights."""
     arch = archs[name]
-    drv = Driver(arch.spec, _packed_model(archs, name), page_size=4)
+    drv = Driver(arch.spec, _packed_model(archs, name, plain), page_size=4)
     seqs = [drv.add(prompt_of(n, seed=50 + n), MAX_NEW) for n in (3 * arch.window + 1, 2)]
     drv.run(seqs)
     for s in seqs:
@@ -125,3 +134,47 @@ def test_members_that_differ_are_packed_one_by_one() -> None:
 def test_a_packed_linear_says_what_it_is() -> None:
     packed = PackedLinear(torch.zeros(8, 4), None)
     assert "in_features=4, out_features=8, oneDNN-packed" in repr(packed)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_plain_copy_serves_steps_of_at_most_two_rows(bias: bool) -> None:
+    """Up to PLAIN_ROWS_MAX rows the product is MKL's over the transposed copy, bit for bit;
+    from one row more it is oneDNN's over the packed weight, bit for bit; both equal F.linear."""
+    torch.manual_seed(2)
+    lin = nn.Linear(96, 80, bias=bias)
+    with_copy, without = PackedLinear(lin.weight, lin.bias, plain_copy=True), PackedLinear(lin.weight, lin.bias)
+    assert with_copy.plain_t is not None and without.plain_t is None
+    assert with_copy.plain_t.shape == (96, 80) and with_copy.plain_t.is_contiguous()
+    assert "plain copy for <= 2 rows" in repr(with_copy)
+    weight_t = lin.weight.detach().t().contiguous()
+    for rows in (1, PLAIN_ROWS_MAX, PLAIN_ROWS_MAX + 1, 8):
+        x = torch.randn(rows, 96)
+        got = with_copy(x)
+        if rows <= PLAIN_ROWS_MAX:
+            want = x @ weight_t if lin.bias is None else torch.addmm(lin.bias.detach(), x, weight_t)
+        else:
+            want = without(x)
+        assert torch.equal(got, want), rows
+        torch.testing.assert_close(got, lin(x).detach(), rtol=1e-5, atol=1e-5)
+    assert with_copy(torch.randn(3, 1, 96)).shape == (3, 1, 80)  # 3 rows under a leading shape
+
+
+def test_plain_copies_are_kept_when_asked_or_when_they_fit() -> None:
+    gib = 1 << 30
+    assert keeps_plain_copies("on", torch.bfloat16, 100 * gib, gib)
+    assert not keeps_plain_copies("off", torch.float32, 1, 100 * gib)
+    assert keeps_plain_copies("auto", torch.float32, gib, 4 * gib)  # a quarter
+    assert not keeps_plain_copies("auto", torch.float32, gib + 1, 4 * gib)
+    assert not keeps_plain_copies("auto", torch.bfloat16, 1, 100 * gib)  # float32 only (measured)
+    with pytest.raises(ValueError, match="auto, on or off"):
+        keeps_plain_copies("yes", torch.float32, 1, gib)
+
+
+def test_packable_bytes_counts_what_packs() -> None:
+    """A fused group's small members count (they pack together), a small lone layer does not."""
+    big, small_a, small_b = nn.Linear(512, 512, bias=False), nn.Linear(64, 48), nn.Linear(64, 16)
+    model = nn.Sequential(big, _Pair(small_a, small_b), nn.Linear(8, 8))
+    assert packable_bytes(model, torch.float32, 512 * 512) == 512 * 512 * 4  # the pair: 64 x 64
+    assert packable_bytes(model, torch.float32, 0) == (512 * 512 + 64 * 64 + 8 * 8) * 4
+    report = pack_linears(model, torch.device("cpu"), torch.float32, min_elements=0, plain_copies="on")
+    assert report.plain_copy_bytes == (512 * 512 + 64 * 64 + 8 * 8) * 4

@@ -3,9 +3,11 @@ computes what its eager forward computes; the row-parallel one keeps its all-red
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
+from worker.models.packed import PackedLinear
 from worker.parallel.layers import (
     ColumnParallelLinear,
     PackedRowParallelLinear,
@@ -32,18 +34,22 @@ def _filled(module: nn.Module) -> nn.Module:
     return module
 
 
-def test_packed_shards_match_their_eager_forward() -> None:
-    """Column, row (with the all-reduce and bias after it) and vocab-head shards, packed."""
+@pytest.mark.parametrize("plain_copy", [False, True])
+@pytest.mark.parametrize("rows", [1, 5])
+def test_packed_shards_match_their_eager_forward(rows: int, plain_copy: bool) -> None:
+    """Column, row (with the all-reduce and bias after it) and vocab-head shards, packed; with
+    plain copies (a one-row step runs on them)."""
     group = _DoublingGroup()
-    x = torch.randn(5, 64)
+    x = torch.randn(rows, 64)
     shards = [
         _filled(ColumnParallelLinear(nn.Linear(64, 96, bias=True), 48)),
         _filled(RowParallelLinear(nn.Linear(128, 64, bias=True), 64, group)),  # type: ignore[arg-type]
         _filled(VocabParallelHead(nn.Linear(64, 100, bias=False), 50)),
     ]
     for shard in shards:
-        packed = shard.packed()
+        packed = shard.packed(plain_copy)
         assert not isinstance(packed, type(shard))
+        assert all((m.plain_t is not None) == plain_copy for m in packed.modules() if isinstance(m, PackedLinear))
         torch.testing.assert_close(packed(x), shard(x), rtol=1e-5, atol=1e-5)
     assert isinstance(shards[1].packed(), PackedRowParallelLinear)
     assert group.reduced == 2  # eager and packed row-parallel forward each reduced once
