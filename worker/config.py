@@ -232,8 +232,8 @@ class EngineConfig:
     plain_weight_copy: str = knob(
         "auto",
         "CPU, where compile packs the linear weights: keep beside each packed weight a plain "
-        "(transposed) copy for steps of at most 2 rows — one decode row is ~1.6x faster on it "
-        "than through oneDNN's packed layout — at the cost of the linear weights' memory once "
+        "(transposed) copy for one-row steps — one decode row is ~1.6x faster on it than "
+        "through oneDNN's packed layout — at the cost of the linear weights' memory once "
         "more. auto: on for float32 when the copies fit in a quarter of the memory available "
         "at load; on; off.",
         choices=PLAIN_WEIGHT_COPY_MODES,

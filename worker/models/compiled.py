@@ -209,7 +209,7 @@ def prepare_model(
         else:
             done.append(f"{report.packed} linears packed")
             if report.plain_copy_bytes:
-                done.append(f"plain copies for one- and two-row steps ({report.plain_copy_bytes / 1e6:.1f} MB)")
+                done.append(f"plain copies for one-row steps ({report.plain_copy_bytes / 1e6:.1f} MB)")
     if backend is not None:
         model.compiled = CompiledForward(model, backend)
         done.append(f"torch.compile({backend}), attention opaque")

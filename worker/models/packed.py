@@ -16,11 +16,10 @@ attribute, not a parameter, so `state_dict` no longer lists it and the unpacked 
 (a tied LM head packs its own copy; the embedding keeps the original).
 
 One row is the exception: there MKL's matrix-vector product over the plain weight, transposed
-once to ``[in, out]``, reads it ~1.6x faster than oneDNN reads its blocked layout (two rows
-~1.1x; from four rows on the packed layout wins). With ``plain_copies`` (`EngineConfig`
-``plain_weight_copy``) a `PackedLinear` keeps that copy too and multiplies steps of at most
-`PLAIN_ROWS_MAX` rows on it: decode at concurrency 1–2 at the price of the linear weights'
-memory once more.
+once to ``[in, out]``, reads it ~1.6x faster than oneDNN reads its blocked layout (from two
+rows on the packed layout is as fast or faster). With ``plain_copies`` (`EngineConfig`
+``plain_weight_copy``) a `PackedLinear` keeps that copy too and multiplies one-row steps on it
+(decode at concurrency 1), at the price of the linear weights' memory once more.
 """
 
 from __future__ import annotations
@@ -44,8 +43,9 @@ PACK_MIN_ELEMENTS = 1 << 18
 
 # A step of at most this many rows multiplies on the plain copy when a `PackedLinear` keeps one.
 # One thread, the 46M Gemma-3's linears (docs/design.md §19): 1 row 14.6 ms plain vs 23.0
-# packed, 2 rows 23.3 vs 25.8, 4 rows 37.6 vs 31.3.
-PLAIN_ROWS_MAX = 2
+# packed; 2 rows 23.3 vs 25.8 alone, but the engine's batch-2 decode step was no faster with the
+# copy, so one row only; 4 rows 37.6 vs 31.3.
+PLAIN_ROWS_MAX = 1
 # `plain_weight_copy: auto` keeps the copies (float32 only: the measured case) when they fit in
 # this share of the memory available at load.
 PLAIN_COPY_MEMORY_SHARE = 0.25
@@ -170,7 +170,7 @@ def pack_linears(
     all-reduce kept), and its weight has at least `min_elements` entries (default
     `PACK_MIN_ELEMENTS`, read at call time). Weights kept in float32 by a lower-precision model
     (MoE routers) stay eager. `plain_copies` ("auto", "on", "off": `plain_weight_copy`) says
-    whether each packed weight keeps its plain copy for one- and two-row steps
+    whether each packed weight keeps its plain copy for one-row steps
     (`keeps_plain_copies`).
     """
     least = PACK_MIN_ELEMENTS if min_elements is None else min_elements

@@ -47,13 +47,15 @@ def _packed_model(archs: Archs, name: str, plain: str = "off") -> nn.Module:
 @pytest.mark.parametrize("plain", ["off", "on"])
 @pytest.mark.parametrize("name", ARCHS)
 def test_packed_model_matches_transformers(archs: Archs, name: str, plain: str) -> None:
-    """A prompt of ~3 windows plus a 2-token one, prefilled and decoded together, packed; with
-    plain copies the two-row decode steps run on them and the prefill on the packed weights."""
+    """A prompt of ~3 windows plus a 2-token one, prefilled and decoded together, then a third
+    prompt alone, packed; with plain copies the third's one-row decode steps run on them."""
     arch = archs[name]
     drv = Driver(arch.spec, _packed_model(archs, name, plain), page_size=4)
     seqs = [drv.add(prompt_of(n, seed=50 + n), MAX_NEW) for n in (3 * arch.window + 1, 2)]
     drv.run(seqs)
-    for s in seqs:
+    alone = drv.add(prompt_of(arch.window + 3, seed=7), MAX_NEW)
+    drv.run([alone])
+    for s in [*seqs, alone]:
         check_against_hf(arch, s)
 
 
@@ -137,17 +139,19 @@ def test_a_packed_linear_says_what_it_is() -> None:
 
 
 @pytest.mark.parametrize("bias", [False, True])
-def test_a_plain_copy_serves_steps_of_at_most_two_rows(bias: bool) -> None:
-    """Up to PLAIN_ROWS_MAX rows the product is MKL's over the transposed copy, bit for bit;
-    from one row more it is oneDNN's over the packed weight, bit for bit; both equal F.linear."""
+def test_a_plain_copy_serves_one_row_steps(bias: bool) -> None:
+    """Up to PLAIN_ROWS_MAX rows (one) the product is MKL's over the transposed copy, bit for
+    bit; from one row more it is oneDNN's over the packed weight, bit for bit; both equal
+    F.linear."""
     torch.manual_seed(2)
     lin = nn.Linear(96, 80, bias=bias)
     with_copy, without = PackedLinear(lin.weight, lin.bias, plain_copy=True), PackedLinear(lin.weight, lin.bias)
     assert with_copy.plain_t is not None and without.plain_t is None
     assert with_copy.plain_t.shape == (96, 80) and with_copy.plain_t.is_contiguous()
-    assert "plain copy for <= 2 rows" in repr(with_copy)
+    assert "plain copy for <= 1 rows" in repr(with_copy)
     weight_t = lin.weight.detach().t().contiguous()
-    for rows in (1, PLAIN_ROWS_MAX, PLAIN_ROWS_MAX + 1, 8):
+    assert PLAIN_ROWS_MAX == 1
+    for rows in (1, 2, 3, 8):
         x = torch.randn(rows, 96)
         got = with_copy(x)
         if rows <= PLAIN_ROWS_MAX:
@@ -156,7 +160,7 @@ def test_a_plain_copy_serves_steps_of_at_most_two_rows(bias: bool) -> None:
             want = without(x)
         assert torch.equal(got, want), rows
         torch.testing.assert_close(got, lin(x).detach(), rtol=1e-5, atol=1e-5)
-    assert with_copy(torch.randn(3, 1, 96)).shape == (3, 1, 80)  # 3 rows under a leading shape
+    assert with_copy(torch.randn(1, 1, 96)).shape == (1, 1, 80)  # one row under a leading shape
 
 
 def test_plain_copies_are_kept_when_asked_or_when_they_fit() -> None:
