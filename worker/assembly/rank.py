@@ -142,7 +142,7 @@ def _load(
         # (the all-reduces inside the layers are not traced; docs/design.md §19).
         compile_plan = dataclasses.replace(compile_plan, backend=None)
     who = f"rank {group.rank} model" if group.size > 1 else "model"
-    logger.info("%s: %s", who, prepare_model(model, compile_plan, group.device, dtype, config.plain_weight_copy))
+    logger.info("%s: %s", who, prepare_model(model, compile_plan, group.device, dtype, config.small_step_kernel))
     return model
 
 

@@ -192,10 +192,10 @@ def _own_code(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
 
 def prepare_model(
     model: CausalLM, plan: CompilePlan, device: torch.device, dtype: torch.dtype,
-    plain_copies: str = "off",
+    panel_copies: str = "off",
 ) -> str:  # fmt: skip
-    """Apply `plan` to a loaded model, once (in place); the packed linears keep plain copies
-    per `plain_copies` (`plain_weight_copy`). Returns what was done, for the log."""
+    """Apply `plan` to a loaded model, once (in place); the packed linears keep panel copies
+    for small steps per `panel_copies` (`small_step_kernel`). Returns what was done, for the log."""
     done = []
     backend = plan.backend
     parameters = sum(p.numel() for p in model.parameters())  # before packing takes them out
@@ -203,13 +203,13 @@ def prepare_model(
         backend = None
         done.append(f"not compiled ({parameters / 1e6:.1f} M parameters, below {plan.min_parameters / 1e6:.0f} M)")
     if plan.pack:
-        report = pack_linears(model, device, dtype, plain_copies=plain_copies)
+        report = pack_linears(model, device, dtype, panel_copies=panel_copies)
         if report.skipped_reason is not None:
             done.append(f"unpacked ({report.skipped_reason})")
         else:
             done.append(f"{report.packed} linears packed")
-            if report.plain_copy_bytes:
-                done.append(f"plain copies for one-row steps ({report.plain_copy_bytes / 1e6:.1f} MB)")
+            if report.panel_copy_bytes:
+                done.append(f"panel copies for small steps ({report.panel_copy_bytes / 1e6:.1f} MB)")
     if backend is not None:
         model.compiled = CompiledForward(model, backend)
         done.append(f"torch.compile({backend}), attention opaque")

@@ -15,11 +15,13 @@ The packed weight is an opaque oneDNN tensor (layout `torch._mkldnn`): it is kep
 attribute, not a parameter, so `state_dict` no longer lists it and the unpacked copy is freed
 (a tied LM head packs its own copy; the embedding keeps the original).
 
-One row is the exception: there MKL's matrix-vector product over the plain weight, transposed
-once to ``[in, out]``, reads it ~1.6x faster than oneDNN reads its blocked layout (from two
-rows on the packed layout is as fast or faster). With ``plain_copies`` (`EngineConfig`
-``plain_weight_copy``) a `PackedLinear` keeps that copy too and multiplies one-row steps on it
-(decode at concurrency 1), at the price of the linear weights' memory once more.
+Few rows are the exception: oneDNN's blocked layout reads the weight slower than a step of a
+few rows needs (a decode step at concurrency 1-8 reads every weight once for one to eight
+rows). With ``panel_copies`` (`EngineConfig` ``small_step_kernel``) a float32 `PackedLinear`
+also keeps its weight in 16-column panels and multiplies steps of few rows with the C kernel
+`worker.models.panel_kernel` (`PANEL_ROWS_MAX` rows on one torch thread, `PANEL_ROWS_MAX_THREADED`
+on more: the kernel runs on the calling thread), at the price of the linear weights' memory
+once more.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import torch
 from torch import nn
 
 from worker.models.opaque_ops import define_opaque_op
+from worker.models.panel_kernel import pack_panels, pad_bias, panel_kernel, panel_linear
 
 logger = logging.getLogger(__name__)
 
@@ -41,14 +44,18 @@ logger = logging.getLogger(__name__)
 # decode sizes, and a hidden-128 model ran 0.7x packed (measured: docs/design.md §19).
 PACK_MIN_ELEMENTS = 1 << 18
 
-# A step of at most this many rows multiplies on the plain copy when a `PackedLinear` keeps one.
-# One thread, the 46M Gemma-3's linears (docs/design.md §19): 1 row 14.6 ms plain vs 23.0
-# packed; 2 rows 23.3 vs 25.8 alone, but the engine's batch-2 decode step was no faster with the
-# copy, so one row only; 4 rows 37.6 vs 31.3.
-PLAIN_ROWS_MAX = 1
-# `plain_weight_copy: auto` keeps the copies (float32 only: the measured case) when they fit in
-# this share of the memory available at load.
-PLAIN_COPY_MEMORY_SHARE = 0.25
+# A step of at most this many rows multiplies on the panel copy when a `PackedLinear` keeps one.
+# One thread, the 46M Gemma-3's linears, ms at 1 / 2 / 4 / 6 / 8 / 16 / 32 / 64 rows
+# (docs/design.md §19): panels 16.1 / 16.3 / 18.4 / 19.2 / 32.6 / 48.6 / 88.2 / 167 against the
+# packed weight 21.8 / 23.5 / 30.2 / 35.0 / 41.3 / 61.9 / 99.0 / 180 (level at 128-256 rows).
+PANEL_ROWS_MAX = 64
+# With more torch threads oneDNN splits the product while the kernel runs on one: the packed
+# weight wins from 8 rows (two threads: 26.1 against 33.0 ms), so only one tile of rows (the
+# weight read once) takes the kernel.
+PANEL_ROWS_MAX_THREADED = 6
+# `small_step_kernel: auto` keeps the panel copies (float32 models) when they fit in this share
+# of the memory available at load.
+PANEL_COPY_MEMORY_SHARE = 0.25
 
 
 # Every PackedLinear of the process, by index, for the opaque op below (weak: a model that is
@@ -58,19 +65,24 @@ _REGISTRY: list[weakref.ref[PackedLinear]] = []
 
 class PackedLinear(nn.Module):
     """``y = x @ W.T + b`` with `W` reordered once for oneDNN. Inputs of any leading shape.
-    With `plain_copy`, also ``W.T`` contiguous, for steps of at most `PLAIN_ROWS_MAX` rows."""
+    With `panel_copy` (float32), also `W` in the small-step kernel's panels, for steps of few
+    rows (`panel_rows_max`)."""
 
     def __init__(
-        self, weight: torch.Tensor, bias: torch.Tensor | None, plain_copy: bool = False
+        self, weight: torch.Tensor, bias: torch.Tensor | None, panel_copy: bool = False
     ) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
+        kernel = panel_kernel() if panel_copy else None
+        assert kernel is None or weight.dtype == torch.float32, "panels are float32 only"
         with torch.no_grad():
             # CPU, dtype float32/bfloat16/float16 (opaque oneDNN layout)
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous())
             self.bias = None if bias is None else bias.detach().clone()
-            # a plain attribute, as `packed`: not a parameter, not in `state_dict`
-            self.plain_t = weight.detach().t().contiguous() if plain_copy else None
+            # plain attributes, as `packed`: not parameters, not in `state_dict`
+            self.kernel = kernel
+            self.panels = pack_panels(weight.detach()) if kernel is not None else None
+            self.panel_bias = pad_bias(self.bias, self.out_features) if kernel is not None else None
         self.index = len(_REGISTRY)
         _REGISTRY.append(weakref.ref(self))
 
@@ -85,15 +97,19 @@ class PackedLinear(nn.Module):
         return y.view(*x.shape[:-1], self.out_features)
 
     def product(self, rows: torch.Tensor) -> torch.Tensor:
-        if self.plain_t is not None and rows.shape[0] <= PLAIN_ROWS_MAX:
-            if self.bias is None:
-                return torch.mm(rows, self.plain_t)
-            return torch.addmm(self.bias, rows, self.plain_t)
+        if self.panels is not None and rows.shape[0] <= panel_rows_max():
+            return panel_linear(self.kernel, rows, self.panels, self.panel_bias, self.out_features)
         return torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.bias, "none", [], "")
 
     def extra_repr(self) -> str:
-        plain = f", plain copy for <= {PLAIN_ROWS_MAX} rows" if self.plain_t is not None else ""
-        return f"in_features={self.in_features}, out_features={self.out_features}, oneDNN-packed{plain}"
+        panels = ", panel copy for small steps" if self.panels is not None else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, oneDNN-packed{panels}"
+
+
+def panel_rows_max() -> int:
+    """The most rows a step multiplies on the panel copies, for this thread count (read at each
+    call: an engine sets its threads before the first step)."""
+    return PANEL_ROWS_MAX if torch.get_num_threads() == 1 else PANEL_ROWS_MAX_THREADED
 
 
 def _packed_linear(rows: torch.Tensor, index: int, out_features: int) -> torch.Tensor:
@@ -115,14 +131,14 @@ class PackedSplitLinear(nn.Module):
     """Linears of one input packed as one: ``x @ [W1; W2; ...].T``, split back into each
     linear's output (views of one result: no copy)."""
 
-    def __init__(self, linears: list[nn.Linear], plain_copy: bool = False) -> None:
+    def __init__(self, linears: list[nn.Linear], panel_copy: bool = False) -> None:
         super().__init__()
         biases = [lin.bias for lin in linears]
         assert all(b is None for b in biases) or all(b is not None for b in biases)
         weight = torch.cat([lin.weight.detach() for lin in linears])
         bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
         self.sizes = [lin.out_features for lin in linears]
-        self.inner = PackedLinear(weight, bias, plain_copy)
+        self.inner = PackedLinear(weight, bias, panel_copy)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return tuple(self.inner(x).split(self.sizes, dim=-1))
@@ -138,7 +154,7 @@ class PackReport:
     packed: int
     skipped_reason: str | None = None
     fused: int = 0  # groups of linears packed as one (each group counts once in `packed`)
-    plain_copy_bytes: int = 0  # the plain copies kept beside the packed weights (0: none)
+    panel_copy_bytes: int = 0  # the panel copies kept beside the packed weights (0: none)
 
 
 def packing_unsupported(device: torch.device, dtype: torch.dtype) -> str | None:
@@ -161,17 +177,17 @@ def pack_linears(
     device: torch.device,
     dtype: torch.dtype,
     min_elements: int | None = None,
-    plain_copies: str = "off",
+    panel_copies: str = "off",
 ) -> PackReport:
     """Replace every packable linear of `model` in place (once, after the weights are loaded).
 
     A module is packable when it is an `nn.Linear` whose weight has the compute dtype, or defines
-    ``packed(plain_copy) -> nn.Module`` (the tensor-parallel layers: the local matmul packed, the
+    ``packed(panel_copy) -> nn.Module`` (the tensor-parallel layers: the local matmul packed, the
     all-reduce kept), and its weight has at least `min_elements` entries (default
     `PACK_MIN_ELEMENTS`, read at call time). Weights kept in float32 by a lower-precision model
-    (MoE routers) stay eager. `plain_copies` ("auto", "on", "off": `plain_weight_copy`) says
-    whether each packed weight keeps its plain copy for one-row steps
-    (`keeps_plain_copies`).
+    (MoE routers) stay eager. `panel_copies` ("auto", "on", "off": `small_step_kernel`) says
+    whether each packed weight also keeps its panel copy for small steps
+    (`keeps_panel_copies`, and the kernel must build).
     """
     least = PACK_MIN_ELEMENTS if min_elements is None else min_elements
     reason = packing_unsupported(device, dtype)
@@ -179,8 +195,11 @@ def pack_linears(
         logger.info("linear weights left unpacked: %s", reason)
         return PackReport(0, reason)
     copy_bytes = packable_bytes(model, dtype, least)
-    plain = keeps_plain_copies(plain_copies, dtype, copy_bytes, available_memory())
-    fused = fuse_linears(model, dtype, least, plain)
+    panels = keeps_panel_copies(panel_copies, dtype, copy_bytes, available_memory())
+    no_panels = f"none (small_step_kernel {panel_copies}, {dtype})"
+    if panels and panel_kernel() is None:
+        panels, no_panels = False, "none (the kernel did not build: see above)"
+    fused = fuse_linears(model, dtype, least, panels)
     targets = [
         (parent, name, child)
         for parent in model.modules()
@@ -188,23 +207,25 @@ def pack_linears(
         if _packable(child, dtype, least)
     ]
     for parent, name, child in targets:
-        setattr(parent, name, _packed(child, plain))
+        setattr(parent, name, _packed(child, panels))
     logger.info(
         "packed %d linear weights for oneDNN, %d of them fused groups (%s; smaller than %d "
-        "entries: eager); plain copies for <= %d rows: %s", len(targets) + fused, fused, dtype,
-        least, PLAIN_ROWS_MAX, f"{copy_bytes / 1e6:.1f} MB" if plain else f"none ({plain_copies})",
+        "entries: eager); panel copies for steps of <= %d rows (<= %d on more threads): %s",
+        len(targets) + fused, fused, dtype, least, PANEL_ROWS_MAX, PANEL_ROWS_MAX_THREADED,
+        f"{copy_bytes / 1e6:.1f} MB" if panels else no_panels,
     )  # fmt: skip
-    return PackReport(len(targets) + fused, fused=fused, plain_copy_bytes=copy_bytes if plain else 0)
+    return PackReport(len(targets) + fused, fused=fused, panel_copy_bytes=copy_bytes if panels else 0)
 
 
-def keeps_plain_copies(mode: str, dtype: torch.dtype, copy_bytes: int, available: int) -> bool:
-    """`plain_weight_copy`'s decision: "on" and "off" as said; "auto" keeps the copies of a
-    float32 model when their `copy_bytes` fit in `PLAIN_COPY_MEMORY_SHARE` of `available`."""
+def keeps_panel_copies(mode: str, dtype: torch.dtype, copy_bytes: int, available: int) -> bool:
+    """`small_step_kernel`'s decision (the kernel is float32 only): "off" never; "on" for a
+    float32 model; "auto" for a float32 model whose copies' `copy_bytes` fit in
+    `PANEL_COPY_MEMORY_SHARE` of `available`."""
     if mode not in ("auto", "on", "off"):
-        raise ValueError(f"plain copies must be auto, on or off, got {mode!r}")
-    if mode != "auto":
-        return mode == "on"
-    return dtype == torch.float32 and copy_bytes <= PLAIN_COPY_MEMORY_SHARE * available
+        raise ValueError(f"small_step_kernel must be auto, on or off, got {mode!r}")
+    if mode == "off" or dtype != torch.float32:
+        return False
+    return mode == "on" or copy_bytes <= PANEL_COPY_MEMORY_SHARE * available
 
 
 def available_memory() -> int:
@@ -237,7 +258,7 @@ def packable_bytes(model: nn.Module, dtype: torch.dtype, least: int) -> int:
     return total
 
 
-def fuse_linears(model: nn.Module, dtype: torch.dtype, least: int, plain_copy: bool = False) -> int:
+def fuse_linears(model: nn.Module, dtype: torch.dtype, least: int, panel_copy: bool = False) -> int:
     """Pack each group a module lists in ``FUSED_LINEARS`` (``(fused name, (member names))``)
     as one `PackedSplitLinear` under the fused name; the members become None. A group fuses
     when every member is a plain `nn.Linear` of the compute dtype on the CPU (not a
@@ -249,7 +270,7 @@ def fuse_linears(model: nn.Module, dtype: torch.dtype, least: int, plain_copy: b
             members = [getattr(module, n, None) for n in names]
             if not _fusable(members, dtype, least):
                 continue
-            setattr(module, fused_name, PackedSplitLinear(members, plain_copy))  # type: ignore[arg-type]
+            setattr(module, fused_name, PackedSplitLinear(members, panel_copy))  # type: ignore[arg-type]
             for n in names:
                 setattr(module, n, None)
             count += 1
@@ -280,9 +301,9 @@ def _packable(module: nn.Module, dtype: torch.dtype, least: int) -> bool:
     )
 
 
-def _packed(module: nn.Module, plain_copy: bool) -> nn.Module:
+def _packed(module: nn.Module, panel_copy: bool) -> nn.Module:
     if isinstance(module, nn.Linear):
-        return PackedLinear(module.weight, module.bias, plain_copy)
-    replacement = module.packed(plain_copy)  # type: ignore[operator]
+        return PackedLinear(module.weight, module.bias, panel_copy)
+    replacement = module.packed(panel_copy)  # type: ignore[operator]
     assert isinstance(replacement, nn.Module), f"{type(module).__name__}.packed()"
     return replacement

@@ -65,9 +65,9 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
 
-    def packed(self, plain_copy: bool = False) -> nn.Module:
+    def packed(self, panel_copy: bool = False) -> nn.Module:
         """This shard with its weight packed for oneDNN (`worker.models.packed`)."""
-        return PackedLinear(self.weight, self.bias, plain_copy)
+        return PackedLinear(self.weight, self.bias, panel_copy)
 
 
 class RowParallelLinear(nn.Module):
@@ -84,9 +84,9 @@ class RowParallelLinear(nn.Module):
         y = self.group.all_reduce(F.linear(x, self.weight))
         return y if self.bias is None else y + self.bias
 
-    def packed(self, plain_copy: bool = False) -> nn.Module:
+    def packed(self, panel_copy: bool = False) -> nn.Module:
         """This shard's local product packed for oneDNN; the all-reduce and bias unchanged."""
-        local = PackedLinear(self.weight, None, plain_copy)
+        local = PackedLinear(self.weight, None, panel_copy)
         return PackedRowParallelLinear(local, self.bias, self.group)
 
 
@@ -138,6 +138,6 @@ class VocabParallelHead(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight)
 
-    def packed(self, plain_copy: bool = False) -> nn.Module:
+    def packed(self, panel_copy: bool = False) -> nn.Module:
         """This slice of the head packed for oneDNN (`worker.models.packed`)."""
-        return PackedLinear(self.weight, None, plain_copy)
+        return PackedLinear(self.weight, None, panel_copy)

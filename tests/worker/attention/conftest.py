@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from worker import native
 from worker.attention import cpu_kernel
 
 
@@ -31,7 +32,7 @@ class FakePool:
 
 def kernel_missing() -> str | None:
     """Why the CPU kernel cannot run here (no C compiler, or the build failed); None: it can."""
-    if cpu_kernel._compiler() is None:
+    if native.compiler() is None:
         return "no C compiler: the CPU attention kernel cannot be built here"
     if cpu_kernel._load() is None:
         return "the CPU attention kernel did not build (see the log)"

@@ -16,6 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.worker.attention.conftest import FakePool, kernel_missing
+from worker import native
 from worker.attention import cpu_kernel
 from worker.attention.base import AttentionLayer, AttnBatch, KVView, check_views
 from worker.attention.torch_backend import TorchBackend
@@ -158,7 +159,7 @@ def test_every_register_layout_equals_gather_path(
 ) -> None:
     """The kernel built for a narrower vector unit than this CPU's (its blocks sized to that
     unit's registers) attends exactly as the gather path too."""
-    monkeypatch.setattr(cpu_kernel, "COMPILE_FLAGS", (*cpu_kernel.COMPILE_FLAGS, flag))
+    monkeypatch.setattr(native, "COMPILE_FLAGS", (*native.COMPILE_FLAGS, flag))
     assert cpu_kernel.attention_kernel() is not None  # built with the flag, into the fresh cache
     assert len(list(fresh_load.iterdir())) == 1
     for c in _LAYOUT_CASES:
@@ -191,14 +192,14 @@ def fresh_load(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
 
 @needs_kernel
 def test_built_once_into_the_cache(fresh_load: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    cc = cpu_kernel._compiler()
+    cc = native.compiler()
     assert cc is not None
-    first = cpu_kernel._build(cc)
+    first = native.build(cc, cpu_kernel.SOURCE)
     assert first.parent == fresh_load and first.exists()
     runs = []
-    real = cpu_kernel.subprocess.run
-    monkeypatch.setattr(cpu_kernel.subprocess, "run", lambda cmd, **kw: runs.append(cmd) or real(cmd, **kw))
-    assert cpu_kernel._build(cc) == first
+    real = native.subprocess.run
+    monkeypatch.setattr(native.subprocess, "run", lambda cmd, **kw: runs.append(cmd) or real(cmd, **kw))
+    assert native.build(cc, cpu_kernel.SOURCE) == first
     assert [cmd[1:] for cmd in runs] == [["--version"]]  # no compile the second time
     assert list(fresh_load.iterdir()) == [first]  # no temporary files left
 
@@ -212,7 +213,7 @@ def test_unwritable_cache_builds_into_a_private_temp_dir(fresh_load, tmp_path, m
     monkeypatch.setenv("SWASERVE_KERNEL_CACHE", str(blocker / "cache"))
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
     (tmp_path / "tmp").mkdir()
-    with caplog.at_level(logging.INFO, logger=cpu_kernel.__name__):
+    with caplog.at_level(logging.INFO, logger="worker"):
         assert TorchBackend(_pool()).kernel is not None  # type: ignore[arg-type]
     assert "private temporary directory" in caplog.text
     assert list((tmp_path / "tmp").iterdir()) == []
@@ -221,17 +222,17 @@ def test_unwritable_cache_builds_into_a_private_temp_dir(fresh_load, tmp_path, m
 @needs_kernel
 def test_the_cache_directory_is_created_private(fresh_load: Path) -> None:
     """A new cache directory is 0700 whatever the umask allows."""
-    cc = cpu_kernel._compiler()
+    cc = native.compiler()
     assert cc is not None
-    cpu_kernel._build(cc)
+    native.build(cc, cpu_kernel.SOURCE)
     assert stat.S_IMODE(os.lstat(fresh_load).st_mode) == 0o700
 
 
 def _plant(directory: Path) -> Path:
     """Garbage under the kernel's exact name: loading it would fail (and run it, were it real)."""
-    cc = cpu_kernel._compiler()
+    cc = native.compiler()
     assert cc is not None
-    planted = directory / cpu_kernel.kernel_name(cc)
+    planted = directory / native.kernel_name(cc, cpu_kernel.SOURCE)
     planted.write_bytes(b"not a shared object")
     return planted
 
@@ -267,7 +268,7 @@ def test_a_planted_kernel_in_an_untrusted_cache_is_never_loaded(
         fresh_load.symlink_to(real_dir)
     else:
         _other_owner(monkeypatch, fresh_load)
-    with caplog.at_level(logging.WARNING, logger=cpu_kernel.__name__):
+    with caplog.at_level(logging.WARNING, logger="worker"):
         assert TorchBackend(_pool()).kernel is not None  # type: ignore[arg-type]
     assert "refusing it" in caplog.text
     assert planted.read_bytes() == b"not a shared object"
@@ -280,7 +281,7 @@ def test_a_kernel_others_may_write_is_rebuilt(fresh_load: Path, caplog: pytest.L
     fresh_load.mkdir(mode=0o700)
     planted = _plant(fresh_load)
     os.chmod(planted, 0o666)
-    with caplog.at_level(logging.WARNING, logger=cpu_kernel.__name__):
+    with caplog.at_level(logging.WARNING, logger="worker"):
         assert TorchBackend(_pool()).kernel is not None  # type: ignore[arg-type]
     assert "others may write" in caplog.text
     assert planted.read_bytes() != b"not a shared object"
@@ -292,8 +293,8 @@ def _pool() -> FakePool:
 
 
 def test_no_compiler_means_the_gather_path(fresh_load, monkeypatch, caplog) -> None:
-    monkeypatch.setattr(cpu_kernel, "_compiler", lambda: None)
-    with caplog.at_level(logging.INFO, logger=cpu_kernel.__name__):
+    monkeypatch.setattr(native, "compiler", lambda: None)
+    with caplog.at_level(logging.INFO, logger="worker"):
         assert TorchBackend(_pool()).kernel is None  # type: ignore[arg-type]
     assert "no C compiler" in caplog.text
     with pytest.raises(ValueError, match="cannot run"):
@@ -305,7 +306,7 @@ def test_failed_build_means_the_gather_path(fresh_load, tmp_path, monkeypatch, c
     broken = tmp_path / "broken.c"
     broken.write_text("int swaserve_attention_f32(void) { return not C; }\n")
     monkeypatch.setattr(cpu_kernel, "SOURCE", broken)
-    with caplog.at_level(logging.WARNING, logger=cpu_kernel.__name__):
+    with caplog.at_level(logging.WARNING, logger="worker"):
         assert TorchBackend(_pool()).kernel is None  # type: ignore[arg-type]
     assert "CPU attention kernel off" in caplog.text and "failed" in caplog.text
     assert not list(fresh_load.glob("*.so"))

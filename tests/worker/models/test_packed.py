@@ -14,27 +14,34 @@ from tests.worker.models.test_parity import MAX_NEW, check_against_hf
 from worker.models.loader import load_model
 from worker.models.packed import (
     PACK_MIN_ELEMENTS,
-    PLAIN_ROWS_MAX,
+    PANEL_ROWS_MAX,
+    PANEL_ROWS_MAX_THREADED,
     PackedLinear,
     PackedSplitLinear,
     PackReport,
-    keeps_plain_copies,
+    keeps_panel_copies,
     pack_linears,
     packable_bytes,
     packing_unsupported,
+    panel_rows_max,
 )
+from worker.models.panel_kernel import panel_kernel, panel_linear
 from worker.models.self_attention import SelfAttention
 
+needs_kernel = pytest.mark.skipif(
+    panel_kernel() is None, reason="the small-step linear kernel did not build here (no C compiler?)"
+)
 
-def _packed_model(archs: Archs, name: str, plain: str = "off") -> nn.Module:
+
+def _packed_model(archs: Archs, name: str, panels: str = "off") -> nn.Module:
     arch = archs[name]
     model = load_model(arch.tiny.path, arch.spec)  # a fresh copy: the shared one stays eager
     weights = packable_bytes(model, torch.float32, 0)
-    report = pack_linears(model, torch.device("cpu"), torch.float32, min_elements=0, plain_copies=plain)
+    report = pack_linears(model, torch.device("cpu"), torch.float32, min_elements=0, panel_copies=panels)
     assert report.packed > 0 and report.skipped_reason is None
-    assert report.plain_copy_bytes == (weights if plain == "on" else 0)
-    kept = [m.plain_t for m in model.modules() if isinstance(m, PackedLinear)]
-    assert all((t is not None) == (plain == "on") for t in kept)
+    assert report.panel_copy_bytes == (weights if panels == "on" else 0)
+    kept = [m.panels for m in model.modules() if isinstance(m, PackedLinear)]
+    assert all((t is not None) == (panels == "on") for t in kept)
     assert not any(type(m) is nn.Linear for m in model.modules()), "an nn.Linear was left eager"
     assert isinstance(model.lm_head, PackedLinear)
     attention = [m for m in model.modules() if isinstance(m, SelfAttention)]
@@ -44,13 +51,14 @@ def _packed_model(archs: Archs, name: str, plain: str = "off") -> nn.Module:
     return model
 
 
-@pytest.mark.parametrize("plain", ["off", "on"])
+@pytest.mark.parametrize("panels", ["off", pytest.param("on", marks=needs_kernel)])
 @pytest.mark.parametrize("name", ARCHS)
-def test_packed_model_matches_transformers(archs: Archs, name: str, plain: str) -> None:
+def test_packed_model_matches_transformers(archs: Archs, name: str, panels: str) -> None:
     """A prompt of ~3 windows plus a 2-token one, prefilled and decoded together, then a third
-    prompt alone, packed; with plain copies the third's one-row decode steps run on them."""
+    prompt alone, packed; with panel copies the small steps (the decodes, the short prefills)
+    run on the C kernel."""
     arch = archs[name]
-    drv = Driver(arch.spec, _packed_model(archs, name, plain), page_size=4)
+    drv = Driver(arch.spec, _packed_model(archs, name, panels), page_size=4)
     seqs = [drv.add(prompt_of(n, seed=50 + n), MAX_NEW) for n in (3 * arch.window + 1, 2)]
     drv.run(seqs)
     alone = drv.add(prompt_of(arch.window + 3, seed=7), MAX_NEW)
@@ -138,40 +146,59 @@ def test_a_packed_linear_says_what_it_is() -> None:
     assert "in_features=4, out_features=8, oneDNN-packed" in repr(packed)
 
 
+@needs_kernel
+@pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("bias", [False, True])
-def test_a_plain_copy_serves_one_row_steps(bias: bool) -> None:
-    """Up to PLAIN_ROWS_MAX rows (one) the product is MKL's over the transposed copy, bit for
-    bit; from one row more it is oneDNN's over the packed weight, bit for bit; both equal
-    F.linear."""
+def test_a_panel_copy_serves_small_steps(bias: bool, threads: int) -> None:
+    """Up to `panel_rows_max()` rows (64 on one torch thread, 6 on more) the product is the
+    kernel's over the panels, bit for bit; from one row more it is oneDNN's over the packed
+    weight, bit for bit; both equal F.linear."""
     torch.manual_seed(2)
     lin = nn.Linear(96, 80, bias=bias)
-    with_copy, without = PackedLinear(lin.weight, lin.bias, plain_copy=True), PackedLinear(lin.weight, lin.bias)
-    assert with_copy.plain_t is not None and without.plain_t is None
-    assert with_copy.plain_t.shape == (96, 80) and with_copy.plain_t.is_contiguous()
-    assert "plain copy for <= 1 rows" in repr(with_copy)
-    weight_t = lin.weight.detach().t().contiguous()
-    assert PLAIN_ROWS_MAX == 1
-    for rows in (1, 2, 3, 8):
-        x = torch.randn(rows, 96)
-        got = with_copy(x)
-        if rows <= PLAIN_ROWS_MAX:
-            want = x @ weight_t if lin.bias is None else torch.addmm(lin.bias.detach(), x, weight_t)
-        else:
-            want = without(x)
-        assert torch.equal(got, want), rows
-        torch.testing.assert_close(got, lin(x).detach(), rtol=1e-5, atol=1e-5)
+    with_copy, without = PackedLinear(lin.weight, lin.bias, panel_copy=True), PackedLinear(lin.weight, lin.bias)
+    assert with_copy.panels is not None and without.panels is None
+    assert with_copy.panels.shape == (5, 96, 16) and with_copy.panels.is_contiguous()
+    assert "panel copy for small steps" in repr(with_copy)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        limit = panel_rows_max()
+        assert limit == (PANEL_ROWS_MAX if threads == 1 else PANEL_ROWS_MAX_THREADED)
+        for rows in sorted({1, 2, 5, limit - 1, limit, limit + 1, 70}):
+            x = torch.randn(rows, 96)
+            got = with_copy(x)
+            if rows <= limit:
+                want = panel_linear(panel_kernel(), x, with_copy.panels, with_copy.panel_bias, 80)
+            else:
+                want = without(x)
+            assert torch.equal(got, want), rows
+            torch.testing.assert_close(got, lin(x).detach(), rtol=1e-5, atol=1e-5)
+    finally:
+        torch.set_num_threads(previous)
     assert with_copy(torch.randn(1, 1, 96)).shape == (1, 1, 80)  # one row under a leading shape
 
 
-def test_plain_copies_are_kept_when_asked_or_when_they_fit() -> None:
+def test_panel_copies_are_kept_when_asked_or_when_they_fit() -> None:
     gib = 1 << 30
-    assert keeps_plain_copies("on", torch.bfloat16, 100 * gib, gib)
-    assert not keeps_plain_copies("off", torch.float32, 1, 100 * gib)
-    assert keeps_plain_copies("auto", torch.float32, gib, 4 * gib)  # a quarter
-    assert not keeps_plain_copies("auto", torch.float32, gib + 1, 4 * gib)
-    assert not keeps_plain_copies("auto", torch.bfloat16, 1, 100 * gib)  # float32 only (measured)
+    assert keeps_panel_copies("on", torch.float32, 100 * gib, gib)
+    assert not keeps_panel_copies("on", torch.bfloat16, 1, 100 * gib)  # the kernel is float32
+    assert not keeps_panel_copies("off", torch.float32, 1, 100 * gib)
+    assert keeps_panel_copies("auto", torch.float32, gib, 4 * gib)  # a quarter
+    assert not keeps_panel_copies("auto", torch.float32, gib + 1, 4 * gib)
+    assert not keeps_panel_copies("auto", torch.bfloat16, 1, 100 * gib)
     with pytest.raises(ValueError, match="auto, on or off"):
-        keeps_plain_copies("yes", torch.float32, 1, gib)
+        keeps_panel_copies("yes", torch.float32, 1, gib)
+
+
+def test_a_kernel_that_does_not_build_means_no_copies(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`on` without the kernel (no compiler, a failed build): the packed weights alone."""
+    import worker.models.packed as packed_module
+
+    monkeypatch.setattr(packed_module, "panel_kernel", lambda: None)
+    model = nn.Sequential(nn.Linear(64, 64))
+    report = pack_linears(model, torch.device("cpu"), torch.float32, min_elements=0, panel_copies="on")
+    assert report.packed == 1 and report.panel_copy_bytes == 0
+    assert isinstance(model[0], PackedLinear) and model[0].panels is None
 
 
 def test_packable_bytes_counts_what_packs() -> None:
@@ -180,5 +207,5 @@ def test_packable_bytes_counts_what_packs() -> None:
     model = nn.Sequential(big, _Pair(small_a, small_b), nn.Linear(8, 8))
     assert packable_bytes(model, torch.float32, 512 * 512) == 512 * 512 * 4  # the pair: 64 x 64
     assert packable_bytes(model, torch.float32, 0) == (512 * 512 + 64 * 64 + 8 * 8) * 4
-    report = pack_linears(model, torch.device("cpu"), torch.float32, min_elements=0, plain_copies="on")
-    assert report.plain_copy_bytes == (512 * 512 + 64 * 64 + 8 * 8) * 4
+    report = pack_linears(model, torch.device("cpu"), torch.float32, min_elements=0, panel_copies="on")
+    assert report.panel_copy_bytes == ((512 * 512 + 64 * 64 + 8 * 8) * 4 if panel_kernel() else 0)

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from worker.models.packed import PackedLinear
+from worker.models.panel_kernel import panel_kernel
 from worker.parallel.layers import (
     ColumnParallelLinear,
     PackedRowParallelLinear,
@@ -34,11 +35,11 @@ def _filled(module: nn.Module) -> nn.Module:
     return module
 
 
-@pytest.mark.parametrize("plain_copy", [False, True])
-@pytest.mark.parametrize("rows", [1, 5])
-def test_packed_shards_match_their_eager_forward(rows: int, plain_copy: bool) -> None:
+@pytest.mark.parametrize("panel_copy", [False, True])
+@pytest.mark.parametrize("rows", [1, 5, 70])
+def test_packed_shards_match_their_eager_forward(rows: int, panel_copy: bool) -> None:
     """Column, row (with the all-reduce and bias after it) and vocab-head shards, packed; with
-    plain copies (a one-row step runs on them)."""
+    panel copies (a small step runs on them where the kernel builds)."""
     group = _DoublingGroup()
     x = torch.randn(rows, 64)
     shards = [
@@ -47,9 +48,10 @@ def test_packed_shards_match_their_eager_forward(rows: int, plain_copy: bool) ->
         _filled(VocabParallelHead(nn.Linear(64, 100, bias=False), 50)),
     ]
     for shard in shards:
-        packed = shard.packed(plain_copy)
+        packed = shard.packed(panel_copy)
         assert not isinstance(packed, type(shard))
-        assert all((m.plain_t is not None) == plain_copy for m in packed.modules() if isinstance(m, PackedLinear))
+        kept = panel_copy and panel_kernel() is not None
+        assert all((m.panels is not None) == kept for m in packed.modules() if isinstance(m, PackedLinear))
         torch.testing.assert_close(packed(x), shard(x), rtol=1e-5, atol=1e-5)
     assert isinstance(shards[1].packed(), PackedRowParallelLinear)
     assert group.reduced == 2  # eager and packed row-parallel forward each reduced once
