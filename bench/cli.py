@@ -33,6 +33,7 @@ BENCHMARKS = {
     "gpu-check": "bench.gpu_check",
     "schedule": "bench.schedule",
     "compile": "bench.compile",
+    "linears": "bench.linears",
     "tier-ab": "bench.tier_ab",
 }
 

@@ -45,9 +45,8 @@ logger = logging.getLogger(__name__)
 PACK_MIN_ELEMENTS = 1 << 18
 
 # A step of at most this many rows multiplies on the panel copy when a `PackedLinear` keeps one.
-# One thread, the 46M Gemma-3's linears, ms at 1 / 2 / 4 / 6 / 8 / 16 / 32 / 64 rows
-# (docs/design.md §19): panels 16.1 / 16.3 / 18.4 / 19.2 / 32.6 / 48.6 / 88.2 / 167 against the
-# packed weight 21.8 / 23.5 / 30.2 / 35.0 / 41.3 / 61.9 / 99.0 / 180 (level at 128-256 rows).
+# `swaserve bench linears` (one thread, the 46M Gemma-3's linears, docs/design.md §19): panels
+# 0.58-0.76x the packed weight's time at 1-16 rows, 0.96-0.97x at 32-64, level at 128-256.
 PANEL_ROWS_MAX = 64
 # With more torch threads oneDNN splits the product while the kernel runs on one: the packed
 # weight wins from 8 rows (two threads: 26.1 against 33.0 ms), so only one tile of rows (the
