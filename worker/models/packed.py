@@ -48,9 +48,9 @@ PACK_MIN_ELEMENTS = 1 << 18
 # `swaserve bench linears` (one thread, the 46M Gemma-3's linears, docs/design.md §19): panels
 # 0.58-0.76x the packed weight's time at 1-16 rows, 0.96-0.97x at 32-64, level at 128-256.
 PANEL_ROWS_MAX = 64
-# With more torch threads oneDNN splits the product while the kernel runs on one: the packed
-# weight wins from 8 rows (two threads: 26.1 against 33.0 ms), so only one tile of rows (the
-# weight read once) takes the kernel.
+# With more torch threads oneDNN splits the product while the kernel runs on one: on two threads
+# the packed weight is level at 6 rows and wins from 8 (21.3 against 25.5 ms), so only one tile
+# of rows (the weight read once) takes the kernel.
 PANEL_ROWS_MAX_THREADED = 6
 # `small_step_kernel: auto` keeps the panel copies (float32 models) when they fit in this share
 # of the memory available at load.
