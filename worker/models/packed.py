@@ -72,8 +72,9 @@ class PackedLinear(nn.Module):
     ) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
+        if panel_copy and weight.dtype != torch.float32:
+            raise ValueError(f"panel copies are float32 only (the small-step kernel), not {weight.dtype}")
         kernel = panel_kernel() if panel_copy else None
-        assert kernel is None or weight.dtype == torch.float32, "panels are float32 only"
         with torch.no_grad():
             # CPU, dtype float32/bfloat16/float16 (opaque oneDNN layout)
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous())

@@ -51,17 +51,21 @@ def pad_bias(bias: torch.Tensor | None, out: int) -> torch.Tensor | None:
 
 def panel_linear(
     fn: ctypes._CFuncPtr,  # type: ignore[name-defined]
-    rows: torch.Tensor,  # [M, in] float32, contiguous
+    rows: torch.Tensor,  # [M, in] float32 (rows may be strided; the features contiguous)
     panels: torch.Tensor,  # `pack_panels` of the weight
     bias: torch.Tensor | None,  # `pad_bias` of the bias
     out_features: int,
 ) -> torch.Tensor:
     """``rows @ W.T (+ bias)`` as a new ``[M, out]`` tensor."""
+    if rows.dtype != torch.float32:
+        raise TypeError(f"the small-step kernel multiplies float32 rows, got {rows.dtype}")
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
     m, k = rows.shape
     y = rows.new_empty(m, out_features)
     fn(
-        rows.data_ptr(), m, k, panels.data_ptr(), None if bias is None else bias.data_ptr(),
-        out_features, k, y.data_ptr(), out_features,
+        rows.data_ptr(), m, rows.stride(0), panels.data_ptr(),
+        None if bias is None else bias.data_ptr(), out_features, k, y.data_ptr(), out_features,
     )  # fmt: skip
     return y
 

@@ -178,6 +178,11 @@ def test_a_panel_copy_serves_small_steps(bias: bool, threads: int) -> None:
     assert with_copy(torch.randn(1, 1, 96)).shape == (1, 1, 80)  # one row under a leading shape
 
 
+def test_a_panel_copy_of_a_half_precision_weight_is_refused() -> None:
+    with pytest.raises(ValueError, match="float32 only"):
+        PackedLinear(torch.zeros(8, 4, dtype=torch.bfloat16), None, panel_copy=True)
+
+
 def test_panel_copies_are_kept_when_asked_or_when_they_fit() -> None:
     gib = 1 << 30
     assert keeps_panel_copies("on", torch.float32, 100 * gib, gib)

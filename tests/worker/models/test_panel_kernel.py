@@ -45,6 +45,19 @@ def test_model_sized_layers(m: int) -> None:
         _check(m, n, k, bias=m % 2 == 0, seed=m)
 
 
+def test_strided_and_transposed_rows_are_read_right() -> None:
+    """Rows that are a view of a wider tensor are read in place (their row stride passed);
+    rows whose features are not contiguous are copied first."""
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(40, 24, generator=gen) / 24**0.5
+    wide = torch.randn(5, 64, generator=gen)
+    for rows in (wide[:, 8:32], torch.randn(24, 5, generator=gen).t()):
+        got = panel_linear(panel_kernel(), rows, pack_panels(w), None, 40)
+        torch.testing.assert_close(got, rows @ w.t(), rtol=1e-5, atol=1e-5)
+    with pytest.raises(TypeError, match="float32"):
+        panel_linear(panel_kernel(), wide.double(), pack_panels(w), None, 40)
+
+
 def test_panels_hold_the_weight_k_major_and_zero_padded() -> None:
     w = torch.arange(20 * 3, dtype=torch.float32).view(20, 3)
     panels = pack_panels(w)
