@@ -236,8 +236,9 @@ class EngineConfig:
         "thread, 6 on more) with a C kernel that streams the weight once — decode at "
         "concurrency 1-8 runs its linears 1.3-1.9x faster than through oneDNN's packed "
         "layout — at the cost of the linear weights' memory once more (needs a C compiler; "
-        "without one, logged, the packed weights take every step). auto: on when the copies "
-        "fit in a quarter of the memory available at load; on; off.",
+        "without one, logged, the packed weights take every step). auto: on for an engine on one "
+        "torch thread (the measured case) when the copies fit in a quarter of the memory "
+        "available at load; on; off.",
         choices=SMALL_STEP_KERNEL_MODES,
     )
     # docs/design.md §22

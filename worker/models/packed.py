@@ -195,8 +195,9 @@ def pack_linears(
         logger.info("linear weights left unpacked: %s", reason)
         return PackReport(0, reason)
     copy_bytes = packable_bytes(model, dtype, least)
-    panels = keeps_panel_copies(panel_copies, dtype, copy_bytes, available_memory())
-    no_panels = f"none (small_step_kernel {panel_copies}, {dtype})"
+    threads = torch.get_num_threads()
+    panels = keeps_panel_copies(panel_copies, dtype, copy_bytes, available_memory(), threads)
+    no_panels = f"none (small_step_kernel {panel_copies}, {dtype}, {threads} torch threads)"
     if panels and panel_kernel() is None:
         panels, no_panels = False, "none (the kernel did not build: see above)"
     fused = fuse_linears(model, dtype, least, panels)
@@ -217,15 +218,18 @@ def pack_linears(
     return PackReport(len(targets) + fused, fused=fused, panel_copy_bytes=copy_bytes if panels else 0)
 
 
-def keeps_panel_copies(mode: str, dtype: torch.dtype, copy_bytes: int, available: int) -> bool:
+def keeps_panel_copies(
+    mode: str, dtype: torch.dtype, copy_bytes: int, available: int, threads: int = 1
+) -> bool:
     """`small_step_kernel`'s decision (the kernel is float32 only): "off" never; "on" for a
-    float32 model; "auto" for a float32 model whose copies' `copy_bytes` fit in
+    float32 model; "auto" for a float32 model on one torch thread (the measured case: on more,
+    oneDNN splits the product the kernel runs on one thread) whose copies' `copy_bytes` fit in
     `PANEL_COPY_MEMORY_SHARE` of `available`."""
     if mode not in ("auto", "on", "off"):
         raise ValueError(f"small_step_kernel must be auto, on or off, got {mode!r}")
     if mode == "off" or dtype != torch.float32:
         return False
-    return mode == "on" or copy_bytes <= PANEL_COPY_MEMORY_SHARE * available
+    return mode == "on" or (threads == 1 and copy_bytes <= PANEL_COPY_MEMORY_SHARE * available)
 
 
 def available_memory() -> int:

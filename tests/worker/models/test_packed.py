@@ -191,6 +191,8 @@ def test_panel_copies_are_kept_when_asked_or_when_they_fit() -> None:
     assert keeps_panel_copies("auto", torch.float32, gib, 4 * gib)  # a quarter
     assert not keeps_panel_copies("auto", torch.float32, gib + 1, 4 * gib)
     assert not keeps_panel_copies("auto", torch.bfloat16, 1, 100 * gib)
+    assert not keeps_panel_copies("auto", torch.float32, 1, 100 * gib, threads=4)  # measured on one
+    assert keeps_panel_copies("on", torch.float32, 1, 100 * gib, threads=4)
     with pytest.raises(ValueError, match="auto, on or off"):
         keeps_panel_copies("yes", torch.float32, 1, gib)
 
