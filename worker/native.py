@@ -137,12 +137,13 @@ def _open(path: Path, symbol: str) -> ctypes._CFuncPtr:  # type: ignore[name-def
         if why:
             raise UntrustedCacheError(f"kernel {path} is {why}")
         by_fd = Path(f"/proc/self/fd/{fd}")
-        if not by_fd.exists():
-            return ctypes.CDLL(str(path))[symbol]  # CDLL: calls release the GIL
-        lib = ctypes.CDLL(str(by_fd))
+        lib = ctypes.CDLL(str(by_fd)) if by_fd.exists() else None  # CDLL: calls release the GIL
     except BaseException:
         os.close(fd)
         raise
+    if lib is None:  # no /proc (not Linux): loaded by its path, the descriptor not needed
+        os.close(fd)
+        return ctypes.CDLL(str(path))[symbol]
     # NOTE: the descriptor stays open while the process lives (as the library does): dlopen
     # knows a loaded library by its name, and a second kernel opened through a reused
     # descriptor number would be handed the first one.
