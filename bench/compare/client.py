@@ -100,6 +100,7 @@ class ClientResult:
     median_tpot_ms: float
     mean_ttft_ms: float
     mean_itl_ms: float
+    p99_ttft_ms: float = float("nan")  # NaN: the run's JSON had no TTFT percentiles
 
 
 def parse_result(path: Path) -> ClientResult:
@@ -115,6 +116,7 @@ def parse_result(path: Path) -> ClientResult:
         median_tpot_ms=float(d["median_tpot_ms"]),
         mean_ttft_ms=float(d["mean_ttft_ms"]),
         mean_itl_ms=float(d["mean_itl_ms"]),
+        p99_ttft_ms=float(d.get("p99_ttft_ms", "nan")),  # in `--percentile-metrics` by default
     )
 
 

@@ -1,4 +1,11 @@
-"""`vllm-compare` results: per-run records, the best-run table with ratios, and summary.md."""
+"""`vllm-compare` results: per-run records, the best-run table with ratios, and summary.md.
+
+The serving-path table reads the HTTP side: vLLM's API server against our ingress and worker
+replicas, the processes between the client and the engine. Its CPU per 1,000 output tokens is
+also given above each server's idle floor (what those processes spend a second doing nothing,
+measured before the runs, times the run's duration, taken out): a Ray replica's floor is a
+per-second cost that a slow engine's few tokens a second make look like a per-token one.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +16,22 @@ from bench.compare.client import ClientResult
 from bench.harness import markdown_table
 
 SERVERS = ("vllm", "swaserve")
+# The processes between the client and the engine, per server.
+HTTP_ROLES: dict[str, tuple[str, ...]] = {"vllm": ("api_server",), "swaserve": ("ingress", "worker")}
+
+
+@dataclass(frozen=True)
+class IdleRecord:
+    """One server's processes left alone after its start and warm-up requests."""
+
+    server: str
+    round: int
+    seconds: float
+    cpu_s: dict[str, float]  # process role -> CPU seconds over `seconds`
+
+    def rate(self, roles: Sequence[str]) -> float:
+        """CPU seconds per second of those roles together (the share of one core)."""
+        return sum(self.cpu_s.get(role, 0.0) for role in roles) / self.seconds if self.seconds > 0 else 0.0
 
 
 @dataclass(frozen=True)
@@ -30,6 +53,17 @@ class RunRecord:
             return None
         return 1000.0 * self.cpu_s[role] / self.client.output_tokens
 
+    def http_per_1k_tokens(self, idle: IdleRecord | None = None) -> float | None:
+        """The HTTP side's CPU seconds per 1,000 output tokens; with `idle`, less its floor
+        over the run's duration. None when a role was not measured."""
+        roles = HTTP_ROLES[self.server]
+        if not self.client.output_tokens or any(role not in self.cpu_s for role in roles):
+            return None
+        cpu = sum(self.cpu_s[role] for role in roles)
+        if idle is not None:
+            cpu -= idle.rate(roles) * self.client.duration_s
+        return 1000.0 * cpu / self.client.output_tokens
+
 
 @dataclass(frozen=True)
 class Comparison:
@@ -45,6 +79,35 @@ class Comparison:
     @property
     def tpot_ratio(self) -> float:
         return _ratio(self.best, lambda r: r.client.mean_tpot_ms)
+
+    @property
+    def ttft_ratio(self) -> float:
+        return _ratio(self.best, lambda r: r.client.mean_ttft_ms)
+
+    @property
+    def p99_ttft_ratio(self) -> float:
+        return _ratio(self.best, lambda r: r.client.p99_ttft_ms)
+
+    def http_ratio(self, idles: Sequence[IdleRecord] | None = None) -> float:
+        """The HTTP side's CPU per token, ours over vLLM's; with `idles`, each above its floor
+        (the idle record of the same server and round as its best run). NaN when a figure is
+        missing."""
+        per_1k = {}
+        for server, run in self.best.items():
+            idle = None
+            if idles is not None:
+                idle = idle_of(idles, run)
+                if idle is None:
+                    return float("nan")
+            value = run.http_per_1k_tokens(idle)
+            if value is None:
+                return float("nan")
+            per_1k[server] = value
+        return per_1k["swaserve"] / per_1k["vllm"] if per_1k["vllm"] else float("nan")
+
+
+def idle_of(idles: Sequence[IdleRecord], run: RunRecord) -> IdleRecord | None:
+    return next((i for i in idles if i.server == run.server and i.round == run.round), None)
 
 
 def _ratio(best: dict[str, RunRecord], value: Callable[[RunRecord], float]) -> float:
@@ -98,6 +161,46 @@ def runs_table(records: Sequence[RunRecord]) -> str:
             *("-" if x is None else f"{x:.2f}" for x in per_k),
         ])  # fmt: skip
     return markdown_table(headers, rows)
+
+
+def serving_table(comparisons: Sequence[Comparison], idles: Sequence[IdleRecord]) -> str:
+    """Per workload, the serving path's figures of each server's best run: TTFT, and the HTTP
+    side's CPU per 1,000 output tokens, whole and above its idle floor."""
+    headers = ["workload", "mean TTFT ms (vLLM; ours)", "ours ÷ vLLM", "p99 TTFT ms (vLLM; ours)",
+               "ours ÷ vLLM", "HTTP side CPU-s/1k (vLLM; ours)", "ours ÷ vLLM",
+               "above idle (vLLM; ours)", "ours ÷ vLLM"]  # fmt: skip
+    rows = []
+    for c in comparisons:
+        v, s = c.best["vllm"], c.best["swaserve"]
+        rows.append([
+            c.workload, f"{v.client.mean_ttft_ms:,.0f}; {s.client.mean_ttft_ms:,.0f}", f"{c.ttft_ratio:.2f}x",
+            f"{v.client.p99_ttft_ms:,.0f}; {s.client.p99_ttft_ms:,.0f}", f"{c.p99_ttft_ratio:.2f}x",
+            f"{_num(v.http_per_1k_tokens())}; {_num(s.http_per_1k_tokens())}", f"{c.http_ratio():.2f}x",
+            f"{_above(v, idles)}; {_above(s, idles)}", f"{c.http_ratio(idles):.2f}x" if idles else "-",
+        ])  # fmt: skip
+    return markdown_table(headers, rows)
+
+
+def idle_table(idles: Sequence[IdleRecord]) -> str:
+    """Each server's processes at rest, in per cent of one core."""
+    roles = sorted({role for i in idles for role in i.cpu_s})
+    headers = ["round", "server", "seconds", *(f"{role} % of a core" for role in roles), "HTTP side % of a core"]
+    rows = [
+        [i.round, i.server, f"{i.seconds:.0f}",
+         *("-" if role not in i.cpu_s else f"{100 * i.cpu_s[role] / i.seconds:.2f}" for role in roles),
+         f"{100 * i.rate(HTTP_ROLES[i.server]):.2f}"]
+        for i in idles if i.seconds > 0
+    ]  # fmt: skip
+    return markdown_table(headers, rows)
+
+
+def _above(r: RunRecord, idles: Sequence[IdleRecord]) -> str:
+    idle = idle_of(idles, r)
+    return "-" if idle is None else _num(r.http_per_1k_tokens(idle))
+
+
+def _num(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}"
 
 
 def _tokens(r: RunRecord) -> str:

