@@ -11,16 +11,55 @@ from __future__ import annotations
 
 from typing import Any
 
+from transformers import PreTrainedTokenizerFast
+
 from deploy.openai.limits import parse_json
 from deploy.openai.schema import ChatCompletionRequest, ChatMessage, bad_request
 
 MAX_BATCH = 16  # prompts per /v1/completions request
 
 
+def backend_encoder(tokenizer: Any) -> Any | None:
+    """The Rust tokenizer whose `encode(text, add_special_tokens=f).ids` are the ids
+    `tokenizer(text, add_special_tokens=f)` gives, when there is one: a fast tokenizer whose
+    class keeps transformers' own `__call__` and `_encode_plus` (which set no truncation or
+    padding for such a call and pass the text to the backend as it is). That call skips
+    transformers' Python layers (argument handling, strategies, the `BatchEncoding`): ~0.14 ms
+    instead of ~0.33 for a 32-token prompt here, once per request. Whether the backend's state
+    still matches is checked per call (`PromptBuilder._encode`). Else None."""
+    cls = type(tokenizer)
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if (
+        backend is None
+        or not isinstance(tokenizer, PreTrainedTokenizerFast)
+        or cls.__call__ is not PreTrainedTokenizerFast.__call__
+        or cls._encode_plus is not PreTrainedTokenizerFast._encode_plus
+    ):
+        return None
+    return backend
+
+
 class PromptBuilder:
     def __init__(self, tokenizer: Any) -> None:
         self._tok = tokenizer
         self._vocab = len(tokenizer)
+        self._backend = backend_encoder(tokenizer)
+
+    def _encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        b = self._backend
+        # The backend's state is the tokenizer's to set (a call with truncation, padding or
+        # `split_special_tokens` elsewhere in the process leaves it set): only the state a
+        # plain call would leave takes the shortcut.
+        if (
+            b is not None
+            and b.truncation is None
+            and b.padding is None
+            and b.encode_special_tokens == bool(self._tok.split_special_tokens)
+        ):
+            return list(b.encode(text, add_special_tokens=add_special_tokens).ids)
+        if add_special_tokens:  # the call's default: as any tokenizer-like object takes it
+            return list(self._tok(text)["input_ids"])
+        return list(self._tok(text, add_special_tokens=False)["input_ids"])
 
     def completion(self, prompt: str | list[int] | list[str] | list[list[int]]) -> list[list[int]]:
         if isinstance(prompt, str):
@@ -39,7 +78,7 @@ class PromptBuilder:
             if isinstance(item, str):
                 if not item:
                     raise bad_request("prompt is empty; send text or token ids", param=param)
-                ids = list(self._tok(item)["input_ids"])
+                ids = self._encode(item)
             else:
                 ids = list(item)
             self._check_ids(ids, param)
@@ -72,7 +111,7 @@ class PromptBuilder:
             )  # fmt: skip
         except Exception as e:  # noqa: BLE001 - templates raise on e.g. bad role order
             raise bad_request(f"the chat template rejected these messages: {e}", param="messages") from None
-        ids = list(self._tok(text, add_special_tokens=False)["input_ids"])
+        ids = self._encode(text, add_special_tokens=False)
         self._check_ids(ids, "messages")
         return ids
 
