@@ -36,6 +36,27 @@ def test_the_rust_encoder_gives_the_tokenizers_ids(tokenizer: Any, pieces: list[
     assert builder._encode(text, add_special_tokens) == _reference(tokenizer, text, add_special_tokens)
 
 
+class _Spy:
+    """A backend that records which of its encoders was called."""
+
+    def __init__(self, backend: Any) -> None:
+        self._backend, self.calls = backend, []
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("encode"):
+            self.calls.append(name)
+        return getattr(self._backend, name)
+
+
+def test_the_encoder_that_releases_the_gil_is_the_one_called(tokenizer: Any) -> None:
+    """`encode_batch` lets the event loop run while a long prompt is encoded on the pool (the
+    Rust `encode` holds the GIL throughout): the shortcut calls only it."""
+    builder = PromptBuilder(tokenizer)
+    spy = builder._backend = _Spy(tokenizer.backend_tokenizer)
+    assert builder._encode("a prompt") == _reference(tokenizer, "a prompt", True)
+    assert spy.calls == ["encode_special_tokens", "encode_batch"]
+
+
 def test_a_backend_left_truncating_is_not_used_as_it_is(tokenizer: Any) -> None:
     """A truncation set on the backend (by someone's call with `truncation=`) would cut the
     prompt; the call goes through the tokenizer, which clears it, and the next one is direct."""
