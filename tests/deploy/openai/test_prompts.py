@@ -40,7 +40,8 @@ class _Spy:
     """A backend that records which of its encoders was called."""
 
     def __init__(self, backend: Any) -> None:
-        self._backend, self.calls = backend, []
+        self._backend = backend
+        self.calls: list[str] = []
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("encode"):
