@@ -11,8 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from transformers import PreTrainedTokenizerFast
-
+from deploy.openai.detokenize import rust_backend
 from deploy.openai.limits import parse_json
 from deploy.openai.schema import ChatCompletionRequest, ChatMessage, bad_request
 
@@ -27,16 +26,7 @@ def backend_encoder(tokenizer: Any) -> Any | None:
     transformers' Python layers (argument handling, strategies, the `BatchEncoding`): ~0.14 ms
     instead of ~0.22–0.33 for a 32-token prompt here, once per request. Whether the backend's state
     still matches is checked per call (`PromptBuilder._encode`). Else None."""
-    cls = type(tokenizer)
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if (
-        backend is None
-        or not isinstance(tokenizer, PreTrainedTokenizerFast)
-        or cls.__call__ is not PreTrainedTokenizerFast.__call__
-        or cls._encode_plus is not PreTrainedTokenizerFast._encode_plus
-    ):
-        return None
-    return backend
+    return rust_backend(tokenizer, "__call__", "_encode_plus")
 
 
 class PromptBuilder:
