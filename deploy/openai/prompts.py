@@ -24,8 +24,12 @@ def backend_encoder(tokenizer: Any) -> Any | None:
     class keeps transformers' own `__call__` and `_encode_plus` (which set no truncation or
     padding for such a call and pass the text to the backend as it is). That call skips
     transformers' Python layers (argument handling, strategies, the `BatchEncoding`): ~0.14 ms
-    instead of ~0.22–0.33 for a 32-token prompt here, once per request. Whether the backend's state
-    still matches is checked per call (`PromptBuilder._encode`). Else None."""
+    instead of ~0.22–0.33 for a 32-token prompt here, once per request. Whether the backend's
+    state still matches is checked per call (`PromptBuilder._encode`). Else None; also for a class with
+    source and target modes (`_switch_to_input_mode`: the call sets the backend's special tokens
+    per mode first)."""
+    if hasattr(tokenizer, "_switch_to_input_mode"):
+        return None
     return rust_backend(tokenizer, "__call__", "_encode_plus")
 
 

@@ -105,3 +105,11 @@ def test_a_class_with_its_own_encoding_keeps_it(tokenizer: Any) -> None:
     assert backend_encoder(marking) is None
     assert PromptBuilder(marking)._encode("hello") == [*_reference(tokenizer, "hello", True), 0]
     assert backend_encoder(object()) is None
+
+    class Modal(cls):  # type: ignore[misc, valid-type]
+        def _switch_to_input_mode(self) -> None:  # sets the backend's special tokens per mode
+            pass
+
+    modal = Modal.__new__(Modal)
+    modal.__dict__.update(tokenizer.__dict__)
+    assert backend_encoder(modal) is None
